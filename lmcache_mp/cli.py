@@ -1,0 +1,168 @@
+"""`lmcache-mp`: run the daemon and talk to it. Argument parsing and printing only."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import statistics
+import sys
+import threading
+import time
+
+import msgspec
+
+from lmcache_mp import __version__, config
+from lmcache_mp.errors import LMCacheMPError
+from lmcache_mp.mq import MessageQueueClient
+from lmcache_mp.protocol import RequestType
+
+logger = logging.getLogger("lmcache_mp")
+
+
+def _add_url(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default=config.default_url(),
+                        help="daemon endpoint, ipc://PATH or tcp://HOST:PORT (default: %(default)s)")
+    parser.add_argument("--timeout", type=float, default=5.0,
+                        help="seconds to wait for each reply (default: %(default)s)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lmcache-mp",
+        description="A long-lived KV-cache daemon for LLM serving (node-local), and its tools.",
+    )
+    parser.add_argument("--version", action="version", version=f"lmcache-mp {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="run the daemon in the foreground",
+                           description="Run the KV-cache daemon until SIGTERM or SIGINT.")
+    serve.add_argument("--listen", action="append", metavar="URL",
+                       help="endpoint to bind; repeat for several. ipc://PATH (a Unix socket, "
+                            "created mode 0600) or tcp://127.0.0.1:PORT. "
+                            f"Default: {config.default_url()}")
+    serve.add_argument("--allow-remote", action="store_true",
+                       help="allow binding TCP addresses other than loopback. The daemon has "
+                            "no authentication: only do this on a trusted network")
+    serve.add_argument("--chunk-size", type=int, default=config.DEFAULT_CHUNK_SIZE,
+                       help="tokens per stored chunk; must be a multiple of vLLM's block size "
+                            "(default: %(default)s)")
+    serve.add_argument("--l1-size-gb", type=float, default=config.DEFAULT_L1_SIZE_GB,
+                       help="CPU memory pool size in GiB, allocated once at start "
+                            "(default: %(default)s)")
+    serve.add_argument("--lease-ttl-s", type=float, default=config.DEFAULT_LEASE_TTL_S,
+                       help="seconds a LOOKUP keeps its hits leased for the RETRIEVE that "
+                            "follows, if the client never retrieves or ends the session "
+                            "(default: %(default)s)")
+    serve.add_argument("--max-workers", type=int, default=config.DEFAULT_MAX_WORKERS,
+                       help="threads that run copies and registrations (default: %(default)s)")
+    serve.add_argument("--max-queued-requests", type=int,
+                       default=config.DEFAULT_MAX_QUEUED_REQUESTS,
+                       help="requests waiting for a worker thread before new ones are refused "
+                            "with OVERLOADED (default: %(default)s)")
+    serve.add_argument("--log-level", default="INFO",
+                       choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                       help="log verbosity (default: %(default)s)")
+    serve.set_defaults(func=cmd_serve)
+
+    ping = sub.add_parser("ping", help="measure the round trip to a daemon and show who it is",
+                          description="Send HELLO, then PINGs; exit 1 if nothing answers.")
+    _add_url(ping)
+    ping.add_argument("--count", type=int, default=10, help="PINGs to send (default: %(default)s)")
+    ping.set_defaults(func=cmd_ping)
+
+    status = sub.add_parser("status", help="print a daemon's pool, sessions and registrations",
+                            description="Ask a daemon for STATUS and print it.")
+    _add_url(status)
+    status.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    status.set_defaults(func=cmd_status)
+    return parser
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from lmcache_mp.daemon import build_server
+
+    logging.basicConfig(level=args.log_level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = config.ServerConfig(
+        listen=args.listen or [config.default_url()],
+        chunk_size=args.chunk_size,
+        l1_size_gb=args.l1_size_gb,
+        lease_ttl_s=args.lease_ttl_s,
+        max_workers=args.max_workers,
+        max_queued_requests=args.max_queued_requests,
+        allow_remote=args.allow_remote,
+    )
+    try:
+        server = build_server(cfg)
+    except (ValueError, OSError) as err:
+        logger.error("cannot start: %s", err)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    server.start()
+    logger.info("lmcache-mp %s ready (node-local) pid=%d endpoints=%s chunk_size=%d",
+                __version__, os.getpid(), " ".join(server.endpoints), cfg.chunk_size)
+    while not stop.wait(3600):
+        pass
+    logger.info("shutting down")
+    server.stop()
+    logger.info("stopped")
+    return 0
+
+
+def cmd_ping(args: argparse.Namespace) -> int:
+    client = MessageQueueClient(args.url)
+    try:
+        start = time.perf_counter()
+        hello = client.handshake("lmcache-mp ping", timeout_s=args.timeout)
+        hello_ms = (time.perf_counter() - start) * 1e3
+        rtts = []
+        for nonce in range(args.count):
+            start = time.perf_counter()
+            client.submit(RequestType.PING, [nonce]).result(args.timeout)
+            rtts.append((time.perf_counter() - start) * 1e6)
+    except LMCacheMPError as err:
+        print(f"no answer from {args.url}: {err}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    print(f"{args.url}: lmcache-mp {hello.server_version}, protocol {hello.protocol_version}, "
+          f"chunk size {hello.chunk_size}")
+    print(f"HELLO {hello_ms:.2f} ms; PING x{len(rtts)}: min {min(rtts):.0f} us, "
+          f"median {statistics.median(rtts):.0f} us, max {max(rtts):.0f} us")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    client = MessageQueueClient(args.url)
+    try:
+        client.handshake("lmcache-mp status", timeout_s=args.timeout)
+        report = client.submit(RequestType.STATUS, []).result(args.timeout)
+    except LMCacheMPError as err:
+        print(f"no answer from {args.url}: {err}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    data = msgspec.to_builtins(report)
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    width = max(map(len, data))
+    for name, value in data.items():
+        if isinstance(value, list):
+            value = ", ".join(map(str, value)) or "-"
+        print(f"{name:<{width}}  {value}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Daemon settings, default locations, and the checks that keep endpoints private."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+DEFAULT_CHUNK_SIZE = 256
+DEFAULT_L1_SIZE_GB = 1.0
+DEFAULT_LEASE_TTL_S = 60.0
+DEFAULT_MAX_WORKERS = 2
+DEFAULT_MAX_QUEUED_REQUESTS = 1024
+
+
+def runtime_dir() -> Path:
+    """Where the daemon's Unix sockets live: private to this user (mode 0700)."""
+    override = os.environ.get("LMCACHE_MP_RUNTIME_DIR")
+    if override:
+        return Path(override)
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        return Path(xdg) / "lmcache-mp"
+    return Path(f"/tmp/lmcache-mp-{os.getuid()}")
+
+
+def default_url() -> str:
+    return f"ipc://{runtime_dir() / 'daemon.sock'}"
+
+
+def ipc_path(url: str) -> Path | None:
+    return Path(url.removeprefix("ipc://")) if url.startswith("ipc://") else None
+
+
+def check_endpoint(url: str, allow_remote: bool) -> None:
+    """Refuse endpoints that would expose the daemon beyond this machine, unless asked."""
+    if url.startswith("ipc://"):
+        if not url.removeprefix("ipc://"):
+            raise ValueError("an ipc:// endpoint needs a path")
+        return
+    if not url.startswith("tcp://"):
+        raise ValueError(f"unsupported endpoint {url!r}: use ipc://PATH or tcp://HOST:PORT")
+    parts = urlsplit(url)
+    host = parts.hostname
+    if host is None or parts.port is None:
+        raise ValueError(f"tcp endpoint {url!r} needs a host and a port")
+    if allow_remote or host == "localhost":
+        return
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise ValueError(
+            f"refusing to listen on {url}: it is not a loopback address. The daemon has no "
+            "authentication; pass --allow-remote to bind it beyond this machine anyway."
+        )
+
+
+@dataclass
+class ServerConfig:
+    listen: list[str] = field(default_factory=lambda: [default_url()])
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    l1_size_gb: float = DEFAULT_L1_SIZE_GB
+    lease_ttl_s: float = DEFAULT_LEASE_TTL_S
+    max_workers: int = DEFAULT_MAX_WORKERS
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
+    allow_remote: bool = False
+
+    def validate(self) -> None:
+        if not self.listen:
+            raise ValueError("at least one --listen endpoint is needed")
+        for url in self.listen:
+            check_endpoint(url, self.allow_remote)
+        if self.chunk_size <= 0:
+            raise ValueError("--chunk-size must be positive")
+        if self.l1_size_gb <= 0:
+            raise ValueError("--l1-size-gb must be positive")
+        if self.lease_ttl_s <= 0:
+            raise ValueError("--lease-ttl-s must be positive")
+        if self.max_workers <= 0 or self.max_queued_requests <= 0:
+            raise ValueError("--max-workers and --max-queued-requests must be positive")
+
+    @property
+    def attach_socket(self) -> Path:
+        """The Unix socket on which CPU workers hand over shared-memory descriptors:
+        beside the first ipc:// endpoint, else in the runtime directory."""
+        for url in self.listen:
+            path = ipc_path(url)
+            if path is not None:
+                return path.with_name(path.name + ".attach")
+        return runtime_dir() / f"attach-{os.getpid()}.sock"

@@ -1,0 +1,217 @@
+"""Types that cross the process boundary, and the msgspec codecs that carry them.
+
+Keys (`IPCCacheEngineKey`) travel as plain msgpack maps. Tensor handles travel as
+msgpack extension types whose payloads are themselves msgspec-encoded structs:
+nothing on any socket is ever pickled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Self
+
+import msgspec
+import torch
+
+# Extension type codes on the wire. Never reorder or reuse a number.
+EXT_CUDA_IPC_WRAPPER = 1
+EXT_SHARED_MEMORY_TENSOR = 2
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(dt).removeprefix("torch."): dt
+    for dt in (
+        torch.float16, torch.bfloat16, torch.float32, torch.float64,
+        torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+        torch.float8_e4m3fn, torch.float8_e5m2,
+    )
+}
+
+
+def dtype_to_str(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported KV dtype {dtype}")
+    return name
+
+
+def str_to_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unsupported KV dtype {name!r}") from None
+
+
+@dataclass(order=True, frozen=True)
+class IPCCacheEngineKey:
+    """Names one chunk of KV (hash mode) or a token range of a request (token mode).
+
+    Hash mode sets `chunk_hash` (vLLM block hashes strided to chunk boundaries).
+    Token mode sets `token_ids`, `start` and `end`; the daemon hashes the full chunks.
+    `worker_id=None` means "every rank" (scheduler-side lookups).
+    `request_id` travels with the key but is not part of its identity.
+    """
+
+    model_name: str
+    world_size: int
+    worker_id: int | None
+    chunk_hash: bytes = b""
+    token_ids: tuple[int, ...] = ()
+    start: int = 0
+    end: int = 0
+    request_id: str | None = field(default=None, compare=False)
+
+    @property
+    def is_token_mode(self) -> bool:
+        return not self.chunk_hash
+
+    def no_worker_id_version(self) -> IPCCacheEngineKey:
+        return dataclasses.replace(self, worker_id=None)
+
+    @staticmethod
+    def Serialize(obj: IPCCacheEngineKey) -> bytes:
+        return _key_encoder.encode(obj)
+
+    @staticmethod
+    def Deserialize(data: bytes) -> IPCCacheEngineKey:
+        return _key_decoder.decode(data)
+
+
+_key_encoder = msgspec.msgpack.Encoder()
+_key_decoder = msgspec.msgpack.Decoder(IPCCacheEngineKey)
+
+
+class TensorHandle:
+    """A reference to tensor memory owned by another process, carried as a small state struct.
+
+    Subclasses name their msgpack extension code and their state type; the codecs below
+    wrap `Serialize(obj)` in that extension, so a handle is never pickled.
+    """
+
+    EXT_CODE: ClassVar[int]
+    State: ClassVar[type[msgspec.Struct]]
+
+    def __init__(self, *, state: msgspec.Struct):
+        self.state = state
+
+    @classmethod
+    def Serialize(cls, obj: TensorHandle) -> bytes:
+        return msgspec.msgpack.encode(obj.state)
+
+    @classmethod
+    def Deserialize(cls, data: bytes) -> Self:
+        return cls(state=msgspec.msgpack.decode(data, type=cls.State))
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and self.state == other.state  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash(self.state)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.state!r})"
+
+
+class _CudaIPCState(msgspec.Struct, array_like=True, frozen=True):
+    device_uuid: str
+    storage_handle: tuple[bytes | int | bool | None, ...]
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+
+
+class CudaIPCWrapper(TensorHandle):
+    """A CUDA tensor shared by IPC handle. The device-specific calls live in transfer/cuda.py."""
+
+    EXT_CODE = EXT_CUDA_IPC_WRAPPER
+    State = _CudaIPCState
+
+    def __init__(self, tensor: torch.Tensor | None = None, *, state: _CudaIPCState | None = None):
+        if state is None:
+            if tensor is None:
+                raise ValueError("CudaIPCWrapper needs a tensor or a state")
+            from lmcache_mp.transfer.cuda import export_cuda_tensor
+
+            state = _CudaIPCState(**export_cuda_tensor(tensor))
+        super().__init__(state=state)
+
+    def to_tensor(self) -> torch.Tensor:
+        from lmcache_mp.transfer.cuda import import_cuda_tensor
+
+        return import_cuda_tensor(**msgspec.structs.asdict(self.state))
+
+
+class _SharedMemoryState(msgspec.Struct, array_like=True, frozen=True):
+    storage_index: int
+    storage_nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+
+
+class SharedMemoryTensor(TensorHandle):
+    """A CPU tensor view into a shared-memory storage that the daemon maps by file descriptor.
+
+    The descriptors themselves travel over the daemon's attach socket (SCM_RIGHTS) in
+    `storage_index` order; this handle only says how to view them.
+    """
+
+    EXT_CODE = EXT_SHARED_MEMORY_TENSOR
+    State = _SharedMemoryState
+    state: _SharedMemoryState
+
+    def view_of(self, storages: list[torch.UntypedStorage]) -> torch.Tensor:
+        st = self.state
+        if not 0 <= st.storage_index < len(storages):
+            raise ValueError(f"handle names shared storage {st.storage_index}, "
+                             f"only {len(storages)} were attached")
+        storage = storages[st.storage_index]
+        if storage.nbytes() != st.storage_nbytes:
+            raise ValueError(f"shared storage {st.storage_index} has {storage.nbytes()} bytes, "
+                             f"the handle says {st.storage_nbytes}")
+        view = torch.empty(0, dtype=str_to_dtype(st.dtype))
+        view.set_(storage, st.storage_offset, st.shape, st.stride)
+        return view
+
+
+_HANDLE_TYPES: dict[int, type[TensorHandle]] = {
+    cls.EXT_CODE: cls for cls in (CudaIPCWrapper, SharedMemoryTensor)
+}
+
+# A worker's registered KV caches: one handle per layer, in layer order.
+KVCache = list[TensorHandle]
+
+
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, TensorHandle):
+        return msgspec.msgpack.Ext(obj.EXT_CODE, obj.Serialize(obj))
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+def _ext_hook(code: int, data: memoryview) -> Any:
+    handle_type = _HANDLE_TYPES.get(code)
+    if handle_type is None:
+        raise msgspec.ValidationError(f"unknown msgpack extension type {code}")
+    return handle_type.Deserialize(bytes(data))
+
+
+def _dec_hook(expected: type, obj: Any) -> Any:
+    # Custom classes in a type annotation arrive here already built by _ext_hook;
+    # anything else (an int where a handle belongs, say) is a validation error.
+    if isinstance(expected, type) and isinstance(obj, expected):
+        return obj
+    raise msgspec.ValidationError(f"expected {expected.__name__}, got {type(obj).__name__}")
+
+
+def get_customized_encoder(type: Any = None) -> msgspec.msgpack.Encoder:
+    """An encoder that knows the tensor-handle extension types. `type` is accepted for
+    symmetry with the decoder; msgspec encoders are not typed."""
+    del type
+    return msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+
+
+def get_customized_decoder(type: Any) -> msgspec.msgpack.Decoder:
+    """A strict decoder for `type` that also understands the tensor-handle extensions."""
+    return msgspec.msgpack.Decoder(type, ext_hook=_ext_hook, dec_hook=_dec_hook)

@@ -1,0 +1,1 @@
+"""Storage-level keys and layouts (the seed's `lmcache.v1.distributed.api`)."""

@@ -1,0 +1,347 @@
+"""ZeroMQ message queue: the daemon binds a ROUTER, every client connects a DEALER.
+
+Both ends keep one I/O thread that alone touches its socket. Other threads hand it
+frames through a deque and an eventfd doorbell, so a client is safe to share between
+threads and the daemon's handler threads can reply without touching the ROUTER.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import logging
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import msgspec
+import zmq
+
+from lmcache_mp.custom_types import get_customized_decoder, get_customized_encoder
+from lmcache_mp.errors import (
+    ClientClosedError,
+    LMCacheMPError,
+    ProtocolMismatchError,
+    RequestTimeoutError,
+    ServerError,
+)
+from lmcache_mp.protocol import (
+    PROTOCOL,
+    PROTOCOL_VERSION,
+    ErrorCode,
+    ErrorReply,
+    HelloReply,
+    RequestType,
+)
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+REQUEST_ID = struct.Struct("<Q")
+DEFAULT_REQUEST_TIMEOUT_S = 300.0
+# Bounded queues everywhere: ZeroMQ drops nothing on a DEALER past its high-water mark,
+# it blocks; the I/O thread then stops reading the outbox and submitters see timeouts.
+SOCKET_HWM = 100_000
+
+
+# ---- encoding -----------------------------------------------------------------------------
+
+
+class Codec:
+    """Typed encoders and decoders for every request's payload frames and its reply."""
+
+    def __init__(self) -> None:
+        self.encoder = get_customized_encoder()
+        self._int = msgspec.msgpack.Decoder(int)
+        self._error = msgspec.msgpack.Decoder(ErrorReply)
+        self._payload = {
+            rt: [get_customized_decoder(t) for t in spec.payload] for rt, spec in PROTOCOL.items()
+        }
+        self._reply = {rt: get_customized_decoder(spec.reply) for rt, spec in PROTOCOL.items()}
+
+    def encode_request(self, request_id: int, request_type: RequestType, payload: list[Any]) -> list[bytes]:
+        expected = len(PROTOCOL[request_type].payload)
+        if len(payload) != expected:
+            raise ValueError(f"{request_type.name} takes {expected} payload values, got {len(payload)}")
+        encode = self.encoder.encode
+        return [REQUEST_ID.pack(request_id), encode(int(request_type)), *map(encode, payload)]
+
+    def decode_request_type(self, frame: bytes) -> RequestType:
+        """Raises msgspec.DecodeError or ValueError on a frame that names no request type."""
+        return RequestType(self._int.decode(frame))
+
+    def decode_payload(self, request_type: RequestType, frames: list[bytes]) -> list[Any]:
+        decoders = self._payload[request_type]
+        if len(frames) != len(decoders):
+            raise ValueError(
+                f"{request_type.name} takes {len(decoders)} payload frames, got {len(frames)}"
+            )
+        return [dec.decode(frame) for dec, frame in zip(decoders, frames, strict=True)]
+
+    def encode_reply(self, value: Any) -> bytes:
+        return self.encoder.encode(value)
+
+    def encode_error(self, code: ErrorCode, message: str) -> bytes:
+        return self.encoder.encode(ErrorReply(int(code), message))
+
+    def decode_reply(self, request_type: RequestType, status: int, body: bytes) -> Any:
+        if status != ErrorCode.OK:
+            err = self._error.decode(body)
+            raise ServerError(err.code, err.message)
+        return self._reply[request_type].decode(body)
+
+
+# ---- futures ------------------------------------------------------------------------------
+
+
+class MessagingFuture(Generic[T]):
+    """The reply to one request. `query()` never blocks; `result()` raises a typed error."""
+
+    __slots__ = ("_done", "_error", "_result", "deadline", "request_type")
+
+    def __init__(self, request_type: RequestType, deadline: float):
+        self.request_type = request_type
+        self.deadline = deadline
+        self._done = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    def result(self, timeout: float | None = None) -> T:
+        if not self._done.wait(timeout):
+            raise RequestTimeoutError(f"{self.request_type.name}: no reply within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def exception(self) -> BaseException | None:
+        return self._error if self._done.is_set() else None
+
+    def set_result(self, value: Any) -> None:
+        self._result = value
+        self._done.set()
+
+    def set_exception(self, error: BaseException) -> None:
+        self._error = error
+        self._done.set()
+
+    def to_cuda_future(self) -> MessagingFuture[T]:
+        """The seed adapter's hook for replies that carry a CUDA event. Our STORE and
+        RETRIEVE replies are sent only after the daemon's copies are complete (it waits on
+        its own stream before replying), so the reply alone is the completion signal."""
+        return self
+
+
+# ---- the I/O thread shared by both ends ---------------------------------------------------
+
+
+class _SocketLoop:
+    """One thread owns `sock`. Other threads queue outgoing multipart messages with
+    `send()`; incoming messages go to `on_message` on the loop thread."""
+
+    def __init__(self, sock: zmq.Socket, on_message: Callable[[list[bytes]], None],
+                 on_tick: Callable[[], None] | None = None, tick_s: float = 1.0, name: str = "mq"):
+        self.sock = sock
+        self._on_message = on_message
+        self._on_tick = on_tick
+        self._tick_ms = int(tick_s * 1000)
+        self._outbox: collections.deque[list[bytes]] = collections.deque()
+        self._doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def send(self, frames: list[bytes]) -> None:
+        self._outbox.append(frames)
+        os.eventfd_write(self._doorbell, 1)
+
+    def stop(self) -> None:
+        self._stopping = True
+        os.eventfd_write(self._doorbell, 1)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self._doorbell, zmq.POLLIN)
+        next_tick = time.monotonic() + self._tick_ms / 1000
+        try:
+            while not self._stopping:
+                events = dict(poller.poll(self._tick_ms))
+                if self._doorbell in events:
+                    with contextlib.suppress(BlockingIOError):
+                        os.eventfd_read(self._doorbell)
+                self._flush_outbox()
+                if self.sock in events:
+                    self._drain_socket()
+                if self._on_tick is not None and time.monotonic() >= next_tick:
+                    next_tick = time.monotonic() + self._tick_ms / 1000
+                    self._on_tick()
+            self._flush_outbox()
+        except Exception:
+            logger.exception("message loop %s died", self._thread.name)
+            raise
+        finally:
+            self.sock.close(linger=0)
+            os.close(self._doorbell)
+
+    def _flush_outbox(self) -> None:
+        while self._outbox:
+            self.sock.send_multipart(self._outbox.popleft(), copy=False)
+
+    def _drain_socket(self) -> None:
+        # Drain everything that is ready before polling again: fewer wake-ups under load.
+        for _ in range(1024):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._on_message(frames)
+
+
+# ---- client -------------------------------------------------------------------------------
+
+
+class MessageQueueClient:
+    """A DEALER connected to the daemon. Many requests may be in flight, from many threads."""
+
+    def __init__(self, server_url: str, context: zmq.Context | None = None,
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S):
+        self.server_url = server_url
+        self.request_timeout_s = request_timeout_s
+        self.codec = Codec()
+        self._context = context or zmq.Context.instance()
+        self._ids = itertools.count(1)
+        self._pending: dict[bytes, MessagingFuture[Any]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        sock = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, SOCKET_HWM)
+        sock.setsockopt(zmq.RCVHWM, SOCKET_HWM)
+        sock.connect(server_url)
+        self._loop = _SocketLoop(sock, self._on_reply, self._expire_overdue, tick_s=0.5,
+                                 name=f"mq-client {server_url}")
+        self._loop.start()
+
+    def submit(self, request_type: RequestType, payload: list[Any],
+               timeout_s: float | None = None) -> MessagingFuture[Any]:
+        request_id = next(self._ids)
+        frames = self.codec.encode_request(request_id, request_type, payload)
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.request_timeout_s)
+        future: MessagingFuture[Any] = MessagingFuture(request_type, deadline)
+        with self._lock:
+            if self._closed:
+                raise ClientClosedError(f"client for {self.server_url} is closed")
+            self._pending[frames[0]] = future
+        self._loop.send(frames)
+        return future
+
+    def handshake(self, client_name: str, timeout_s: float = 10.0) -> HelloReply:
+        """HELLO: every client sends it first. Raises ProtocolMismatchError when the daemon
+        speaks another protocol version, RequestTimeoutError when nothing answers."""
+        hello: HelloReply = self.submit(
+            RequestType.HELLO, [PROTOCOL_VERSION, client_name], timeout_s=timeout_s
+        ).result(timeout_s)
+        if hello.protocol_version != PROTOCOL_VERSION:
+            raise ProtocolMismatchError(
+                f"the daemon at {self.server_url} (lmcache-mp {hello.server_version}) speaks "
+                f"protocol {hello.protocol_version}, this client speaks {PROTOCOL_VERSION}: "
+                "upgrade the older side"
+            )
+        return hello
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pending, self._pending = self._pending, {}
+        self._loop.stop()
+        for future in pending.values():
+            future.set_exception(ClientClosedError(f"client for {self.server_url} closed"))
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    def _on_reply(self, frames: list[bytes]) -> None:
+        if len(frames) != 3:
+            logger.warning("dropping a reply with %d frames from %s", len(frames), self.server_url)
+            return
+        rid, status_frame, body = frames
+        with self._lock:
+            future = self._pending.pop(rid, None)
+        if future is None:
+            # A reply to a request that already timed out: never hand it to anyone else.
+            logger.debug("dropping an unmatched reply from %s", self.server_url)
+            return
+        try:
+            status = self.codec._int.decode(status_frame)
+            future.set_result(self.codec.decode_reply(future.request_type, status, body))
+        except ServerError as err:
+            future.set_exception(err)
+        except (msgspec.DecodeError, msgspec.ValidationError) as err:
+            future.set_exception(LMCacheMPError(f"undecodable {future.request_type.name} reply: {err}"))
+
+    def _expire_overdue(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            overdue = [rid for rid, f in self._pending.items() if f.deadline <= now]
+            expired = [self._pending.pop(rid) for rid in overdue]
+        for future in expired:
+            future.set_exception(RequestTimeoutError(
+                f"{future.request_type.name}: no reply from {self.server_url} before its deadline"))
+
+
+# ---- server transport ----------------------------------------------------------------------
+
+
+class MessageQueueServer:
+    """A ROUTER bound to one or more endpoints. Incoming requests go to `on_request`
+    on the I/O thread; replies may be sent from any thread with `reply()`."""
+
+    def __init__(self, endpoints: list[str], on_request: Callable[[bytes, list[bytes]], None],
+                 on_tick: Callable[[], None] | None = None, context: zmq.Context | None = None):
+        self._context = context or zmq.Context.instance()
+        sock = self._context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, SOCKET_HWM)
+        sock.setsockopt(zmq.RCVHWM, SOCKET_HWM)
+        # A reply to a client that went away is dropped silently instead of raising.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.endpoints: list[str] = []
+        for endpoint in endpoints:
+            sock.bind(endpoint)
+            self.endpoints.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        self._on_request = on_request
+        self._loop = _SocketLoop(sock, self._dispatch, on_tick, tick_s=1.0, name="mq-server")
+
+    def start(self) -> None:
+        self._loop.start()
+
+    def stop(self) -> None:
+        self._loop.stop()
+
+    def reply(self, identity: bytes, request_id: bytes, status: int, body: bytes) -> None:
+        self._loop.send([identity, request_id, _STATUS_FRAMES[status], body])
+
+    def _dispatch(self, frames: list[bytes]) -> None:
+        identity, rest = frames[0], frames[1:]
+        self._on_request(identity, rest)
+
+
+_STATUS_FRAMES = {int(code): msgspec.msgpack.encode(int(code)) for code in ErrorCode}

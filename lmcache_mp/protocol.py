@@ -1,0 +1,169 @@
+"""The daemon's wire protocol: request types, their payload schemas and reply types.
+
+A request is a multipart ZeroMQ message:
+
+    [request_id (8 bytes), request_type (msgpack int), payload_0, ..., payload_{n-1}]
+
+with one frame per positional payload argument, each msgspec-encoded on its own with
+the declared type. A reply echoes the request id frame verbatim:
+
+    [request_id, status (msgpack int), body]
+
+`status` 0 means success and `body` is the encoded reply type; any other status is an
+`ErrorCode` and `body` is an encoded `ErrorReply`. Every request gets exactly one reply.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from lmcache_mp.custom_types import IPCCacheEngineKey, KVCache
+
+# Bump on any incompatible change to a schema below. Clients refuse a server whose
+# protocol version differs from theirs (see HELLO).
+PROTOCOL_VERSION = 1
+
+
+class RequestType(enum.IntEnum):
+    """Explicit numbers: never reorder, never reuse a retired number."""
+
+    HELLO = 1
+    PING = 2
+    GET_CHUNK_SIZE = 3
+    STATUS = 4
+    REGISTER_KV_CACHE = 5
+    UNREGISTER_KV_CACHE = 6
+    LOOKUP = 7
+    STORE = 8
+    RETRIEVE = 9
+    END_SESSION = 10
+    CLEAR = 11
+
+
+class ErrorCode(enum.IntEnum):
+    OK = 0
+    MALFORMED_MESSAGE = 1  # frames missing or undecodable request id / type
+    UNKNOWN_REQUEST_TYPE = 2
+    BAD_PAYLOAD = 3  # wrong frame count, or a frame that fails its schema
+    NOT_IMPLEMENTED = 4
+    INVALID_ARGUMENT = 5  # well-formed but semantically wrong (bad block ids, ...)
+    UNKNOWN_INSTANCE = 6  # no KV cache registered under that instance id
+    OVERLOADED = 7  # the bounded work queue is full; retry later
+    SHUTTING_DOWN = 8
+    INTERNAL = 9  # a bug on the daemon's side; the message says what
+
+
+class ErrorReply(msgspec.Struct, array_like=True, gc=False):
+    code: int
+    message: str
+
+
+# ---- payload and reply structs ------------------------------------------------------------
+
+
+class HelloReply(msgspec.Struct, gc=False):
+    protocol_version: int
+    server_version: str
+    chunk_size: int
+    # Unix socket on which workers pass shared-memory descriptors (CPU KV registration).
+    attach_socket: str
+
+
+class KVCacheRegistration(msgspec.Struct, gc=False):
+    """Who registers, and how to read their caches."""
+
+    model_name: str
+    world_size: int
+    worker_id: int
+    # vLLM's KV layout name for the attention backend, e.g. "CPU_ATTN" or "FLASH_ATTN".
+    # Empty: the daemon infers the layout from the tensor shapes.
+    layout: str = ""
+    # Token handed to the attach socket together with the shared-memory descriptors.
+    # Empty for CUDA registrations, whose handles carry everything.
+    attach_token: bytes = b""
+
+
+class RegisterReply(msgspec.Struct, gc=False):
+    layout: str
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    chunk_bytes: int
+
+
+class ChunkOutcome(enum.IntEnum):
+    STORED = 0
+    ALREADY_PRESENT = 1
+    NO_SPACE = 2
+
+
+class StoreResult(msgspec.Struct, array_like=True, gc=False):
+    # CUDA event IPC handle recorded after the copies; empty on CPU, where the reply
+    # itself means the bytes are in place.
+    event_handle: bytes
+    outcomes: list[ChunkOutcome]
+
+    def __bool__(self) -> bool:
+        return all(o != ChunkOutcome.NO_SPACE for o in self.outcomes)
+
+
+class RetrieveResult(msgspec.Struct, array_like=True, gc=False):
+    event_handle: bytes
+    ok: bool
+    # Why a retrieve loaded nothing (all or nothing per request); empty on success.
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+class StatusReport(msgspec.Struct, gc=False):
+    server_version: str
+    protocol_version: int
+    uptime_s: float
+    chunk_size: int
+    endpoints: list[str]
+    pool_bytes: int = 0
+    pool_used_bytes: int = 0
+    objects: int = 0
+    registered_instances: list[int] = []
+    sessions: int = 0
+    leases: int = 0
+    requests_in_flight: int = 0
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    payload: tuple[Any, ...]  # one type per payload frame
+    reply: Any
+
+
+Keys = list[IPCCacheEngineKey]
+
+PROTOCOL: dict[RequestType, RequestSpec] = {
+    # HELLO(client protocol version, client name) -> who the server is.
+    RequestType.HELLO: RequestSpec((int, str), HelloReply),
+    # PING(nonce) -> the same nonce, so a caller can match replies to requests.
+    RequestType.PING: RequestSpec((int,), int),
+    RequestType.GET_CHUNK_SIZE: RequestSpec((), int),
+    RequestType.STATUS: RequestSpec((), StatusReport),
+    # REGISTER_KV_CACHE(instance id, one handle per layer in layer order, who/how).
+    RequestType.REGISTER_KV_CACHE: RequestSpec((int, KVCache, KVCacheRegistration), RegisterReply),
+    # UNREGISTER_KV_CACHE(instance id) -> whether it was registered.
+    RequestType.UNREGISTER_KV_CACHE: RequestSpec((int,), bool),
+    # LOOKUP(keys without worker id) -> number of leading chunks present on every rank.
+    RequestType.LOOKUP: RequestSpec((Keys,), int),
+    # STORE / RETRIEVE(keys, instance id, block ids, CUDA event IPC handle or b"").
+    RequestType.STORE: RequestSpec((Keys, int, list[int], bytes), StoreResult),
+    RequestType.RETRIEVE: RequestSpec((Keys, int, list[int], bytes), RetrieveResult),
+    # END_SESSION(request id): release everything the request still holds.
+    RequestType.END_SESSION: RequestSpec((str,), None),
+    # CLEAR() -> number of objects dropped (objects under lease or being written stay).
+    RequestType.CLEAR: RequestSpec((), int),
+}
+
+assert set(PROTOCOL) == set(RequestType), "every request type needs a spec"

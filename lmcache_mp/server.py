@@ -1,0 +1,198 @@
+"""The daemon: binds the message queue and answers every request.
+
+Cheap requests (PING, HELLO, LOOKUP, ...) are answered on the socket thread. Requests
+that copy KV or map memory run on a bounded worker pool, so PING stays fast while a
+STORE runs. Whatever happens, each request gets one reply: a result or an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from lmcache_mp import __version__
+from lmcache_mp.config import ServerConfig, ipc_path
+from lmcache_mp.errors import ServerError
+from lmcache_mp.mq import REQUEST_ID, Codec, MessageQueueServer
+from lmcache_mp.protocol import (
+    PROTOCOL_VERSION,
+    ErrorCode,
+    HelloReply,
+    RequestType,
+    StatusReport,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Handler:
+    fn: Callable[..., Any]
+    # Inline handlers run on the socket thread: they must never block or copy KV.
+    inline: bool
+
+
+class Server:
+    def __init__(self, config: ServerConfig, handlers: dict[RequestType, Handler] | None = None,
+                 status_extra: Callable[[], dict[str, Any]] | None = None,
+                 on_tick: Callable[[], None] | None = None):
+        config.validate()
+        self.config = config
+        self.codec = Codec()
+        self.started_at = time.monotonic()
+        self._status_extra = status_extra
+        self._on_tick = on_tick
+        self._handlers: dict[RequestType, Handler] = {
+            RequestType.HELLO: Handler(self._hello, inline=True),
+            RequestType.PING: Handler(lambda nonce: nonce, inline=True),
+            RequestType.GET_CHUNK_SIZE: Handler(lambda: config.chunk_size, inline=True),
+            RequestType.STATUS: Handler(self._status, inline=True),
+            **(handlers or {}),
+        }
+        self._pool = ThreadPoolExecutor(config.max_workers, thread_name_prefix="lmcache-mp-worker")
+        self._queued = 0
+        self._queued_lock = threading.Lock()
+        self._prepare_ipc_dirs()
+        self._mq = MessageQueueServer(config.listen, self._on_request, on_tick=self._tick)
+        self._secure_ipc_files()
+        self.endpoints = self._mq.endpoints
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._mq.start()
+
+    def stop(self) -> None:
+        self._mq.stop()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for url in self.endpoints:
+            path = ipc_path(url)
+            if path is not None:
+                path.unlink(missing_ok=True)
+
+    def _prepare_ipc_dirs(self) -> None:
+        for url in self.config.listen:
+            path = ipc_path(url)
+            if path is None:
+                continue
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if path.exists():
+                # A stale socket from a daemon that died; a live one would still answer.
+                path.unlink()
+
+    def _secure_ipc_files(self) -> None:
+        for url in self.config.listen:
+            path = ipc_path(url)
+            if path is not None:
+                os.chmod(path, 0o600)
+
+    def _tick(self) -> None:
+        if self._on_tick is not None:
+            try:
+                self._on_tick()
+            except Exception:
+                logger.exception("periodic maintenance failed")
+
+    # ---- dispatch ---------------------------------------------------------------------------
+
+    def _on_request(self, identity: bytes, frames: list[bytes]) -> None:
+        if len(frames) < 2 or len(frames[0]) != REQUEST_ID.size:
+            self._send_error(identity, frames[0] if frames else b"", ErrorCode.MALFORMED_MESSAGE,
+                             "a request is [8-byte request id, request type, payload...]")
+            return
+        request_id, type_frame, payload = frames[0], frames[1], frames[2:]
+        try:
+            request_type = self.codec.decode_request_type(type_frame)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
+            self._send_error(identity, request_id, ErrorCode.UNKNOWN_REQUEST_TYPE,
+                             f"unknown request type frame {type_frame[:16]!r}")
+            return
+        try:
+            args = self.codec.decode_payload(request_type, payload)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as err:
+            self._send_error(identity, request_id, ErrorCode.BAD_PAYLOAD, f"{request_type.name}: {err}")
+            return
+        handler = self._handlers.get(request_type)
+        if handler is None:
+            self._send_error(identity, request_id, ErrorCode.NOT_IMPLEMENTED,
+                             f"{request_type.name} is not implemented by this daemon")
+            return
+        if handler.inline:
+            self._run(identity, request_id, request_type, handler, args)
+            return
+        with self._queued_lock:
+            if self._queued >= self.config.max_queued_requests:
+                overloaded = True
+            else:
+                overloaded = False
+                self._queued += 1
+        if overloaded:
+            self._send_error(identity, request_id, ErrorCode.OVERLOADED,
+                             f"{self.config.max_queued_requests} requests already queued")
+            return
+        self._pool.submit(self._run_queued, identity, request_id, request_type, handler, args)
+
+    def _run_queued(self, identity: bytes, request_id: bytes, request_type: RequestType,
+                    handler: Handler, args: list[Any]) -> None:
+        try:
+            self._run(identity, request_id, request_type, handler, args)
+        finally:
+            with self._queued_lock:
+                self._queued -= 1
+
+    def _run(self, identity: bytes, request_id: bytes, request_type: RequestType,
+             handler: Handler, args: list[Any]) -> None:
+        try:
+            result = handler.fn(*args)
+            body = self.codec.encode_reply(result)
+        except ServerError as err:
+            code = err.code if isinstance(err.code, ErrorCode) else ErrorCode.INTERNAL
+            self._send_error(identity, request_id, code, err.message)
+            return
+        except Exception as err:
+            logger.error("%s failed:\n%s", request_type.name, traceback.format_exc())
+            self._send_error(identity, request_id, ErrorCode.INTERNAL,
+                             f"{request_type.name} failed: {type(err).__name__}: {err}")
+            return
+        self._mq.reply(identity, request_id, ErrorCode.OK, body)
+
+    def _send_error(self, identity: bytes, request_id: bytes, code: ErrorCode, message: str) -> None:
+        self._mq.reply(identity, request_id, code, self.codec.encode_error(code, message))
+
+    # ---- built-in handlers ------------------------------------------------------------------
+
+    def _hello(self, client_protocol_version: int, client_name: str) -> HelloReply:
+        if client_protocol_version != PROTOCOL_VERSION:
+            logger.warning("client %r speaks protocol %d, this daemon %d", client_name,
+                           client_protocol_version, PROTOCOL_VERSION)
+        return HelloReply(
+            protocol_version=PROTOCOL_VERSION,
+            server_version=__version__,
+            chunk_size=self.config.chunk_size,
+            attach_socket=str(self.config.attach_socket),
+        )
+
+    def _status(self) -> StatusReport:
+        with self._queued_lock:
+            queued = self._queued
+        report = StatusReport(
+            server_version=__version__,
+            protocol_version=PROTOCOL_VERSION,
+            uptime_s=time.monotonic() - self.started_at,
+            chunk_size=self.config.chunk_size,
+            endpoints=list(self.endpoints),
+            requests_in_flight=queued,
+        )
+        if self._status_extra is not None:
+            report = msgspec.structs.replace(report, **self._status_extra())
+        return report
+

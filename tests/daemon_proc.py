@@ -1,0 +1,61 @@
+"""Start the real daemon (`lmcache-mp serve`) as a subprocess for a test, and stop it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from lmcache_mp.errors import LMCacheMPError
+from lmcache_mp.mq import MessageQueueClient
+
+
+@dataclass
+class DaemonProcess:
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    @property
+    def socket_path(self) -> Path:
+        return Path(self.url.removeprefix("ipc://"))
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+
+def start_daemon(tmp_dir: Path, *args: str, url: str | None = None,
+                 ready_timeout: float = 30.0) -> DaemonProcess:
+    url = url or f"ipc://{tmp_dir / 'daemon.sock'}"
+    log_path = tmp_dir / f"daemon-{time.monotonic_ns()}.log"
+    env = dict(os.environ, LMCACHE_MP_RUNTIME_DIR=str(tmp_dir))
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "lmcache_mp.cli", "serve", "--listen", url, *args],
+            stdout=log, stderr=subprocess.STDOUT, env=env,
+        )
+    daemon = DaemonProcess(url, proc, log_path)
+    deadline = time.monotonic() + ready_timeout
+    client = MessageQueueClient(url)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {proc.returncode}:\n{daemon.log()}")
+            try:
+                client.handshake("tests", timeout_s=0.5)
+                return daemon
+            except LMCacheMPError:
+                if time.monotonic() > deadline:
+                    daemon.stop(signal.SIGKILL)
+                    raise RuntimeError(f"daemon not ready in {ready_timeout} s:\n{daemon.log()}") from None
+    finally:
+        client.close()
