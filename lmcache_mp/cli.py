@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from lmcache_mp.daemon import build_server
+    from lmcache_mp.daemon import Daemon
 
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -96,7 +96,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allow_remote=args.allow_remote,
     )
     try:
-        server = build_server(cfg)
+        server = Daemon(cfg)
     except (ValueError, OSError) as err:
         logger.error("cannot start: %s", err)
         return 2

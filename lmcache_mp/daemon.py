@@ -3,8 +3,39 @@
 from __future__ import annotations
 
 from lmcache_mp.config import ServerConfig
-from lmcache_mp.server import Server
+from lmcache_mp.engine import Engine
+from lmcache_mp.protocol import RequestType
+from lmcache_mp.server import Handler, Server
 
 
-def build_server(config: ServerConfig) -> Server:
-    return Server(config)
+class Daemon:
+    """The engine behind the server, and their shared lifecycle."""
+
+    def __init__(self, config: ServerConfig):
+        config.validate()
+        self.engine = Engine(config)
+        e = self.engine
+        handlers = {
+            # Bookkeeping only: answered on the socket thread.
+            RequestType.LOOKUP: Handler(e.lookup, inline=True),
+            RequestType.END_SESSION: Handler(e.end_session, inline=True),
+            # Copies, mappings and whole-pool sweeps: on the worker pool.
+            RequestType.REGISTER_KV_CACHE: Handler(e.register, inline=False),
+            RequestType.UNREGISTER_KV_CACHE: Handler(e.unregister, inline=False),
+            RequestType.STORE: Handler(e.store, inline=False),
+            RequestType.RETRIEVE: Handler(e.retrieve, inline=False),
+            RequestType.CLEAR: Handler(e.clear, inline=False),
+        }
+        try:
+            self.server = Server(config, handlers, status_extra=e.status, on_tick=e.tick)
+        except BaseException:
+            e.close()
+            raise
+        self.endpoints = self.server.endpoints
+
+    def start(self) -> None:
+        self.server.start()
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.engine.close()

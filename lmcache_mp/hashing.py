@@ -1,0 +1,43 @@
+"""Token-mode chunk hashing: a deterministic rolling prefix hash over full chunks.
+
+`h_0 = H(SEED, tokens[0:C])`, `h_i = H(h_{i-1}, tokens[iC:(i+1)C])` with BLAKE2b-256 over
+the previous digest and the chunk's tokens as little-endian uint32. The same tokens give
+the same hashes in every process, on every run, on every machine; chunk i's hash names the
+whole prefix through the end of chunk i. A partial tail chunk has no hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from array import array
+from sys import byteorder
+
+_SEED = hashlib.blake2b(b"lmcache-mp token chunk hash v1", digest_size=32).digest()
+_MAX_TOKEN = 2**32 - 1
+
+
+def _token_bytes(tokens: tuple[int, ...] | list[int]) -> bytes:
+    try:
+        packed = array("I", tokens)
+    except OverflowError:
+        raise ValueError(f"token ids must lie in [0, {_MAX_TOKEN}]") from None
+    if packed.itemsize != 4:  # pragma: no cover - every platform we run on has 4-byte "I"
+        return struct.pack(f"<{len(tokens)}I", *tokens)
+    if byteorder == "big":  # pragma: no cover
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def chunk_hashes(tokens: tuple[int, ...] | list[int], chunk_size: int, num_chunks: int) -> list[bytes]:
+    """Hashes of the first `num_chunks` full chunks of `tokens`."""
+    if num_chunks * chunk_size > len(tokens):
+        raise ValueError(f"{num_chunks} chunks of {chunk_size} tokens need more than {len(tokens)} tokens")
+    data = _token_bytes(tokens[: num_chunks * chunk_size])
+    step = 4 * chunk_size
+    out: list[bytes] = []
+    prev = _SEED
+    for i in range(num_chunks):
+        prev = hashlib.blake2b(prev + data[i * step : (i + 1) * step], digest_size=32).digest()
+        out.append(prev)
+    return out

@@ -1,0 +1,1 @@
+"""The daemon's storage: the CPU memory pool that holds stored KV chunks."""

@@ -1,0 +1,463 @@
+"""The daemon's CPU memory pool: one buffer allocated up front, carved into slabs of equal slots.
+
+Every stored object is one chunk of one rank's KV, and all chunks of one layout have the same
+size, so the pool is a slab allocator rather than a general heap. A *size class* (one exact object
+size) owns whole slabs and cuts each into equal slots; objects never move, freeing is O(1), and
+objects of one size never fragment. A slab that empties returns to the free list and can be handed
+to another size class, which is how two layouts share the pool.
+
+Slabs. The pool is a row of equal *base slabs* of `slab_bytes` (the tail that doesn't fill one is
+unused). Left as None, `slab_bytes` is fixed at the first reserve, from that first object size:
+a whole number of its slots (so its slabs have no slack), about 64 MiB but at most 1/8 of the pool
+(so a second size class can still get slabs), and never less than one slot. A size class whose
+slot fits a base slab uses one base slab per slab; a larger one uses `span` consecutive base slabs
+per slab, which hold one object or a few.
+
+Lifecycle. `reserve` hands out a WRITING object (invisible to readers, never evicted); `commit`
+makes it READY, `abort` frees it. Readers `pin` READY objects while they copy out of them. Only
+READY objects with no pins are evictable, least recently used first; committing an object and
+releasing its last pin make it the most recently used.
+
+Eviction, when a size class has no free slot and no free slab: its own LRU evictable object first
+(that frees a slot of the right size); failing that, whole slabs of other classes, because a slot
+of another size is of no use: the slab that became evictable longest ago (one base slab needed),
+or, for a multi-slab span, the run of base slabs with no pinned or WRITING object that needs the
+fewest occupied base slabs cleared. The latter scans the base slabs, but only when slabs move
+between size classes; reserving, committing, pinning and unpinning are otherwise O(1) per object
+(a multi-slab span also walks the free runs, which are few).
+
+One lock guards all bookkeeping; no method ever copies object bytes, so it is held briefly.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import torch
+
+from lmcache_mp.protocol import ChunkOutcome
+
+# Every object's data starts on a cache line, which vectorised copies want.
+ALIGN = 64
+_TARGET_SLAB_BYTES = 64 << 20
+_MIN_SLABS = 8
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def default_slab_bytes(slot_bytes: int, usable_bytes: int) -> int:
+    """The rule in the module docstring: whole slots, ~64 MiB, at most 1/8 of the pool, >= one slot.
+    Never more than `usable_bytes` when `slot_bytes` fits in it."""
+    target = min(_TARGET_SLAB_BYTES, usable_bytes // _MIN_SLABS)
+    return slot_bytes * max(1, -(-target // slot_bytes))
+
+
+class ObjectState(enum.Enum):
+    WRITING = enum.auto()  # reserved and being filled: invisible to readers, never evicted
+    READY = enum.auto()  # committed: visible, evictable while unpinned
+    FREED = enum.auto()  # aborted, evicted or cleared: its memory may already hold another object
+
+
+@dataclass(eq=False)
+class PoolObject:
+    """One stored chunk. Compared by identity, so the pool can key its LRU dicts by the object."""
+
+    key: Hashable
+    nbytes: int
+    data: torch.Tensor  # uint8 view of exactly `nbytes` of pool memory, ALIGN-aligned
+    slab: _Slab = field(repr=False)
+    slot: int = field(repr=False)
+    state: ObjectState = ObjectState.WRITING
+    pins: int = 0
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    capacity_bytes: int
+    used_bytes: int
+    num_objects: int
+    num_pinned: int
+    num_writing: int
+    evictions: int  # cumulative; `clear` doesn't count
+
+
+@dataclass(eq=False)
+class _SizeClass:
+    nbytes: int
+    slot_bytes: int  # nbytes rounded up to ALIGN
+    span: int  # base slabs per slab
+    slots_per_slab: int
+    # Slabs with at least one free slot, and READY unpinned objects, least recently used first.
+    open_slabs: dict[_Slab, None] = field(default_factory=dict)
+    evictable: OrderedDict[PoolObject, None] = field(default_factory=OrderedDict)
+
+
+@dataclass(eq=False)
+class _Slab:
+    first: int  # index of its first base slab
+    size_class: _SizeClass
+    objects: list[PoolObject | None]  # by slot
+    free_slots: list[int]
+    live: int = 0
+    stuck: int = 0  # live objects that can't be evicted: WRITING or pinned
+
+    @property
+    def span(self) -> int:
+        return self.size_class.span
+
+
+class _FreeRuns:
+    """Free base slabs as maximal runs of consecutive indices, kept by both ends so that giving a
+    run back coalesces with its neighbours in O(1); taking a single slab is O(1) too."""
+
+    def __init__(self, count: int) -> None:
+        self._by_start: dict[int, int] = {}  # start -> length
+        self._by_end: dict[int, int] = {}  # end (exclusive) -> start
+        if count:
+            self._add(0, count)
+
+    def take(self, length: int) -> int | None:
+        """First fit: the start of `length` free consecutive base slabs, now taken, or None."""
+        start = next((start for start, run in self._by_start.items() if run >= length), None)
+        if start is None:
+            return None
+        run = self._by_start[start]
+        self._remove(start, run)
+        if run > length:
+            self._add(start + length, run - length)
+        return start
+
+    def give(self, start: int, length: int) -> None:
+        end = start + length
+        if end in self._by_start:
+            right = self._by_start[end]
+            self._remove(end, right)
+            end += right
+        if start in self._by_end:
+            left = self._by_end[start]
+            self._remove(left, start - left)
+            start = left
+        self._add(start, end - start)
+
+    def _add(self, start: int, length: int) -> None:
+        self._by_start[start] = length
+        self._by_end[start + length] = start
+
+    def _remove(self, start: int, length: int) -> None:
+        del self._by_start[start]
+        del self._by_end[start + length]
+
+
+class MemoryPool:
+    """Fixed-capacity, thread-safe store of KV chunk objects; see the module docstring."""
+
+    def __init__(self, capacity_bytes: int, *, pin_memory: bool = False, slab_bytes: int | None = None):
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        # The only KV allocation this pool ever makes.
+        self._buffer = torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=pin_memory)
+        self._base = -self._buffer.data_ptr() % ALIGN
+        self._usable = max(0, capacity_bytes - self._base)
+        self._lock = threading.Lock()
+        self._slab_bytes: int | None = None
+        self._owner: list[_Slab | None] = []  # by base slab
+        self._free = _FreeRuns(0)
+        if slab_bytes is not None:
+            if slab_bytes <= 0 or slab_bytes % ALIGN or slab_bytes > self._usable:
+                raise ValueError(
+                    f"slab_bytes must be a positive multiple of {ALIGN} of at most {self._usable}, "
+                    f"got {slab_bytes}"
+                )
+            self._set_slab_bytes(slab_bytes)
+        self._classes: dict[int, _SizeClass] = {}
+        self._index: dict[Hashable, PoolObject] = {}  # every live object, WRITING or READY
+        # Slabs whose objects are all evictable, in the order they became so (oldest first).
+        self._clean_slabs: OrderedDict[_Slab, None] = OrderedDict()
+        self._used = 0
+        self._num_pinned = 0
+        self._num_writing = 0
+        self._evictions = 0
+
+    # ---- public API ----------------------------------------------------------------------------
+
+    @property
+    def slab_bytes(self) -> int | None:
+        """Base slab size; None until the first reserve when it was left to the default rule."""
+        return self._slab_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._used
+
+    @property
+    def num_objects(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    def reserve(self, keys: list[Hashable], nbytes: int) -> list[PoolObject | ChunkOutcome]:
+        """Per key, in order: ALREADY_PRESENT if the key is live (even if still WRITING), else a new
+        WRITING object of `nbytes`, evicting what it must, else NO_SPACE. Raises ValueError, before
+        reserving anything, if `nbytes` can never fit."""
+        with self._lock:
+            size_class = self._size_class(nbytes)
+            return [self._reserve_one(key, size_class) for key in keys]
+
+    def commit(self, objects: list[PoolObject]) -> None:
+        """WRITING -> READY: visible to readers, and the most recently used."""
+        with self._lock:
+            self._check_writing(objects)
+            for obj in objects:
+                obj.state = ObjectState.READY
+                self._num_writing -= 1
+                self._make_evictable(obj)
+
+    def abort(self, objects: list[PoolObject]) -> None:
+        """WRITING -> freed: the write failed and the slot is free again."""
+        with self._lock:
+            self._check_writing(objects)
+            for obj in objects:
+                self._num_writing -= 1
+                self._drop(obj)
+                self._unstick(obj.slab)
+
+    def pin_prefix(self, chunks: list[list[Hashable]]) -> list[list[PoolObject]]:
+        """The objects of the leading chunks whose every key (one per rank) is READY, each pinned;
+        stops at the first incomplete chunk, whose objects and later ones are left alone."""
+        with self._lock:
+            out: list[list[PoolObject]] = []
+            for keys in chunks:
+                objects = self._ready(keys)
+                if objects is None:
+                    break
+                for obj in objects:
+                    self._pin_one(obj)
+                out.append(objects)
+            return out
+
+    def pin(self, keys: list[Hashable]) -> list[PoolObject] | None:
+        """All or nothing: every key's object pinned, in order, or None (and nothing pinned)."""
+        with self._lock:
+            objects = self._ready(keys)
+            for obj in objects or ():
+                self._pin_one(obj)
+            return objects
+
+    def unpin(self, objects: list[PoolObject]) -> None:
+        """Release one pin per occurrence. Raises ValueError, changing nothing, if any object would
+        drop below zero pins."""
+        with self._lock:
+            for obj, count in Counter(objects).items():
+                if obj.pins < count:
+                    raise ValueError(f"unpin of {obj.key!r} {count} time(s), but it has {obj.pins} pin(s)")
+            for obj in objects:
+                obj.pins -= 1
+                if obj.pins == 0:
+                    self._num_pinned -= 1
+                    self._make_evictable(obj)
+
+    def clear(self) -> int:
+        """Drop every READY unpinned object; returns how many. Pinned and WRITING objects stay."""
+        with self._lock:
+            victims = [obj for size_class in self._classes.values() for obj in size_class.evictable]
+            for obj in victims:
+                self._remove_evictable(obj)
+            return len(victims)
+
+    def stats(self) -> PoolStats:
+        with self._lock:
+            return PoolStats(
+                capacity_bytes=self.capacity_bytes,
+                used_bytes=self._used,
+                num_objects=len(self._index),
+                num_pinned=self._num_pinned,
+                num_writing=self._num_writing,
+                evictions=self._evictions,
+            )
+
+    # ---- size classes and slabs ----------------------------------------------------------------
+
+    def _set_slab_bytes(self, slab_bytes: int) -> None:
+        self._slab_bytes = slab_bytes
+        count = self._usable // slab_bytes
+        self._owner = [None] * count
+        self._free = _FreeRuns(count)
+
+    def _size_class(self, nbytes: int) -> _SizeClass:
+        size_class = self._classes.get(nbytes)
+        if size_class is not None:
+            return size_class
+        slot_bytes = _round_up(nbytes, ALIGN)
+        if nbytes <= 0 or slot_bytes > self._usable:
+            raise ValueError(
+                f"cannot store objects of {nbytes} bytes in a pool of {self.capacity_bytes} bytes"
+            )
+        if self._slab_bytes is None:
+            self._set_slab_bytes(default_slab_bytes(slot_bytes, self._usable))
+        slab_bytes = self._slab_bytes
+        span = -(-slot_bytes // slab_bytes)
+        if span > len(self._owner):
+            raise ValueError(
+                f"cannot store objects of {nbytes} bytes in {len(self._owner)} slabs of {slab_bytes} bytes"
+            )
+        size_class = _SizeClass(nbytes, slot_bytes, span, span * slab_bytes // slot_bytes)
+        self._classes[nbytes] = size_class
+        return size_class
+
+    def _new_slab(self, size_class: _SizeClass) -> _Slab | None:
+        first = self._free.take(size_class.span)
+        if first is None:
+            return None
+        count = size_class.slots_per_slab
+        slab = _Slab(first, size_class, [None] * count, list(range(count - 1, -1, -1)))
+        self._owner[first : first + size_class.span] = [slab] * size_class.span
+        size_class.open_slabs[slab] = None
+        return slab
+
+    def _release_slab(self, slab: _Slab) -> None:
+        slab.size_class.open_slabs.pop(slab, None)  # absent if it has a single slot
+        self._clean_slabs.pop(slab, None)
+        self._owner[slab.first : slab.first + slab.span] = [None] * slab.span
+        self._free.give(slab.first, slab.span)
+
+    # ---- reserving and eviction ----------------------------------------------------------------
+
+    def _reserve_one(self, key: Hashable, size_class: _SizeClass) -> PoolObject | ChunkOutcome:
+        if key in self._index:
+            return ChunkOutcome.ALREADY_PRESENT
+        slab = self._slab_with_free_slot(size_class)
+        if slab is None:
+            return ChunkOutcome.NO_SPACE
+        slot = slab.free_slots.pop()
+        if not slab.free_slots:
+            del size_class.open_slabs[slab]
+        offset = self._base + slab.first * self._slab_bytes + slot * size_class.slot_bytes
+        obj = PoolObject(
+            key, size_class.nbytes, self._buffer.narrow(0, offset, size_class.nbytes), slab, slot
+        )
+        slab.objects[slot] = obj
+        slab.live += 1
+        self._stick(slab)
+        self._index[key] = obj
+        self._used += obj.nbytes
+        self._num_writing += 1
+        return obj
+
+    def _slab_with_free_slot(self, size_class: _SizeClass) -> _Slab | None:
+        """A free slot, else a free slab, else evict (see the module docstring) and try again."""
+        while True:
+            if size_class.open_slabs:
+                return next(iter(size_class.open_slabs))
+            slab = self._new_slab(size_class)
+            if slab is not None:
+                return slab
+            if size_class.evictable:
+                self._evict(next(iter(size_class.evictable)))
+            elif not self._evict_slabs_for(size_class.span):
+                return None
+
+    def _evict_slabs_for(self, span: int) -> bool:
+        """Free `span` consecutive base slabs by evicting whole clean slabs; False if impossible.
+        Only called when the requesting class has nothing evictable, so every victim is another's."""
+        if span == 1:
+            if not self._clean_slabs:
+                return False
+            self._evict_slab(next(iter(self._clean_slabs)))
+            return True
+        start = self._cheapest_window(span)
+        if start is None:
+            return False
+        for slab in dict.fromkeys(self._owner[start : start + span]):
+            if slab is not None:
+                self._evict_slab(slab)
+        return True
+
+    def _cheapest_window(self, span: int) -> int | None:
+        """Start of the run of `span` base slabs without stuck slabs that has the fewest occupied
+        base slabs (lowest address on ties), or None. O(number of base slabs): cold path only."""
+        best, best_cost = None, span + 1
+        cost = 0
+        first_unblocked = 0  # windows must start after the last stuck base slab seen
+        for i, slab in enumerate(self._owner):
+            if slab is not None and slab.stuck:
+                first_unblocked = i + 1
+            cost += slab is not None
+            if i >= span:
+                cost -= self._owner[i - span] is not None
+            start = i - span + 1
+            if start >= first_unblocked and cost < best_cost:
+                best, best_cost = start, cost
+        return best
+
+    def _evict_slab(self, slab: _Slab) -> None:
+        for obj in [obj for obj in slab.objects if obj is not None]:
+            self._evict(obj)
+
+    def _evict(self, obj: PoolObject) -> None:
+        self._remove_evictable(obj)
+        self._evictions += 1
+
+    # ---- object bookkeeping --------------------------------------------------------------------
+
+    def _check_writing(self, objects: list[PoolObject]) -> None:
+        """Validate a commit or abort up front, so a bad call changes nothing."""
+        if len(set(objects)) != len(objects):
+            raise ValueError("the same object appears twice")
+        for obj in objects:
+            if obj.state is not ObjectState.WRITING:
+                raise ValueError(f"object {obj.key!r} is {obj.state.name}, not WRITING")
+
+    def _ready(self, keys: list[Hashable]) -> list[PoolObject] | None:
+        objects = []
+        for key in keys:
+            obj = self._index.get(key)
+            if obj is None or obj.state is not ObjectState.READY:
+                return None
+            objects.append(obj)
+        return objects
+
+    def _pin_one(self, obj: PoolObject) -> None:
+        if obj.pins == 0:
+            del obj.slab.size_class.evictable[obj]
+            self._stick(obj.slab)
+            self._num_pinned += 1
+        obj.pins += 1
+
+    def _make_evictable(self, obj: PoolObject) -> None:
+        """obj is now READY and unpinned: evictable, as the most recently used."""
+        obj.slab.size_class.evictable[obj] = None
+        self._unstick(obj.slab)
+
+    def _stick(self, slab: _Slab) -> None:
+        slab.stuck += 1
+        self._clean_slabs.pop(slab, None)
+
+    def _unstick(self, slab: _Slab) -> None:
+        slab.stuck -= 1
+        if slab.stuck == 0 and slab.live:
+            self._clean_slabs[slab] = None
+
+    def _remove_evictable(self, obj: PoolObject) -> None:
+        del obj.slab.size_class.evictable[obj]
+        self._drop(obj)
+
+    def _drop(self, obj: PoolObject) -> None:
+        """Free obj's slot (and its slab, if that empties). Stuck counts are the caller's job."""
+        del self._index[obj.key]
+        self._used -= obj.nbytes
+        obj.state = ObjectState.FREED
+        slab = obj.slab
+        slab.objects[obj.slot] = None
+        slab.free_slots.append(obj.slot)
+        slab.live -= 1
+        if slab.live:
+            slab.size_class.open_slabs[slab] = None
+        else:
+            self._release_slab(slab)

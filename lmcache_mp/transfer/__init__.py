@@ -1,0 +1,1 @@
+"""Moving KV between registered caches and the daemon's pool: layouts, copies, sharing."""

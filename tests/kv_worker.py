@@ -1,0 +1,96 @@
+"""A stand-in vLLM worker process for the data-path tests: real caches, the real adapter.
+
+    python -m tests.kv_worker SPEC_JSON
+
+SPEC: url, layout, shape, dtype, num_layers, world_size, rank, action ("store" | "retrieve"
+| "hold"), block_ids, block_hashes (hex) or token_ids+start+end, request_id, seed, out.
+`store` fills the caches from `seed` and stores; `retrieve` fills them with zeros, looks
+up (leasing the hits), retrieves and saves the pages of `block_ids` to `out`; `hold`
+registers, prints READY and sleeps until killed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+
+from lmcache_mp.custom_types import str_to_dtype
+from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp
+
+
+def make_caches(shape: list[int], dtype: torch.dtype, num_layers: int,
+                seed: int | None) -> dict[str, torch.Tensor]:
+    """Like vLLM on CPU: every layer is a view of one allocation."""
+    buffer = torch.zeros(num_layers, *shape, dtype=dtype)
+    if seed is not None:
+        gen = torch.Generator().manual_seed(seed)
+        buffer.copy_(torch.randn(buffer.shape, generator=gen).to(dtype))
+    return {f"model.layers.{i}.self_attn.attn": buffer[i] for i in range(num_layers)}
+
+
+def block_dim(layout: str, shape: list[int]) -> int:
+    return 1 if len(shape) == 5 and shape[0] == 2 and layout in ("FLASH_ATTN", "") else 0
+
+
+def pages(caches: dict[str, torch.Tensor], layout: str, shape: list[int], ids: list[int]) -> torch.Tensor:
+    d = block_dim(layout, shape)
+    return torch.stack([t.movedim(d, 0)[ids].clone() for t in caches.values()])
+
+
+def op_of(spec: dict) -> LoadStoreOp:
+    if spec.get("token_ids") is not None:
+        return LoadStoreOp(spec["block_ids"], token_ids=spec["token_ids"], start=spec.get("start", 0),
+                           end=spec.get("end", len(spec["token_ids"])))
+    return LoadStoreOp(spec["block_ids"], block_hashes=[bytes.fromhex(h) for h in spec["block_hashes"]])
+
+
+def wait_done(worker: LMCacheMPWorkerAdapter, request_id: str, retrieve: bool, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stores, retrieves = worker.get_finished({request_id})
+        if request_id in (retrieves if retrieve else stores):
+            return
+        time.sleep(0.005)
+    raise TimeoutError(f"{request_id} did not finish")
+
+
+def main() -> int:
+    spec = json.loads(sys.argv[1])
+    dtype = str_to_dtype(spec["dtype"])
+    caches = make_caches(spec["shape"], dtype, spec["num_layers"],
+                         spec.get("seed") if spec["action"] == "store" else None)
+    args = (spec["url"], None, spec.get("model", "test-model"), spec.get("world_size", 1),
+            spec.get("rank", 0), spec["block_size"])
+    worker = LMCacheMPWorkerAdapter(*args)
+    worker.register_kv_caches(caches, spec["layout"] or None)
+    request_id = spec.get("request_id", "req")
+    op = op_of(spec)
+    if spec["action"] == "hold":
+        print("READY", flush=True)
+        time.sleep(3600)
+    elif spec["action"] == "store":
+        worker.submit_store_request(request_id, op, None)
+        wait_done(worker, request_id, retrieve=False)
+    else:
+        scheduler = LMCacheMPSchedulerAdapter(*args)
+        if op.token_ids is not None:
+            scheduler.maybe_submit_lookup_request(request_id, token_ids=op.token_ids)
+        else:
+            scheduler.maybe_submit_lookup_request(request_id, block_hashes=op.block_hashes)
+        while (hit := scheduler.check_lookup_result(request_id)) is None:
+            time.sleep(0.001)
+        worker.submit_retrieve_request(request_id, op, None)
+        wait_done(worker, request_id, retrieve=True)
+        failed = worker.take_failed_retrieves()
+        torch.save({"hit": hit, "failed": sorted(failed),
+                    "pages": pages(caches, spec["layout"], spec["shape"], spec["block_ids"])}, spec["out"])
+        scheduler.shutdown()
+    worker.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

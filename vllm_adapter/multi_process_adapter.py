@@ -1,0 +1,353 @@
+"""Scheduler and worker adapters: vLLM-side clients of the lmcache-mp daemon.
+
+The API follows the seed's `multi_process_adapter` (same classes, constructors and method
+names). Differences, each fixing a known failure of the seed:
+- every operation is tracked per request, also inside batches, so no request id is lost;
+- a failed or refused retrieve is reported (`take_failed_retrieves`), never passed off as
+  loaded, so vLLM recomputes instead of attending over garbage;
+- when the daemon is unreachable the adapters fail closed: lookups count 0 hits, stores are
+  skipped, retrieves fail; the worker re-registers by itself when the daemon comes back.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from lmcache_mp.custom_types import IPCCacheEngineKey, KVCache
+from lmcache_mp.errors import LMCacheMPError, ServerError
+from lmcache_mp.mq import MessageQueueClient, MessagingFuture
+from lmcache_mp.protocol import ErrorCode, KVCacheRegistration, RequestType, RetrieveResult
+from lmcache_mp.transfer.shm import AttachChannel, share_cpu_tensors
+from vllm_adapter.utils import send_lmcache_request, striding_block_hashes, wrap_kv_caches
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 30.0
+REREGISTER_INTERVAL_S = 1.0
+# Finished request ids remembered to report each exactly once (bounded).
+_REPORTED_MEMORY = 100_000
+
+
+@dataclass
+class LoadStoreOp:
+    block_ids: list[int]
+    """Block ids for the load/store operation (-1: skip that block on load)"""
+    token_ids: list[int] | None = None
+    """Token IDs for the load/store operation (token mode)"""
+    block_hashes: list[bytes] | None = None
+    """Block hashes for the load/store operation (hash mode)"""
+    start: int = 0
+    """Start token index (token mode only)"""
+    end: int = 0
+    """End token index (token mode only)"""
+
+    def __len__(self) -> int:
+        return len(self.block_ids)
+
+
+class _KeyMaker:
+    """Builds IPC keys for one (model, world size, rank)."""
+
+    def __init__(self, model_name: str, world_size: int, worker_id: int | None, blocks_in_chunk: int):
+        self.model_name = model_name
+        self.world_size = world_size
+        self.worker_id = worker_id
+        self.blocks_in_chunk = blocks_in_chunk
+
+    def keys_for(self, request_id: str, op: LoadStoreOp) -> list[IPCCacheEngineKey]:
+        if op.block_hashes is not None:
+            return [
+                IPCCacheEngineKey(self.model_name, self.world_size, self.worker_id,
+                                  chunk_hash=h, request_id=request_id)
+                for h in striding_block_hashes(op.block_hashes, self.blocks_in_chunk)
+            ]
+        if op.token_ids is None:
+            raise ValueError("a LoadStoreOp needs block_hashes (hash mode) or token_ids (token mode)")
+        return [IPCCacheEngineKey(self.model_name, self.world_size, self.worker_id,
+                                  token_ids=tuple(op.token_ids), start=op.start, end=op.end,
+                                  request_id=request_id)]
+
+
+def _connect(server_url: str, context: zmq.Context | None, name: str, timeout_s: float,
+             vllm_block_size: int) -> tuple[MessageQueueClient, int]:
+    """Connect and say HELLO; returns the client and the daemon's chunk size."""
+    client = MessageQueueClient(server_url, context, request_timeout_s=timeout_s)
+    try:
+        hello = client.handshake(name, timeout_s=timeout_s)
+    except BaseException:
+        client.close()
+        raise
+    if hello.chunk_size % vllm_block_size:
+        client.close()
+        raise ValueError(
+            f"the lmcache-mp daemon at {server_url} stores chunks of {hello.chunk_size} tokens, "
+            f"not a multiple of vLLM's block size {vllm_block_size}: restart it with "
+            f"--chunk-size a multiple of {vllm_block_size}, or change vLLM's --block-size"
+        )
+    return client, hello.chunk_size
+
+
+class LMCacheMPSchedulerAdapter:
+    def __init__(self, server_url: str, context: zmq.Context | None, model_name: str, world_size: int,
+                 kv_rank: int, vllm_block_size: int, *, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.mq_client, self.chunk_size = _connect(server_url, context, "vllm-scheduler", timeout_s,
+                                                   vllm_block_size)
+        self.model_name = model_name
+        self.world_size = world_size
+        self.worker_id = kv_rank
+        self.blocks_in_chunk = self.chunk_size // vllm_block_size
+        self._keys = _KeyMaker(model_name, world_size, None, self.blocks_in_chunk)
+        self.lookup_futures: dict[str, MessagingFuture[int]] = {}
+
+    def maybe_submit_lookup_request(self, request_id: str, block_hashes: list[bytes] | None = None,
+                                    token_ids: list[int] | None = None) -> None:
+        """Submit one LOOKUP per request id (later calls are no-ops). Its hits stay leased
+        for the RETRIEVE that follows, until `end_session` or the daemon's lease TTL."""
+        if request_id in self.lookup_futures:
+            return
+        if (block_hashes is None) == (token_ids is None):
+            raise ValueError("exactly one of block_hashes or token_ids must be given")
+        if token_ids is not None:
+            aligned_end = len(token_ids) // self.chunk_size * self.chunk_size
+            op = LoadStoreOp([], token_ids=token_ids, start=0, end=aligned_end)
+        else:
+            op = LoadStoreOp([], block_hashes=block_hashes)
+        keys = self._keys.keys_for(request_id, op)
+        if not keys or (token_ids is not None and op.end == 0):
+            future: MessagingFuture[int] = MessagingFuture(RequestType.LOOKUP, 0.0)
+            future.set_result(0)
+        else:
+            future = send_lmcache_request(self.mq_client, RequestType.LOOKUP, [keys])
+        self.lookup_futures[request_id] = future
+
+    def check_lookup_result(self, request_id: str) -> int | None:
+        """Tokens hit (a multiple of the chunk size), or None while the lookup is pending.
+        A failed lookup (daemon down, error) counts as 0: a miss, never a guess."""
+        future = self.lookup_futures[request_id]
+        if not future.query():
+            return None
+        error = future.exception()
+        if error is not None:
+            logger.warning("lookup for request %s failed, counting a miss: %s", request_id, error)
+            return 0
+        return future.result() * self.chunk_size
+
+    def num_blocks_per_chunk(self) -> int:
+        return self.blocks_in_chunk
+
+    def cleanup_lookup_result(self, request_id: str) -> None:
+        self.lookup_futures.pop(request_id, None)
+
+    def end_session(self, request_id: str) -> None:
+        """Release whatever the request still holds at the daemon (fire and forget)."""
+        send_lmcache_request(self.mq_client, RequestType.END_SESSION, [request_id])
+
+    def shutdown(self) -> None:
+        self.mq_client.close()
+
+
+class _PerRequestOps:
+    """Outstanding operations per request id. A batched operation counts for each of its
+    requests; a request is done when all of its operations are."""
+
+    def __init__(self) -> None:
+        self._pending: dict[str, list[MessagingFuture]] = {}
+        self._blocks: dict[str, list[int]] = {}
+
+    def add(self, request_ids: list[str], ops: list[LoadStoreOp], future: MessagingFuture) -> None:
+        for request_id, op in zip(request_ids, ops, strict=True):
+            self._pending.setdefault(request_id, []).append(future)
+            self._blocks.setdefault(request_id, []).extend(b for b in op.block_ids if b >= 0)
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self._pending
+
+    def poll(self) -> dict[str, str | None]:
+        """Requests whose operations are all done -> None if all succeeded, else why not."""
+        done: dict[str, str | None] = {}
+        for request_id, futures in list(self._pending.items()):
+            if not all(f.query() for f in futures):
+                continue
+            del self._pending[request_id]
+            done[request_id] = next(filter(None, map(_failure, futures)), None)
+        return done
+
+    def take_blocks(self, request_id: str) -> list[int]:
+        return self._blocks.pop(request_id, [])
+
+
+def _failure(future: MessagingFuture) -> str | None:
+    error = future.exception()
+    if error is not None:
+        return str(error)
+    result = future.result()
+    if isinstance(result, RetrieveResult) and not result.ok:
+        return result.reason or "retrieve refused"
+    return None
+
+
+class LMCacheMPWorkerAdapter:
+    def __init__(self, server_url: str, context: zmq.Context | None, model_name: str, world_size: int,
+                 kv_rank: int, vllm_block_size: int, *, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.server_url = server_url
+        self._context = context
+        self._timeout_s = timeout_s
+        self._vllm_block_size = vllm_block_size
+        self.mq_client, chunk_size = _connect(server_url, context, f"vllm-worker-{kv_rank}", timeout_s,
+                                              vllm_block_size)
+        self.instance_id = os.getpid()
+        self.kv_caches: dict[str, torch.Tensor] = {}
+        self.model_name = model_name
+        self.world_size = world_size
+        self.worker_id = kv_rank
+        self.blocks_in_chunk = chunk_size // vllm_block_size
+        self._keys = _KeyMaker(model_name, world_size, kv_rank, self.blocks_in_chunk)
+        self._layout = ""
+        self._channel: AttachChannel | None = None
+        self._registered = False
+        self._last_register_try = 0.0
+        self._stores = _PerRequestOps()
+        self._retrieves = _PerRequestOps()
+        self._finished_by_engine: set[str] = set()  # finished in vLLM, stores still in flight
+        self._reported: OrderedDict[str, None] = OrderedDict()
+        self._failed_retrieves: dict[str, list[int]] = {}
+
+    # ---- registration -------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], layout: str | None = None) -> None:
+        """Register the caches with the daemon. `layout` is vLLM's attention backend name
+        (e.g. "CPU_ATTN"); without it the daemon infers the layout from the shapes."""
+        self.kv_caches = kv_caches
+        self._layout = layout or ""
+        self._register()
+
+    def _register(self) -> None:
+        self._last_register_try = time.monotonic()
+        tensors = list(self.kv_caches.values())
+        if tensors and all(t.is_cuda for t in tensors):
+            handles: KVCache = wrap_kv_caches(self.kv_caches)
+            fds: list[int] = []
+        else:
+            shm_handles, fds = share_cpu_tensors(tensors)
+            handles = list(shm_handles)
+        hello = self.mq_client.handshake(f"vllm-worker-{self.worker_id}", timeout_s=self._timeout_s)
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = AttachChannel.open(hello.attach_socket, fds, timeout_s=self._timeout_s)
+        registration = KVCacheRegistration(self.model_name, self.world_size, self.worker_id,
+                                           self._layout, self._channel.token)
+        reply = send_lmcache_request(self.mq_client, RequestType.REGISTER_KV_CACHE,
+                                     [self.instance_id, handles, registration]).result(self._timeout_s)
+        self._registered = True
+        logger.info("registered %d KV cache layers with lmcache-mp at %s as %s (%d-byte chunks)",
+                    len(tensors), self.server_url, reply.layout, reply.chunk_bytes)
+
+    def _ensure_registered(self) -> bool:
+        """Fail closed while the daemon is away; re-register (rate-limited) when it is back."""
+        if self._registered and self._channel is not None and self._channel.is_open():
+            return True
+        self._registered = False
+        if not self.kv_caches or time.monotonic() - self._last_register_try < REREGISTER_INTERVAL_S:
+            return False
+        try:
+            self._register()
+        except (LMCacheMPError, OSError) as err:
+            logger.warning("lmcache-mp at %s unavailable (%s); KV offload paused", self.server_url, err)
+            return False
+        return True
+
+    # ---- stores and retrieves ---------------------------------------------------------------
+
+    def submit_store_request(self, request_id: str, op: LoadStoreOp, event: torch.cuda.Event | None) -> None:
+        self.batched_submit_store_requests([request_id], [op], event)
+
+    def submit_retrieve_request(self, request_id: str, op: LoadStoreOp,
+                                event: torch.cuda.Event | None) -> None:
+        self.batched_submit_retrieve_requests([request_id], [op], event)
+
+    def batched_submit_store_requests(self, request_ids: list[str], ops: list[LoadStoreOp],
+                                      event: torch.cuda.Event | None) -> None:
+        self._submit(RequestType.STORE, self._stores, request_ids, ops, event)
+
+    def batched_submit_retrieve_requests(self, request_ids: list[str], ops: list[LoadStoreOp],
+                                         event: torch.cuda.Event | None) -> None:
+        self._submit(RequestType.RETRIEVE, self._retrieves, request_ids, ops, event)
+
+    def _submit(self, request_type: RequestType, tracker: _PerRequestOps, request_ids: list[str],
+                ops: list[LoadStoreOp], event: torch.cuda.Event | None) -> None:
+        if not self._ensure_registered():
+            future: MessagingFuture = MessagingFuture(request_type, 0.0)
+            future.set_exception(LMCacheMPError("lmcache-mp daemon unavailable"))
+        else:
+            keys = [k for rid, op in zip(request_ids, ops, strict=True) for k in self._keys.keys_for(rid, op)]
+            block_ids = [b for op in ops for b in op.block_ids]
+            event_handle = event.ipc_handle() if event is not None else b""
+            future = send_lmcache_request(self.mq_client, request_type,
+                                          [keys, self.instance_id, block_ids, event_handle])
+        tracker.add(request_ids, ops, future)
+
+    def get_finished(self, finished_req_ids_from_engine: set[str]) -> tuple[set[str], set[str]]:
+        """(requests whose stores are all done and which vLLM has finished, requests whose
+        retrieves are done). Each id is returned once. Failed retrieves are also recorded
+        for `take_failed_retrieves`."""
+        for request_id, failure in self._stores.poll().items():
+            self._stores.take_blocks(request_id)
+            if failure:
+                self._note_error(failure)
+                logger.warning("store for request %s failed: %s", request_id, failure)
+        finished_stores: set[str] = set()
+        for request_id in finished_req_ids_from_engine | self._finished_by_engine:
+            if self._stores.has(request_id):
+                self._finished_by_engine.add(request_id)
+            elif request_id not in self._reported:
+                finished_stores.add(request_id)
+                self._finished_by_engine.discard(request_id)
+                self._remember(request_id)
+            else:
+                self._finished_by_engine.discard(request_id)
+        finished_retrieves: set[str] = set()
+        for request_id, failure in self._retrieves.poll().items():
+            blocks = self._retrieves.take_blocks(request_id)
+            finished_retrieves.add(request_id)
+            if failure:
+                self._note_error(failure)
+                logger.warning("retrieve for request %s failed, vLLM will recompute: %s", request_id, failure)
+                self._failed_retrieves[request_id] = blocks
+        return finished_stores, finished_retrieves
+
+    def take_failed_retrieves(self) -> dict[str, list[int]]:
+        """Requests whose retrieve failed since the last call -> the block ids not loaded."""
+        failed, self._failed_retrieves = self._failed_retrieves, {}
+        return failed
+
+    def _note_error(self, failure: str) -> None:
+        if ErrorCode.UNKNOWN_INSTANCE.name in failure:
+            self._registered = False  # the daemon restarted: register again
+
+    def _remember(self, request_id: str) -> None:
+        self._reported[request_id] = None
+        while len(self._reported) > _REPORTED_MEMORY:
+            self._reported.popitem(last=False)
+
+    def num_blocks_per_chunk(self) -> int:
+        return self.blocks_in_chunk
+
+    def shutdown(self) -> None:
+        try:
+            if self._registered:
+                send_lmcache_request(self.mq_client, RequestType.UNREGISTER_KV_CACHE,
+                                     [self.instance_id]).result(5.0)
+        except (LMCacheMPError, ServerError) as err:
+            logger.info("unregister at shutdown failed (%s); the daemon drops us anyway", err)
+        finally:
+            if self._channel is not None:
+                self._channel.close()
+            self.mq_client.close()
+

@@ -1,0 +1,40 @@
+"""Helpers shared by the scheduler and worker adapters (the seed's `utils`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from lmcache_mp.custom_types import CudaIPCWrapper, KVCache
+from lmcache_mp.mq import MessageQueueClient, MessagingFuture
+from lmcache_mp.protocol import RequestType
+from lmcache_mp.transfer.shm import share_cpu_tensors
+
+
+def striding_block_hashes(block_hashes: list[bytes], blocks_in_chunk: int) -> Iterator[bytes]:
+    """One key per full chunk: the hash of the chunk's last block. vLLM's block hashes
+    chain, so that one hash names the whole prefix through the end of the chunk. A partial
+    tail chunk yields nothing."""
+    return iter(block_hashes[blocks_in_chunk - 1 :: blocks_in_chunk])
+
+
+def send_lmcache_request(mq_client: MessageQueueClient, request_type: RequestType,
+                         payloads: list[Any]) -> MessagingFuture[Any]:
+    return mq_client.submit(request_type, payloads)
+
+
+def get_lmcache_chunk_size(mq_client: MessageQueueClient, timeout_s: float = 10.0) -> int:
+    return send_lmcache_request(mq_client, RequestType.GET_CHUNK_SIZE, []).result(timeout_s)
+
+
+def wrap_kv_caches(kv_caches: dict[str, torch.Tensor]) -> KVCache:
+    """Handles for the daemon, one per layer in layer order. CPU caches are moved into
+    shared memory in place (see `lmcache_mp.transfer.shm`); CUDA caches are exported by
+    IPC handle."""
+    tensors = list(kv_caches.values())
+    if tensors and all(t.is_cuda for t in tensors):
+        return [CudaIPCWrapper(t) for t in tensors]
+    handles, _fds = share_cpu_tensors(tensors)
+    return list(handles)
