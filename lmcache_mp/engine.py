@@ -1,8 +1,9 @@
 """The daemon's semantics: registrations, LOOKUP / STORE / RETRIEVE / END_SESSION.
 
-Keys become pool keys: `(ObjectKey, fingerprint)`, where the fingerprint names the
-registering worker's model, world size, rank, layout, dtype and geometry. Bytes stored by
-one kind of cache are therefore never read into another: a doubtful chunk is a miss.
+Keys become pool keys: `(chunk hash, fingerprint)`, where the fingerprint names the
+registering worker's model, world size, rank, layout, dtype and geometry (everything an
+`ObjectKey` says, and what the bytes mean). Bytes stored by one kind of cache are therefore
+never read into another: a doubtful chunk is a miss.
 
 Locking: the engine's own lock guards only the registration tables; the pool and the lease
 table have their own. Copies run outside every lock, on the server's worker threads.
@@ -25,7 +26,7 @@ from lmcache_mp.custom_types import (
     KVCache,
     SharedMemoryTensor,
 )
-from lmcache_mp.distributed.api import ObjectKey, ipc_keys_to_object_keys, rank_of
+from lmcache_mp.distributed.api import rank_of
 from lmcache_mp.errors import ServerError
 from lmcache_mp.hashing import chunk_hashes
 from lmcache_mp.leases import LeaseTable
@@ -45,7 +46,7 @@ from lmcache_mp.transfer.shm import AttachListener, map_storages
 
 logger = logging.getLogger(__name__)
 
-PoolKey = tuple[ObjectKey, bytes]
+PoolKey = tuple[bytes, bytes]  # (chunk hash, fingerprint)
 
 
 @dataclass
@@ -56,7 +57,6 @@ class Instance:
     registration: KVCacheRegistration
     context: TransferContext
     fingerprint: bytes
-    kv_rank: int
 
     @property
     def rank_key(self) -> tuple[str, int, int]:
@@ -64,7 +64,7 @@ class Instance:
         return r.model_name, r.world_size, r.worker_id
 
     def pool_key(self, chunk_hash: bytes) -> PoolKey:
-        return ObjectKey(chunk_hash, self.registration.model_name, self.kv_rank), self.fingerprint
+        return chunk_hash, self.fingerprint
 
 
 def _invalid(message: str) -> ServerError:
@@ -93,7 +93,7 @@ class Engine:
         if not 0 <= reg.worker_id < reg.world_size:
             raise _invalid(f"worker_id {reg.worker_id} is outside world_size {reg.world_size}")
         try:
-            kv_rank = rank_of(reg.world_size, reg.worker_id)
+            rank_of(reg.world_size, reg.worker_id)  # refuses ranks that do not fit a kv_rank
             layers = self._open_layers(kv_caches, reg)
             geometry = describe_caches(layers, reg.layout)
             context = TransferContext(layers, geometry, self.chunk_size)
@@ -103,7 +103,7 @@ class Engine:
             raise _invalid(f"one chunk of this cache takes {context.chunk_nbytes} bytes, more than the "
                            f"whole pool ({self.pool.capacity_bytes}); raise --l1-size-gb")
         instance = Instance(instance_id, reg, context,
-                            geometry.fingerprint(reg.model_name, reg.world_size, reg.worker_id), kv_rank)
+                            geometry.fingerprint(reg.model_name, reg.world_size, reg.worker_id))
         with self._lock:
             self._drop_locked(instance_id)
             self._instances[instance_id] = instance
@@ -214,8 +214,6 @@ class Engine:
         model, world_size = keys[0].model_name, keys[0].world_size
         self._check_same_model(keys, model, world_size)
         hashes = [h for _, h in self._op_chunks(keys, lookup=True)]
-        chunk_keys = [IPCCacheEngineKey(model, world_size, None, chunk_hash=h) for h in hashes]
-        object_keys = ipc_keys_to_object_keys(chunk_keys)  # chunk-major, every rank
         with self._lock:
             per_rank = [list(self._rank_fingerprints.get((model, world_size, r), {}))
                         for r in range(world_size)]
@@ -223,8 +221,7 @@ class Engine:
             return 0  # some rank has no registered cache: nothing could be retrieved
         best: list[list[PoolObject]] = []
         for fps in itertools.product(*per_rank):  # one combination unless layouts were mixed
-            chunks = [[(object_keys[c * world_size + r], fps[r]) for r in range(world_size)]
-                      for c in range(len(hashes))]
+            chunks = [[(h, fp) for fp in fps] for h in hashes]  # chunk-major, every rank
             pinned = self.pool.pin_prefix(chunks)
             if len(pinned) > len(best):
                 best, pinned = pinned, best

@@ -1,8 +1,8 @@
 """ZeroMQ message queue: the daemon binds a ROUTER, every client connects a DEALER.
 
-Both ends keep one I/O thread that alone touches its socket. Other threads hand it
-frames through a deque and an eventfd doorbell, so a client is safe to share between
-threads and the daemon's handler threads can reply without touching the ROUTER.
+The daemon keeps one I/O thread that alone touches the ROUTER; handler threads hand it
+replies through a deque and an eventfd doorbell. A client has no I/O thread: the thread
+that waits for a reply drives the socket (see `MessageQueueClient`).
 """
 
 from __future__ import annotations
@@ -71,6 +71,9 @@ class Codec:
         encode = self.encoder.encode
         return [REQUEST_ID.pack(request_id), encode(int(request_type)), *map(encode, payload)]
 
+    def decode_status(self, frame: bytes) -> int:
+        return self._int.decode(frame)
+
     def decode_request_type(self, frame: bytes) -> RequestType:
         """Raises msgspec.DecodeError or ValueError on a frame that names no request type."""
         return RequestType(self._int.decode(frame))
@@ -100,40 +103,53 @@ class Codec:
 
 
 class MessagingFuture(Generic[T]):
-    """The reply to one request. `query()` never blocks; `result()` raises a typed error."""
+    """The reply to one request. `query()` never blocks; `result()` raises a typed error.
 
-    __slots__ = ("_done", "_error", "_result", "deadline", "request_type")
+    Waiting on a future also drives its client's socket (see `MessageQueueClient`), so a
+    reply reaches the thread that waits for it without a hop through another thread."""
 
-    def __init__(self, request_type: RequestType, deadline: float):
+    __slots__ = ("_client", "_done", "_error", "_result", "deadline", "request_type")
+
+    def __init__(self, request_type: RequestType, deadline: float,
+                 client: MessageQueueClient | None = None):
         self.request_type = request_type
         self.deadline = deadline
-        self._done = threading.Event()
+        self._client = client
+        self._done = False
         self._result: Any = None
         self._error: BaseException | None = None
 
+    @classmethod
+    def settled(cls, request_type: RequestType, value: Any = None,
+                error: BaseException | None = None) -> MessagingFuture[Any]:
+        """A future that is already done, for answers known without asking the daemon."""
+        future: MessagingFuture[Any] = cls(request_type, 0.0)
+        future._settle(value, error)
+        return future
+
     def query(self) -> bool:
-        return self._done.is_set()
+        if not self._done and self._client is not None:
+            self._client._poll_now()
+        return self._done
 
     def wait(self, timeout: float | None = None) -> bool:
-        return self._done.wait(timeout)
+        if not self._done and self._client is not None:
+            self._client._wait_for(self, timeout)
+        return self._done
 
     def result(self, timeout: float | None = None) -> T:
-        if not self._done.wait(timeout):
+        if not self.wait(timeout):
             raise RequestTimeoutError(f"{self.request_type.name}: no reply within {timeout} s")
         if self._error is not None:
             raise self._error
         return self._result
 
     def exception(self) -> BaseException | None:
-        return self._error if self._done.is_set() else None
+        return self._error if self._done else None
 
-    def set_result(self, value: Any) -> None:
-        self._result = value
-        self._done.set()
-
-    def set_exception(self, error: BaseException) -> None:
-        self._error = error
-        self._done.set()
+    def _settle(self, value: Any, error: BaseException | None) -> None:
+        self._result, self._error = value, error
+        self._done = True  # last: readers check _done without a lock
 
     def to_cuda_future(self) -> MessagingFuture[T]:
         """The seed adapter's hook for replies that carry a CUDA event. Our STORE and
@@ -142,11 +158,11 @@ class MessagingFuture(Generic[T]):
         return self
 
 
-# ---- the I/O thread shared by both ends ---------------------------------------------------
+# ---- the daemon's I/O thread ------------------------------------------------------------
 
 
 class _SocketLoop:
-    """One thread owns `sock`. Other threads queue outgoing multipart messages with
+    """One thread owns the daemon's `sock`. Other threads queue outgoing multipart messages with
     `send()`; incoming messages go to `on_message` on the loop thread."""
 
     def __init__(self, sock: zmq.Socket, on_message: Callable[[list[bytes]], None],
@@ -214,40 +230,53 @@ class _SocketLoop:
 
 # ---- client -------------------------------------------------------------------------------
 
+_LEADER_SLICE_S = 0.05
+
 
 class MessageQueueClient:
-    """A DEALER connected to the daemon. Many requests may be in flight, from many threads."""
+    """A DEALER connected to the daemon. Many requests may be in flight, from many threads.
+
+    There is no I/O thread. A thread that waits for a reply takes the socket lock and polls
+    the socket itself ("leader"), settling every reply that arrives; threads that find the
+    lock taken wait on a condition until their reply is settled or the leader leaves. A
+    sender that finds the socket busy queues its frames and rings the leader's doorbell.
+    So a lone caller sends and receives on its own thread: no thread hop on either side.
+    """
 
     def __init__(self, server_url: str, context: zmq.Context | None = None,
                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S):
         self.server_url = server_url
         self.request_timeout_s = request_timeout_s
         self.codec = Codec()
-        self._context = context or zmq.Context.instance()
         self._ids = itertools.count(1)
         self._pending: dict[bytes, MessagingFuture[Any]] = {}
-        self._lock = threading.Lock()
+        self._pending_lock = threading.Lock()
         self._closed = False
-        sock = self._context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, SOCKET_HWM)
-        sock.setsockopt(zmq.RCVHWM, SOCKET_HWM)
-        sock.connect(server_url)
-        self._loop = _SocketLoop(sock, self._on_reply, self._expire_overdue, tick_s=0.5,
-                                 name=f"mq-client {server_url}")
-        self._loop.start()
+        self._io = threading.Lock()  # whoever holds it may use the socket
+        self._settled = threading.Condition()  # replies settled, or the leader left
+        self._outbox: collections.deque[list[bytes]] = collections.deque()
+        self._doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, SOCKET_HWM)
+        self._sock.setsockopt(zmq.RCVHWM, SOCKET_HWM)
+        self._sock.connect(server_url)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._doorbell, zmq.POLLIN)
 
     def submit(self, request_type: RequestType, payload: list[Any],
                timeout_s: float | None = None) -> MessagingFuture[Any]:
         request_id = next(self._ids)
         frames = self.codec.encode_request(request_id, request_type, payload)
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.request_timeout_s)
-        future: MessagingFuture[Any] = MessagingFuture(request_type, deadline)
-        with self._lock:
+        future: MessagingFuture[Any] = MessagingFuture(request_type, deadline, self)
+        with self._pending_lock:
             if self._closed:
                 raise ClientClosedError(f"client for {self.server_url} is closed")
             self._pending[frames[0]] = future
-        self._loop.send(frames)
+        self._outbox.append(frames)
+        self._kick()
         return future
 
     def handshake(self, client_name: str, timeout_s: float = 10.0) -> HelloReply:
@@ -265,46 +294,130 @@ class MessageQueueClient:
         return hello
 
     def close(self) -> None:
-        with self._lock:
+        with self._pending_lock:
             if self._closed:
                 return
             self._closed = True
             pending, self._pending = self._pending, {}
-        self._loop.stop()
         for future in pending.values():
-            future.set_exception(ClientClosedError(f"client for {self.server_url} closed"))
+            future._settle(None, ClientClosedError(f"client for {self.server_url} closed"))
+        self._wake_waiters()
+        with self._io:  # a leader leaves within one slice once its future is settled
+            self._sock.close(linger=0)
+            os.close(self._doorbell)
 
     @property
     def in_flight(self) -> int:
         return len(self._pending)
 
-    def _on_reply(self, frames: list[bytes]) -> None:
+    # ---- the socket, driven by whichever thread needs it ---------------------------------
+
+    def _kick(self) -> None:
+        """Send queued frames now, or leave them to the thread that holds the socket. Every
+        holder calls this after releasing, so frames are never stranded."""
+        while self._outbox and not self._closed:
+            if not self._io.acquire(blocking=False):
+                os.eventfd_write(self._doorbell, 1)
+                return
+            try:
+                self._flush()
+            finally:
+                self._io.release()
+
+    def _flush(self) -> None:
+        while self._outbox:
+            self._sock.send_multipart(self._outbox.popleft(), copy=False)
+
+    def _poll_now(self) -> None:
+        if self._closed or not self._io.acquire(blocking=False):
+            return
+        try:
+            self._flush()
+            self._drain()
+            self._expire_overdue()
+        finally:
+            self._io.release()
+        self._kick()
+
+    def _wait_for(self, future: MessagingFuture[Any], timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not future._done and not self._closed:
+            remaining = _LEADER_SLICE_S if deadline is None else deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            if self._io.acquire(blocking=False):
+                try:
+                    self._lead(future, deadline)
+                finally:
+                    self._io.release()
+                    self._wake_waiters()  # one of them may have to lead now
+                    self._kick()
+            else:
+                with self._settled:
+                    if not future._done:
+                        self._settled.wait(min(remaining, _LEADER_SLICE_S))
+
+    def _lead(self, future: MessagingFuture[Any], deadline: float | None) -> None:
+        while not future._done and not self._closed:
+            self._flush()
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return
+            slice_s = _LEADER_SLICE_S if deadline is None else min(_LEADER_SLICE_S, deadline - now)
+            events = dict(self._poller.poll(max(1, int(slice_s * 1000))))
+            if self._doorbell in events:
+                with contextlib.suppress(BlockingIOError):
+                    os.eventfd_read(self._doorbell)
+            if self._sock in events:
+                self._drain()
+            elif not events:
+                self._expire_overdue()
+
+    def _drain(self) -> None:
+        settled = False
+        while True:
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            settled |= self._on_reply(frames)
+        if settled:
+            self._wake_waiters()
+
+    def _wake_waiters(self) -> None:
+        with self._settled:
+            self._settled.notify_all()
+
+    def _on_reply(self, frames: list[bytes]) -> bool:
         if len(frames) != 3:
             logger.warning("dropping a reply with %d frames from %s", len(frames), self.server_url)
-            return
+            return False
         rid, status_frame, body = frames
-        with self._lock:
+        with self._pending_lock:
             future = self._pending.pop(rid, None)
         if future is None:
             # A reply to a request that already timed out: never hand it to anyone else.
             logger.debug("dropping an unmatched reply from %s", self.server_url)
-            return
+            return False
         try:
-            status = self.codec._int.decode(status_frame)
-            future.set_result(self.codec.decode_reply(future.request_type, status, body))
+            status = self.codec.decode_status(status_frame)
+            future._settle(self.codec.decode_reply(future.request_type, status, body), None)
         except ServerError as err:
-            future.set_exception(err)
+            future._settle(None, err)
         except (msgspec.DecodeError, msgspec.ValidationError) as err:
-            future.set_exception(LMCacheMPError(f"undecodable {future.request_type.name} reply: {err}"))
+            future._settle(None, LMCacheMPError(f"undecodable {future.request_type.name} reply: {err}"))
+        return True
 
     def _expire_overdue(self) -> None:
         now = time.monotonic()
-        with self._lock:
+        with self._pending_lock:
             overdue = [rid for rid, f in self._pending.items() if f.deadline <= now]
             expired = [self._pending.pop(rid) for rid in overdue]
         for future in expired:
-            future.set_exception(RequestTimeoutError(
+            future._settle(None, RequestTimeoutError(
                 f"{future.request_type.name}: no reply from {self.server_url} before its deadline"))
+        if expired:
+            self._wake_waiters()
 
 
 # ---- server transport ----------------------------------------------------------------------

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from lmcache_mp.mq import MessageQueueClient
-from tests.daemon_proc import DaemonProcess, start_daemon
+from lmcache_mp.launcher import DaemonProcess, start_daemon
 
 
 @pytest.fixture

@@ -36,7 +36,7 @@ from lmcache_mp.protocol import (
     StatusReport,
     StoreResult,
 )
-from tests.daemon_proc import DaemonProcess, start_daemon
+from lmcache_mp.launcher import DaemonProcess, start_daemon
 
 HASH_KEY = IPCCacheEngineKey("m", 2, None, chunk_hash=b"\x01" * 32, request_id="req-1")
 TOKEN_KEY = IPCCacheEngineKey("m", 1, 0, token_ids=(1, 2, 3), start=0, end=3, request_id="r")

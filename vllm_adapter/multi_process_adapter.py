@@ -15,6 +15,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,13 @@ import zmq
 from lmcache_mp.custom_types import IPCCacheEngineKey, KVCache
 from lmcache_mp.errors import LMCacheMPError, ServerError
 from lmcache_mp.mq import MessageQueueClient, MessagingFuture
-from lmcache_mp.protocol import ErrorCode, KVCacheRegistration, RequestType, RetrieveResult
+from lmcache_mp.protocol import (
+    PROTOCOL_VERSION,
+    ErrorCode,
+    KVCacheRegistration,
+    RequestType,
+    RetrieveResult,
+)
 from lmcache_mp.transfer.shm import AttachChannel, share_cpu_tensors
 from vllm_adapter.utils import send_lmcache_request, striding_block_hashes, wrap_kv_caches
 
@@ -121,8 +128,7 @@ class LMCacheMPSchedulerAdapter:
             op = LoadStoreOp([], block_hashes=block_hashes)
         keys = self._keys.keys_for(request_id, op)
         if not keys or (token_ids is not None and op.end == 0):
-            future: MessagingFuture[int] = MessagingFuture(RequestType.LOOKUP, 0.0)
-            future.set_result(0)
+            future: MessagingFuture[int] = MessagingFuture.settled(RequestType.LOOKUP, 0)
         else:
             future = send_lmcache_request(self.mq_client, RequestType.LOOKUP, [keys])
         self.lookup_futures[request_id] = future
@@ -169,6 +175,13 @@ class _PerRequestOps:
     def has(self, request_id: str) -> bool:
         return request_id in self._pending
 
+    def wait(self, request_ids: Iterable[str], timeout_s: float) -> None:
+        """Block until the given requests' operations are done, or `timeout_s` passed."""
+        deadline = time.monotonic() + timeout_s
+        for request_id in request_ids:
+            for future in self._pending.get(request_id, ()):
+                future.wait(max(0.0, deadline - time.monotonic()))
+
     def poll(self) -> dict[str, str | None]:
         """Requests whose operations are all done -> None if all succeeded, else why not."""
         done: dict[str, str | None] = {}
@@ -195,10 +208,12 @@ def _failure(future: MessagingFuture) -> str | None:
 
 class LMCacheMPWorkerAdapter:
     def __init__(self, server_url: str, context: zmq.Context | None, model_name: str, world_size: int,
-                 kv_rank: int, vllm_block_size: int, *, timeout_s: float = DEFAULT_TIMEOUT_S):
+                 kv_rank: int, vllm_block_size: int, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 reregister_interval_s: float = REREGISTER_INTERVAL_S):
         self.server_url = server_url
         self._context = context
         self._timeout_s = timeout_s
+        self._reregister_interval_s = reregister_interval_s
         self._vllm_block_size = vllm_block_size
         self.mq_client, chunk_size = _connect(server_url, context, f"vllm-worker-{kv_rank}", timeout_s,
                                               vllm_block_size)
@@ -213,6 +228,7 @@ class LMCacheMPWorkerAdapter:
         self._channel: AttachChannel | None = None
         self._registered = False
         self._last_register_try = 0.0
+        self._probe: MessagingFuture | None = None  # HELLO sent while the daemon was away
         self._stores = _PerRequestOps()
         self._retrieves = _PerRequestOps()
         self._finished_by_engine: set[str] = set()  # finished in vLLM, stores still in flight
@@ -250,12 +266,25 @@ class LMCacheMPWorkerAdapter:
                     len(tensors), self.server_url, reply.layout, reply.chunk_bytes)
 
     def _ensure_registered(self) -> bool:
-        """Fail closed while the daemon is away; re-register (rate-limited) when it is back."""
+        """Fail closed while the daemon is away; re-register when it is back. Never waits
+        on an absent daemon: a HELLO probe goes out (at most once per interval) and the
+        registration runs only after the daemon has answered one."""
         if self._registered and self._channel is not None and self._channel.is_open():
             return True
         self._registered = False
-        if not self.kv_caches or time.monotonic() - self._last_register_try < REREGISTER_INTERVAL_S:
+        if not self.kv_caches:
             return False
+        probe = self._probe
+        if probe is None or probe.exception() is not None:
+            if time.monotonic() - self._last_register_try >= self._reregister_interval_s:
+                self._last_register_try = time.monotonic()
+                self._probe = self.mq_client.submit(
+                    RequestType.HELLO, [PROTOCOL_VERSION, f"vllm-worker-{self.worker_id}"],
+                    timeout_s=self._reregister_interval_s)
+            return False
+        if not probe.query():
+            return False
+        self._probe = None
         try:
             self._register()
         except (LMCacheMPError, OSError) as err:
@@ -283,8 +312,8 @@ class LMCacheMPWorkerAdapter:
     def _submit(self, request_type: RequestType, tracker: _PerRequestOps, request_ids: list[str],
                 ops: list[LoadStoreOp], event: torch.cuda.Event | None) -> None:
         if not self._ensure_registered():
-            future: MessagingFuture = MessagingFuture(request_type, 0.0)
-            future.set_exception(LMCacheMPError("lmcache-mp daemon unavailable"))
+            unavailable = LMCacheMPError("lmcache-mp daemon unavailable")
+            future = MessagingFuture.settled(request_type, error=unavailable)
         else:
             keys = [k for rid, op in zip(request_ids, ops, strict=True) for k in self._keys.keys_for(rid, op)]
             block_ids = [b for op in ops for b in op.block_ids]
@@ -335,6 +364,11 @@ class LMCacheMPWorkerAdapter:
         self._reported[request_id] = None
         while len(self._reported) > _REPORTED_MEMORY:
             self._reported.popitem(last=False)
+
+    def wait_for_stores(self, request_ids: Iterable[str], timeout_s: float) -> None:
+        """Block until the stores of these requests are done (or `timeout_s` passed): their
+        blocks are about to be reused, e.g. after a preemption."""
+        self._stores.wait(request_ids, timeout_s)
 
     def num_blocks_per_chunk(self) -> int:
         return self.blocks_in_chunk

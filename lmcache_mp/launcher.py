@@ -1,4 +1,6 @@
-"""Start the real daemon (`lmcache-mp serve`) as a subprocess for a test, and stop it."""
+"""Start the daemon (`lmcache-mp serve`) as a child process and wait until it answers.
+
+Used by the tests, the benchmarks and the examples; `lmcache-mp serve` itself does not need it."""
 
 from __future__ import annotations
 
