@@ -161,8 +161,11 @@ class MemoryPool:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
-        # The only KV allocation this pool ever makes.
+        # The only KV allocation this pool ever makes. Touch every page now, at start: a
+        # missing page fault later would cost a STORE ~3x its copy time, and a pool larger
+        # than the machine's memory should fail here, not at some STORE hours later.
         self._buffer = torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=pin_memory)
+        self._buffer.zero_()
         self._base = -self._buffer.data_ptr() % ALIGN
         self._usable = max(0, capacity_bytes - self._base)
         self._lock = threading.Lock()

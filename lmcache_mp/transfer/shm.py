@@ -270,7 +270,9 @@ def map_storages(fds: list[int], nbytes: list[int]) -> list[torch.UntypedStorage
             actual = os.fstat(fd).st_size
             if actual < size:
                 raise ValueError(f"shared memory descriptor holds {actual} bytes, the handle says {size}")
-            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            # MAP_POPULATE: build the page tables now, not on the first STORE's page faults.
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                                prot=mmap.PROT_READ | mmap.PROT_WRITE)
             storages.append(torch.frombuffer(mapping, dtype=torch.uint8).untyped_storage())
     finally:
         for fd in fds:
