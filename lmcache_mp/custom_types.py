@@ -7,8 +7,6 @@ nothing on any socket is ever pickled.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
 
 import msgspec
@@ -42,14 +40,15 @@ def str_to_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unsupported KV dtype {name!r}") from None
 
 
-@dataclass(order=True, frozen=True)
-class IPCCacheEngineKey:
+class IPCCacheEngineKey(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """Names one chunk of KV (hash mode) or a token range of a request (token mode).
 
     Hash mode sets `chunk_hash` (vLLM block hashes strided to chunk boundaries).
     Token mode sets `token_ids`, `start` and `end`; the daemon hashes the full chunks.
     `worker_id=None` means "every rank" (scheduler-side lookups).
-    `request_id` travels with the key but is not part of its identity.
+    `request_id` travels with the key but is not part of its identity: equality, hashing
+    and ordering ignore it. (A msgspec Struct rather than a dataclass: 5x faster to build
+    and decode, which is most of a LOOKUP's cost; it encodes as a compact array.)
     """
 
     model_name: str
@@ -59,14 +58,38 @@ class IPCCacheEngineKey:
     token_ids: tuple[int, ...] = ()
     start: int = 0
     end: int = 0
-    request_id: str | None = field(default=None, compare=False)
+    request_id: str | None = None
+
+    def _identity(self) -> tuple:
+        return (self.model_name, self.world_size, self.worker_id, self.chunk_hash, self.token_ids,
+                self.start, self.end)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, IPCCacheEngineKey):
+            return NotImplemented
+        return self._identity() == other._identity()
+
+    def __hash__(self) -> int:
+        return hash(self._identity())
+
+    def __lt__(self, other: IPCCacheEngineKey) -> bool:
+        return self._identity() < other._identity()
+
+    def __le__(self, other: IPCCacheEngineKey) -> bool:
+        return self._identity() <= other._identity()
+
+    def __gt__(self, other: IPCCacheEngineKey) -> bool:
+        return self._identity() > other._identity()
+
+    def __ge__(self, other: IPCCacheEngineKey) -> bool:
+        return self._identity() >= other._identity()
 
     @property
     def is_token_mode(self) -> bool:
         return not self.chunk_hash
 
     def no_worker_id_version(self) -> IPCCacheEngineKey:
-        return dataclasses.replace(self, worker_id=None)
+        return msgspec.structs.replace(self, worker_id=None)
 
     @staticmethod
     def Serialize(obj: IPCCacheEngineKey) -> bytes:

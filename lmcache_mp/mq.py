@@ -158,76 +158,6 @@ class MessagingFuture(Generic[T]):
         return self
 
 
-# ---- the daemon's I/O thread ------------------------------------------------------------
-
-
-class _SocketLoop:
-    """One thread owns the daemon's `sock`. Other threads queue outgoing multipart messages with
-    `send()`; incoming messages go to `on_message` on the loop thread."""
-
-    def __init__(self, sock: zmq.Socket, on_message: Callable[[list[bytes]], None],
-                 on_tick: Callable[[], None] | None = None, tick_s: float = 1.0, name: str = "mq"):
-        self.sock = sock
-        self._on_message = on_message
-        self._on_tick = on_tick
-        self._tick_ms = int(tick_s * 1000)
-        self._outbox: collections.deque[list[bytes]] = collections.deque()
-        self._doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def send(self, frames: list[bytes]) -> None:
-        self._outbox.append(frames)
-        os.eventfd_write(self._doorbell, 1)
-
-    def stop(self) -> None:
-        self._stopping = True
-        os.eventfd_write(self._doorbell, 1)
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self._doorbell, zmq.POLLIN)
-        next_tick = time.monotonic() + self._tick_ms / 1000
-        try:
-            while not self._stopping:
-                events = dict(poller.poll(self._tick_ms))
-                if self._doorbell in events:
-                    with contextlib.suppress(BlockingIOError):
-                        os.eventfd_read(self._doorbell)
-                self._flush_outbox()
-                if self.sock in events:
-                    self._drain_socket()
-                if self._on_tick is not None and time.monotonic() >= next_tick:
-                    next_tick = time.monotonic() + self._tick_ms / 1000
-                    self._on_tick()
-            self._flush_outbox()
-        except Exception:
-            logger.exception("message loop %s died", self._thread.name)
-            raise
-        finally:
-            self.sock.close(linger=0)
-            os.close(self._doorbell)
-
-    def _flush_outbox(self) -> None:
-        while self._outbox:
-            self.sock.send_multipart(self._outbox.popleft(), copy=False)
-
-    def _drain_socket(self) -> None:
-        # Drain everything that is ready before polling again: fewer wake-ups under load.
-        for _ in range(1024):
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self._on_message(frames)
-
-
 # ---- client -------------------------------------------------------------------------------
 
 _LEADER_SLICE_S = 0.05
@@ -424,13 +354,16 @@ class MessageQueueClient:
 
 
 class MessageQueueServer:
-    """A ROUTER bound to one or more endpoints. Incoming requests go to `on_request`
-    on the I/O thread; replies may be sent from any thread with `reply()`."""
+    """A ROUTER bound to one or more endpoints, owned by one I/O thread.
+
+    Incoming requests go to `on_request` on that thread. Replies may come from any thread:
+    on the I/O thread itself they go straight out; from elsewhere they are queued and the
+    I/O thread is woken through an eventfd doorbell (only it may touch the socket)."""
 
     def __init__(self, endpoints: list[str], on_request: Callable[[bytes, list[bytes]], None],
-                 on_tick: Callable[[], None] | None = None, context: zmq.Context | None = None):
-        self._context = context or zmq.Context.instance()
-        sock = self._context.socket(zmq.ROUTER)
+                 on_tick: Callable[[], None] | None = None, context: zmq.Context | None = None,
+                 tick_s: float = 1.0):
+        sock = (context or zmq.Context.instance()).socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, SOCKET_HWM)
         sock.setsockopt(zmq.RCVHWM, SOCKET_HWM)
@@ -440,21 +373,69 @@ class MessageQueueServer:
         for endpoint in endpoints:
             sock.bind(endpoint)
             self.endpoints.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        self._sock = sock
         self._on_request = on_request
-        self._loop = _SocketLoop(sock, self._dispatch, on_tick, tick_s=1.0, name="mq-server")
+        self._on_tick = on_tick
+        self._tick_s = tick_s
+        self._outbox: collections.deque[list[bytes]] = collections.deque()
+        self._doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="mq-server", daemon=True)
 
     def start(self) -> None:
-        self._loop.start()
+        self._thread.start()
 
     def stop(self) -> None:
-        self._loop.stop()
+        self._stopping = True
+        os.eventfd_write(self._doorbell, 1)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
 
     def reply(self, identity: bytes, request_id: bytes, status: int, body: bytes) -> None:
-        self._loop.send([identity, request_id, _STATUS_FRAMES[status], body])
+        frames = [identity, request_id, _STATUS_FRAMES[status], body]
+        if threading.current_thread() is self._thread:
+            self._sock.send_multipart(frames, copy=False)
+        else:
+            self._outbox.append(frames)
+            os.eventfd_write(self._doorbell, 1)
 
-    def _dispatch(self, frames: list[bytes]) -> None:
-        identity, rest = frames[0], frames[1:]
-        self._on_request(identity, rest)
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._doorbell, zmq.POLLIN)
+        next_tick = time.monotonic() + self._tick_s
+        try:
+            while not self._stopping:
+                events = dict(poller.poll(int(self._tick_s * 1000)))
+                if self._doorbell in events:
+                    with contextlib.suppress(BlockingIOError):
+                        os.eventfd_read(self._doorbell)
+                self._flush_outbox()
+                if self._sock in events:
+                    self._drain_socket()
+                if self._on_tick is not None and time.monotonic() >= next_tick:
+                    next_tick = time.monotonic() + self._tick_s
+                    self._on_tick()
+            self._flush_outbox()
+        finally:
+            self._sock.close(linger=0)
+            os.close(self._doorbell)
+
+    def _flush_outbox(self) -> None:
+        while self._outbox:
+            self._sock.send_multipart(self._outbox.popleft(), copy=False)
+
+    def _drain_socket(self) -> None:
+        # Drain everything that is ready before polling again: fewer wake-ups under load.
+        for _ in range(1024):
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self._on_request(frames[0], frames[1:])
+            except Exception:  # a bug in one request must not stop the daemon serving
+                logger.exception("unhandled error while dispatching a request")
 
 
 _STATUS_FRAMES = {int(code): msgspec.msgpack.encode(int(code)) for code in ErrorCode}

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.launcher import DaemonProcess, start_daemon
+from lmcache_mp.mq import MessageQueueClient
 
 
 @pytest.fixture

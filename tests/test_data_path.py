@@ -17,9 +17,9 @@ import torch
 
 from lmcache_mp.custom_types import IPCCacheEngineKey
 from lmcache_mp.errors import ServerError
+from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import ChunkOutcome, ErrorCode, KVCacheRegistration, RequestType, StatusReport
-from lmcache_mp.launcher import DaemonProcess
 from tests.kv_worker import make_caches, pages, wait_done
 from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp
 

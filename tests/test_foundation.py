@@ -22,6 +22,7 @@ from lmcache_mp.custom_types import (
 )
 from lmcache_mp.distributed.api import MemoryLayoutDesc, ObjectKey, ipc_keys_to_object_keys
 from lmcache_mp.errors import ProtocolMismatchError, RequestTimeoutError, ServerError
+from lmcache_mp.launcher import DaemonProcess, start_daemon
 from lmcache_mp.mq import REQUEST_ID, Codec, MessageQueueClient
 from lmcache_mp.protocol import (
     PROTOCOL,
@@ -36,7 +37,6 @@ from lmcache_mp.protocol import (
     StatusReport,
     StoreResult,
 )
-from lmcache_mp.launcher import DaemonProcess, start_daemon
 
 HASH_KEY = IPCCacheEngineKey("m", 2, None, chunk_hash=b"\x01" * 32, request_id="req-1")
 TOKEN_KEY = IPCCacheEngineKey("m", 1, 0, token_ids=(1, 2, 3), start=0, end=3, request_id="r")
@@ -94,7 +94,8 @@ def test_seed_types_round_trip() -> None:
         back = IPCCacheEngineKey.Deserialize(IPCCacheEngineKey.Serialize(key))
         assert back == key and back.request_id == key.request_id
     # request_id travels but is not identity; keys order and hash by identity.
-    assert HASH_KEY.__class__(**{**HASH_KEY.__dict__, "request_id": "other"}) == HASH_KEY
+    other = msgspec.structs.replace(HASH_KEY, request_id="other")
+    assert other == HASH_KEY and hash(other) == hash(HASH_KEY) and not other < HASH_KEY
     assert HASH_KEY.no_worker_id_version().worker_id is None
     assert sorted([TOKEN_KEY, HASH_KEY]) == sorted([HASH_KEY, TOKEN_KEY])
     for handle in (SHM, CUDA):
