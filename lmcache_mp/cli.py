@@ -62,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
                        default=config.DEFAULT_MAX_QUEUED_REQUESTS,
                        help="requests waiting for a worker thread before new ones are refused "
                             "with OVERLOADED (default: %(default)s)")
+    serve.add_argument("--metrics-port", type=int, default=0,
+                       help="serve Prometheus metrics over HTTP on this port (default: off)")
+    serve.add_argument("--metrics-host", default="127.0.0.1",
+                       help="address for the metrics endpoint; non-loopback needs --allow-remote "
+                            "(default: %(default)s)")
     serve.add_argument("--log-level", default="INFO",
                        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                        help="log verbosity (default: %(default)s)")
@@ -94,6 +99,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_workers=args.max_workers,
         max_queued_requests=args.max_queued_requests,
         allow_remote=args.allow_remote,
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
     )
     try:
         server = Daemon(cfg)
@@ -104,8 +111,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
     server.start()
-    logger.info("lmcache-mp %s ready (node-local) pid=%d endpoints=%s chunk_size=%d",
-                __version__, os.getpid(), " ".join(server.endpoints), cfg.chunk_size)
+    metrics = f" metrics=http://{cfg.metrics_host}:{cfg.metrics_port}/metrics" if cfg.metrics_port else ""
+    logger.info("lmcache-mp %s ready (node-local) pid=%d endpoints=%s chunk_size=%d pool=%.2f GiB%s",
+                __version__, os.getpid(), " ".join(server.endpoints), cfg.chunk_size, cfg.l1_size_gb,
+                metrics)
     while not stop.wait(3600):
         pass
     logger.info("shutting down")

@@ -68,6 +68,8 @@ class ServerConfig:
     max_workers: int = DEFAULT_MAX_WORKERS
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
     allow_remote: bool = False
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0  # 0: no metrics endpoint
 
     def validate(self) -> None:
         if not self.listen:
@@ -80,6 +82,8 @@ class ServerConfig:
             raise ValueError("--l1-size-gb must be positive")
         if self.lease_ttl_s <= 0:
             raise ValueError("--lease-ttl-s must be positive")
+        if self.metrics_port:
+            check_endpoint(f"tcp://{self.metrics_host}:{self.metrics_port}", self.allow_remote)
         if self.max_workers <= 0 or self.max_queued_requests <= 0:
             raise ValueError("--max-workers and --max-queued-requests must be positive")
 

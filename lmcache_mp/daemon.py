@@ -6,6 +6,7 @@ import torch
 
 from lmcache_mp.config import ServerConfig
 from lmcache_mp.engine import Engine
+from lmcache_mp.observability import Metrics
 from lmcache_mp.protocol import RequestType
 from lmcache_mp.server import Handler, Server
 
@@ -19,7 +20,8 @@ class Daemon:
         # such threads, fight each other for the cores and halve copy throughput (measured:
         # 8 vs 16 GB/s gather on 2 cores); one torch thread per worker is the faster setup.
         torch.set_num_threads(1)
-        self.engine = Engine(config)
+        self.metrics = Metrics()
+        self.engine = Engine(config, self.metrics)
         e = self.engine
         handlers = {
             # Bookkeeping only: answered on the socket thread.
@@ -33,7 +35,11 @@ class Daemon:
             RequestType.CLEAR: Handler(e.clear, inline=False),
         }
         try:
-            self.server = Server(config, handlers, status_extra=e.status, on_tick=e.tick)
+            self.server = Server(config, handlers, status_extra=e.status, on_tick=e.tick,
+                                 metrics=self.metrics)
+            self.metrics.watch(e.gauges)
+            if config.metrics_port:
+                self.metrics.serve(config.metrics_host, config.metrics_port)
         except BaseException:
             e.close()
             raise

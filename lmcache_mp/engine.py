@@ -30,6 +30,7 @@ from lmcache_mp.distributed.api import rank_of
 from lmcache_mp.errors import ServerError
 from lmcache_mp.hashing import chunk_hashes
 from lmcache_mp.leases import LeaseTable
+from lmcache_mp.observability import Metrics
 from lmcache_mp.protocol import (
     ChunkOutcome,
     ErrorCode,
@@ -72,8 +73,9 @@ def _invalid(message: str) -> ServerError:
 
 
 class Engine:
-    def __init__(self, config: ServerConfig):
+    def __init__(self, config: ServerConfig, metrics: Metrics):
         self.chunk_size = config.chunk_size
+        self.metrics = metrics
         self.pool = MemoryPool(int(config.l1_size_gb * 2**30), pin_memory=torch.cuda.is_available())
         self.leases = LeaseTable(self.pool, config.lease_ttl_s)
         self._instances: dict[int, Instance] = {}
@@ -227,6 +229,7 @@ class Engine:
                 best, pinned = pinned, best
             self.pool.unpin([o for chunk in pinned for o in chunk])
         hits = [o for chunk in best for o in chunk]
+        self.metrics.looked_up(len(hashes), len(best))
         request_id = keys[0].request_id
         if request_id is None:
             self.pool.unpin(hits)  # nobody to retrieve them: count, but lease nothing
@@ -256,6 +259,7 @@ class Engine:
             raise
         self.pool.commit(written)  # visible to LOOKUP only now, with every byte in place
         outcomes = [ChunkOutcome.STORED if isinstance(s, PoolObject) else s for s in reserved]
+        self.metrics.stored(outcomes, context.chunk_nbytes)
         return StoreResult(b"", outcomes)
 
     def retrieve(self, keys: list[IPCCacheEngineKey], instance_id: int, block_ids: list[int],
@@ -268,6 +272,7 @@ class Engine:
         pool_keys = [instance.pool_key(h) for _, h in chunks]
         try:
             objects = self.pool.pin(pool_keys)  # all or nothing
+            self.metrics.retrieved(len(pool_keys), objects is not None, context.chunk_nbytes)
             if objects is None:
                 return RetrieveResult(b"", False, "some chunks are no longer stored (evicted, "
                                                   "cleared, or stored by another kind of cache)")
@@ -326,6 +331,23 @@ class Engine:
         # The reply is the completion signal, so the copies must be done before it goes out.
         if device.type == "cuda":
             cuda.synchronize(device)
+
+    def gauges(self) -> dict[str, float]:
+        stats = self.pool.stats()
+        sessions, leases = self.leases.counts()
+        return {
+            "pool_capacity_bytes": stats.capacity_bytes,
+            "pool_used_bytes": stats.used_bytes,
+            "pool_objects": stats.num_objects,
+            "pool_pinned_objects": stats.num_pinned,
+            "pool_writing_objects": stats.num_writing,
+            "pool_evictions_total": stats.evictions,
+            "lease_sessions": sessions,
+            "leases": leases,
+            "lease_sessions_expired_total": self.leases.expired_total,
+            "registered_instances": len(self._instances),
+            "attach_channels": self.attach.num_channels,
+        }
 
     def status(self) -> dict[str, object]:
         stats = self.pool.stats()

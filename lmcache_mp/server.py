@@ -23,6 +23,7 @@ from lmcache_mp import __version__
 from lmcache_mp.config import ServerConfig, ipc_path
 from lmcache_mp.errors import ServerError
 from lmcache_mp.mq import REQUEST_ID, Codec, MessageQueueServer
+from lmcache_mp.observability import Metrics
 from lmcache_mp.protocol import (
     PROTOCOL_VERSION,
     ErrorCode,
@@ -44,9 +45,10 @@ class Handler:
 class Server:
     def __init__(self, config: ServerConfig, handlers: dict[RequestType, Handler] | None = None,
                  status_extra: Callable[[], dict[str, Any]] | None = None,
-                 on_tick: Callable[[], None] | None = None):
+                 on_tick: Callable[[], None] | None = None, metrics: Metrics | None = None):
         config.validate()
         self.config = config
+        self.metrics = metrics or Metrics()
         self.codec = Codec()
         self.started_at = time.monotonic()
         self._status_extra = status_extra
@@ -119,12 +121,13 @@ class Server:
         try:
             args = self.codec.decode_payload(request_type, payload)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as err:
-            self._send_error(identity, request_id, ErrorCode.BAD_PAYLOAD, f"{request_type.name}: {err}")
+            self._send_error(identity, request_id, ErrorCode.BAD_PAYLOAD, f"{request_type.name}: {err}",
+                             request_type)
             return
         handler = self._handlers.get(request_type)
         if handler is None:
             self._send_error(identity, request_id, ErrorCode.NOT_IMPLEMENTED,
-                             f"{request_type.name} is not implemented by this daemon")
+                             f"{request_type.name} is not implemented by this daemon", request_type)
             return
         if handler.inline:
             self._run(identity, request_id, request_type, handler, args)
@@ -137,7 +140,7 @@ class Server:
                 self._queued += 1
         if overloaded:
             self._send_error(identity, request_id, ErrorCode.OVERLOADED,
-                             f"{self.config.max_queued_requests} requests already queued")
+                             f"{self.config.max_queued_requests} requests already queued", request_type)
             return
         self._pool.submit(self._run_queued, identity, request_id, request_type, handler, args)
 
@@ -151,22 +154,26 @@ class Server:
 
     def _run(self, identity: bytes, request_id: bytes, request_type: RequestType,
              handler: Handler, args: list[Any]) -> None:
+        start = time.perf_counter()
+        status = ErrorCode.OK
         try:
             result = handler.fn(*args)
             body = self.codec.encode_reply(result)
         except ServerError as err:
-            code = err.code if isinstance(err.code, ErrorCode) else ErrorCode.INTERNAL
-            self._send_error(identity, request_id, code, err.message)
-            return
+            status = err.code if isinstance(err.code, ErrorCode) else ErrorCode.INTERNAL
+            body = self.codec.encode_error(status, err.message)
         except Exception as err:
             logger.error("%s failed:\n%s", request_type.name, traceback.format_exc())
-            self._send_error(identity, request_id, ErrorCode.INTERNAL,
-                             f"{request_type.name} failed: {type(err).__name__}: {err}")
-            return
-        self._mq.reply(identity, request_id, ErrorCode.OK, body)
+            status = ErrorCode.INTERNAL
+            body = self.codec.encode_error(status, f"{request_type.name} failed: {type(err).__name__}: {err}")
+        self._mq.reply(identity, request_id, status, body)
+        self.metrics.request_done(request_type, status, time.perf_counter() - start)
 
-    def _send_error(self, identity: bytes, request_id: bytes, code: ErrorCode, message: str) -> None:
+    def _send_error(self, identity: bytes, request_id: bytes, code: ErrorCode, message: str,
+                    request_type: RequestType | None = None) -> None:
         self._mq.reply(identity, request_id, code, self.codec.encode_error(code, message))
+        if request_type is not None:
+            self.metrics.request_done(request_type, code, 0.0)
 
     # ---- built-in handlers ------------------------------------------------------------------
 

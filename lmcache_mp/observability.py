@@ -1,0 +1,83 @@
+"""Prometheus metrics: counted in process, scraped over HTTP on a loopback port.
+
+Every series exists (at 0) from the start, so dashboards and alerts work before the first
+request. The server and the engine report through the small `Metrics` interface; the pool
+and lease gauges are read at scrape time, never updated on the hot path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from lmcache_mp.protocol import ChunkOutcome, ErrorCode, RequestType
+
+_LATENCY_BUCKETS = (50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25,
+                    0.5, 1.0, 2.5)
+
+
+class _Gauges(Collector):
+    """Pool, lease and registration gauges, read from the engine at scrape time."""
+
+    def __init__(self, read: Callable[[], dict[str, float]]):
+        self._read = read
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        for name, value in self._read().items():
+            yield GaugeMetricFamily(f"lmcache_mp_{name}", name.replace("_", " "), value=value)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("lmcache_mp_requests", "Requests answered, by type and status",
+                                ["type", "status"], registry=self.registry)
+        self.latency = Histogram("lmcache_mp_request_seconds", "Time from decoded request to reply",
+                                 ["type"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.lookup_chunks = Counter("lmcache_mp_lookup_chunks", "Chunks asked for by LOOKUP",
+                                     ["result"], registry=self.registry)
+        self.store_chunks = Counter("lmcache_mp_store_chunks", "Chunks offered to STORE, by outcome",
+                                    ["outcome"], registry=self.registry)
+        self.retrieve_chunks = Counter("lmcache_mp_retrieve_chunks", "Chunks asked for by RETRIEVE",
+                                       ["result"], registry=self.registry)
+        self.bytes = Counter("lmcache_mp_copied_bytes", "KV bytes copied", ["direction"],
+                             registry=self.registry)
+        for rt in RequestType:  # pre-register every series at 0
+            self.latency.labels(rt.name)
+            for code in (ErrorCode.OK, ErrorCode.INVALID_ARGUMENT, ErrorCode.INTERNAL):
+                self.requests.labels(rt.name, code.name)
+        for result in ("hit", "miss"):
+            self.lookup_chunks.labels(result)
+        for outcome in ChunkOutcome:
+            self.store_chunks.labels(outcome.name.lower())
+        for result in ("loaded", "failed"):
+            self.retrieve_chunks.labels(result)
+        for direction in ("store", "retrieve"):
+            self.bytes.labels(direction)
+
+    def watch(self, read: Callable[[], dict[str, float]]) -> None:
+        self.registry.register(_Gauges(read))
+
+    def serve(self, host: str, port: int) -> None:
+        start_http_server(port, addr=host, registry=self.registry)
+
+    def request_done(self, request_type: RequestType, status: ErrorCode, seconds: float) -> None:
+        self.requests.labels(request_type.name, status.name).inc()
+        self.latency.labels(request_type.name).observe(seconds)
+
+    def looked_up(self, asked: int, hits: int) -> None:
+        self.lookup_chunks.labels("hit").inc(hits)
+        self.lookup_chunks.labels("miss").inc(asked - hits)
+
+    def stored(self, outcomes: list[ChunkOutcome], chunk_bytes: int) -> None:
+        for outcome in outcomes:
+            self.store_chunks.labels(outcome.name.lower()).inc()
+        self.bytes.labels("store").inc(chunk_bytes * outcomes.count(ChunkOutcome.STORED))
+
+    def retrieved(self, chunks: int, ok: bool, chunk_bytes: int) -> None:
+        self.retrieve_chunks.labels("loaded" if ok else "failed").inc(chunks)
+        if ok:
+            self.bytes.labels("retrieve").inc(chunk_bytes * chunks)
