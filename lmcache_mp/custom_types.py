@@ -194,7 +194,17 @@ class SharedMemoryTensor(TensorHandle):
         if storage.nbytes() != st.storage_nbytes:
             raise ValueError(f"shared storage {st.storage_index} has {storage.nbytes()} bytes, "
                              f"the handle says {st.storage_nbytes}")
-        view = torch.empty(0, dtype=str_to_dtype(st.dtype))
+        dtype = str_to_dtype(st.dtype)
+        if (len(st.shape) != len(st.stride) or min(st.shape, default=1) <= 0
+                or min(st.stride, default=0) < 0 or st.storage_offset < 0):
+            raise ValueError(f"invalid view: shape {st.shape}, stride {st.stride}, "
+                             f"offset {st.storage_offset}")
+        # Never trust a client's geometry: the view must lie inside the mapped memory.
+        last = st.storage_offset + sum((n - 1) * s for n, s in zip(st.shape, st.stride, strict=True))
+        if (last + 1) * dtype.itemsize > storage.nbytes():
+            raise ValueError(f"a {st.shape} view at offset {st.storage_offset} overruns the "
+                             f"{storage.nbytes()}-byte shared storage")
+        view = torch.empty(0, dtype=dtype)
         view.set_(storage, st.storage_offset, st.shape, st.stride)
         return view
 

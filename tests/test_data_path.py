@@ -12,14 +12,16 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
-from lmcache_mp.custom_types import IPCCacheEngineKey
+from lmcache_mp.custom_types import IPCCacheEngineKey, SharedMemoryTensor
 from lmcache_mp.errors import ServerError
 from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import ChunkOutcome, ErrorCode, KVCacheRegistration, RequestType, StatusReport
+from lmcache_mp.transfer.shm import AttachChannel, share_cpu_tensors
 from tests.kv_worker import make_caches, pages, wait_done
 from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp
 
@@ -315,10 +317,20 @@ def test_bad_data_requests_get_typed_errors(daemon: DaemonProcess) -> None:
             (RequestType.REGISTER_KV_CACHE, [1, [], KVCacheRegistration("m", 1, 3)],
              ErrorCode.INVALID_ARGUMENT),
         ]
+        # A shared-memory handle whose view overruns the memory actually handed over.
+        tensor = torch.zeros(4, 64)
+        (handle,), fds = share_cpu_tensors([tensor])
+        channel = AttachChannel.open(str(Path(daemon.url.removeprefix("ipc://")).with_suffix(".sock.attach")),
+                                     fds)
+        bogus = SharedMemoryTensor(state=msgspec.structs.replace(handle.state, shape=(8, 64)))
+        cases.append((RequestType.REGISTER_KV_CACHE,
+                      [7, [bogus], KVCacheRegistration("m", 1, 0, "", channel.token)],
+                      ErrorCode.INVALID_ARGUMENT))
         for request_type, payload, code in cases:
             with pytest.raises(ServerError) as info:
                 c.submit(request_type, payload).result(10)
             assert info.value.code is code, (request_type, payload, info.value)
+        channel.close()
         assert c.submit(RequestType.PING, [3]).result(5) == 3
         assert status(daemon.url).registered_instances == [iid]
     finally:
