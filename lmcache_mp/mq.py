@@ -47,6 +47,7 @@ DEFAULT_REQUEST_TIMEOUT_S = 300.0
 # Bounded queues everywhere: ZeroMQ drops nothing on a DEALER past its high-water mark,
 # it blocks; the I/O thread then stops reading the outbox and submitters see timeouts.
 SOCKET_HWM = 100_000
+MAX_FRAME_BYTES = 64 * 2**20
 
 
 # ---- encoding -----------------------------------------------------------------------------
@@ -369,6 +370,9 @@ class MessageQueueServer:
         sock.setsockopt(zmq.RCVHWM, SOCKET_HWM)
         # A reply to a client that went away is dropped silently instead of raising.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        # Control messages are small (KV bytes never travel here): a peer sending a larger
+        # frame is disconnected instead of making the daemon buffer it.
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self.endpoints: list[str] = []
         for endpoint in endpoints:
             sock.bind(endpoint)

@@ -196,6 +196,25 @@ def test_malformed_requests_get_error_replies(daemon: DaemonProcess) -> None:
     assert daemon.proc.poll() is None
 
 
+def test_oversized_frame_is_refused_and_the_daemon_serves_on(daemon: DaemonProcess) -> None:
+    from lmcache_mp.mq import MAX_FRAME_BYTES
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(daemon.url)
+    try:
+        sock.send_multipart([REQUEST_ID.pack(1), msgspec.msgpack.encode(int(RequestType.PING)),
+                             b"\x00" * (MAX_FRAME_BYTES + 1)])
+        assert not sock.poll(1000)  # no reply: the peer was cut off, nothing was buffered
+    finally:
+        sock.close()
+    client = MessageQueueClient(daemon.url)
+    try:
+        assert client.submit(RequestType.PING, [11]).result(5) == 11
+    finally:
+        client.close()
+
+
 def test_concurrent_clients_threads_match_replies(client: MessageQueueClient) -> None:
     threads, per_thread = 8, 1000
     mismatches: list[tuple[int, int]] = []
