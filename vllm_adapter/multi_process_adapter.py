@@ -83,11 +83,12 @@ class _KeyMaker:
 
 
 def _connect(server_url: str, context: zmq.Context | None, name: str, timeout_s: float,
-             vllm_block_size: int) -> tuple[MessageQueueClient, int]:
-    """Connect and say HELLO; returns the client and the daemon's chunk size."""
+             vllm_block_size: int, connect_timeout_s: float | None) -> tuple[MessageQueueClient, int]:
+    """Connect and say HELLO (waiting `connect_timeout_s`, default `timeout_s`); returns the
+    client and the daemon's chunk size."""
     client = MessageQueueClient(server_url, context, request_timeout_s=timeout_s)
     try:
-        hello = client.handshake(name, timeout_s=timeout_s)
+        hello = client.handshake(name, timeout_s=connect_timeout_s or timeout_s)
     except BaseException:
         client.close()
         raise
@@ -103,9 +104,10 @@ def _connect(server_url: str, context: zmq.Context | None, name: str, timeout_s:
 
 class LMCacheMPSchedulerAdapter:
     def __init__(self, server_url: str, context: zmq.Context | None, model_name: str, world_size: int,
-                 kv_rank: int, vllm_block_size: int, *, timeout_s: float = DEFAULT_TIMEOUT_S):
+                 kv_rank: int, vllm_block_size: int, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 connect_timeout_s: float | None = None):
         self.mq_client, self.chunk_size = _connect(server_url, context, "vllm-scheduler", timeout_s,
-                                                   vllm_block_size)
+                                                   vllm_block_size, connect_timeout_s)
         self.model_name = model_name
         self.world_size = world_size
         self.worker_id = kv_rank
@@ -209,6 +211,7 @@ def _failure(future: MessagingFuture) -> str | None:
 class LMCacheMPWorkerAdapter:
     def __init__(self, server_url: str, context: zmq.Context | None, model_name: str, world_size: int,
                  kv_rank: int, vllm_block_size: int, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 connect_timeout_s: float | None = None,
                  reregister_interval_s: float = REREGISTER_INTERVAL_S):
         self.server_url = server_url
         self._context = context
@@ -216,7 +219,7 @@ class LMCacheMPWorkerAdapter:
         self._reregister_interval_s = reregister_interval_s
         self._vllm_block_size = vllm_block_size
         self.mq_client, chunk_size = _connect(server_url, context, f"vllm-worker-{kv_rank}", timeout_s,
-                                              vllm_block_size)
+                                              vllm_block_size, connect_timeout_s)
         self.instance_id = os.getpid()
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.model_name = model_name
@@ -265,7 +268,7 @@ class LMCacheMPWorkerAdapter:
         logger.info("registered %d KV cache layers with lmcache-mp at %s as %s (%d-byte chunks)",
                     len(tensors), self.server_url, reply.layout, reply.chunk_bytes)
 
-    def _ensure_registered(self) -> bool:
+    def ensure_registered(self) -> bool:
         """Fail closed while the daemon is away; re-register when it is back. Never waits
         on an absent daemon: a HELLO probe goes out (at most once per interval) and the
         registration runs only after the daemon has answered one."""
@@ -275,22 +278,22 @@ class LMCacheMPWorkerAdapter:
         if not self.kv_caches:
             return False
         probe = self._probe
-        if probe is None or probe.exception() is not None:
-            if time.monotonic() - self._last_register_try >= self._reregister_interval_s:
-                self._last_register_try = time.monotonic()
-                self._probe = self.mq_client.submit(
-                    RequestType.HELLO, [PROTOCOL_VERSION, f"vllm-worker-{self.worker_id}"],
-                    timeout_s=self._reregister_interval_s)
-            return False
-        if not probe.query():
-            return False
-        self._probe = None
-        try:
-            self._register()
-        except (LMCacheMPError, OSError) as err:
-            logger.warning("lmcache-mp at %s unavailable (%s); KV offload paused", self.server_url, err)
-            return False
-        return True
+        if probe is not None and probe.query():
+            self._probe = None
+            if probe.exception() is None:
+                try:
+                    self._register()
+                except (LMCacheMPError, OSError) as err:
+                    logger.warning("lmcache-mp at %s unavailable (%s); KV offload paused",
+                                   self.server_url, err)
+                    return False
+                return True
+        if self._probe is None and time.monotonic() - self._last_register_try >= self._reregister_interval_s:
+            self._last_register_try = time.monotonic()
+            self._probe = self.mq_client.submit(
+                RequestType.HELLO, [PROTOCOL_VERSION, f"vllm-worker-{self.worker_id}"],
+                timeout_s=self._reregister_interval_s)
+        return False
 
     # ---- stores and retrieves ---------------------------------------------------------------
 
@@ -311,7 +314,7 @@ class LMCacheMPWorkerAdapter:
 
     def _submit(self, request_type: RequestType, tracker: _PerRequestOps, request_ids: list[str],
                 ops: list[LoadStoreOp], event: torch.cuda.Event | None) -> None:
-        if not self._ensure_registered():
+        if not self.ensure_registered():
             unavailable = LMCacheMPError("lmcache-mp daemon unavailable")
             future = MessagingFuture.settled(request_type, error=unavailable)
         else:

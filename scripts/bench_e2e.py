@@ -1,0 +1,166 @@
+#!/usr/bin/env python
+"""End-to-end benchmark: time to first token of fresh vLLM engines through the connector.
+
+    .venv/bin/python scripts/bench_e2e.py [--out bench-out]
+
+Workload (issue 5): a random-weight Llama big enough that prefill dominates (8 layers,
+hidden 1024, 4 KV heads of 64, bf16, ~96 M parameters), 8 prompts of 2,049 tokens, one at a
+time, VLLM_CPU_NUM_OF_RESERVED_CPU=1 for every engine. Each engine is a fresh process:
+  baseline  no connector: full prefill; then the same prompts again, served by vLLM's own
+            prefix cache -- the floor for any external cache;
+  engine 1  with the connector, against a cold daemon (it stores);
+  engine 2  with the connector, against the now warm daemon (it loads 2,048 tokens).
+Targets: engine 2 caches 2,048 tokens of every prompt, with outputs identical to the baseline;
+its TTFT within 10 ms of the floor; engine 1's TTFT within +-4% of no connector.
+Prints a table, writes e2e.png and e2e.json to --out. Takes about 4 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPTS, PROMPT_TOKENS, CHUNK, BLOCK, MAX_TOKENS = 8, 2049, 256, 128, 4
+MODEL_FLAGS = ["--dtype", "bfloat16", "--hidden", "1024", "--intermediate", "3072", "--layers", "8",
+               "--heads", "16", "--kv-heads", "4", "--head-dim", "64", "--max-pos", "4096"]
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", "DO_NOT_TRACK": "1",
+              "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+              "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "PYTHONPATH": str(REPO)}
+
+
+def run_engine(spec: dict[str, Any]) -> None:
+    """Child process: one engine, prompts one at a time, one RESULT line per pass."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    args: dict[str, Any] = {"model": spec["model"], "dtype": "bfloat16", "max_model_len": 4096,
+                            "enforce_eager": True, "seed": 0, "max_num_seqs": 1, "block_size": BLOCK,
+                            "enable_prefix_caching": True, "disable_log_stats": False}
+    if spec["url"]:
+        args["disable_hybrid_kv_cache_manager"] = True
+        args["kv_transfer_config"] = {
+            "kv_connector": "LMCacheMPDaemonConnector", "kv_connector_module_path": "vllm_adapter.connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"lmcache.mp.url": spec["url"]}}
+    llm = LLM(**args)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for pass_no in range(spec["passes"]):
+        rows = []
+        for prompt in spec["prompts"]:
+            start = time.perf_counter()
+            out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
+            wall = time.perf_counter() - start
+            ttft = getattr(out.metrics, "first_token_latency", 0.0) or wall
+            rows.append({"ttft_s": ttft, "num_cached_tokens": out.num_cached_tokens,
+                         "token_ids": list(out.outputs[0].token_ids)})
+        print("RESULT " + json.dumps({"pass": pass_no, "rows": rows}), flush=True)
+
+
+def engine(model: Path, prompts: list[list[int]], url: str | None, passes: int,
+           log: Path) -> list[list[dict]]:
+    spec = {"model": str(model), "prompts": prompts, "url": url, "passes": passes}
+    env = {**os.environ, **ENGINE_ENV}
+    with open(log, "w") as f:
+        out = subprocess.run([sys.executable, __file__, "--engine", json.dumps(spec)], env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=f, timeout=900)
+    if out.returncode:
+        raise RuntimeError(f"engine failed ({out.returncode}); see {log}")
+    results = [json.loads(line[7:]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    return [r["rows"] for r in sorted(results, key=lambda r: r["pass"])]
+
+
+def median_ms(rows: list[dict]) -> float:
+    return statistics.median(r["ttft_s"] for r in rows) * 1e3
+
+
+def plot(series: dict[str, list[float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
+    for name in ("no connector", "engine 1 (cold daemon)"):
+        ax1.plot(series[name], marker="o", label=name)
+    ax1.set_title("full prefill", fontsize=9)
+    for name in ("vLLM prefix hit (floor)", "engine 2 (warm daemon)"):
+        ax2.plot(series[name], marker="o", label=name)
+    ax2.set_title("2,048 cached tokens", fontsize=9)
+    for ax in (ax1, ax2):
+        ax.set_xlabel("prompt")
+        ax.set_ylabel("TTFT (ms)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    parser.add_argument("--out", type=Path, default=Path("bench-out"), help="where to write the PNG and JSON")
+    parser.add_argument("--engine", help=argparse.SUPPRESS)  # internal: run one engine
+    args = parser.parse_args()
+    if args.engine:
+        run_engine(json.loads(args.engine))
+        return 0
+    sys.path.insert(0, str(REPO))
+    from lmcache_mp.launcher import start_daemon
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="lmc-e2e-", dir="/tmp"))
+    model = tmp / "model"
+    print("building the random-weight model...", flush=True)
+    subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), str(model), *MODEL_FLAGS],
+                   check=True, capture_output=True)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 1000) for _ in range(PROMPT_TOKENS)] for _ in range(PROMPTS)]
+    print("baseline engine (no connector, then vLLM's own prefix hits)...", flush=True)
+    full, floor = engine(model, prompts, None, 2, args.out / "e2e-baseline.log")
+    daemon = start_daemon(tmp, "--chunk-size", str(CHUNK), "--l1-size-gb", "1")
+    try:
+        print("engine 1 against a cold daemon...", flush=True)
+        (cold,) = engine(model, prompts, daemon.url, 1, args.out / "e2e-engine1.log")
+        print("engine 2 (fresh process) against the warm daemon...", flush=True)
+        (warm,) = engine(model, prompts, daemon.url, 1, args.out / "e2e-engine2.log")
+    finally:
+        daemon.stop()
+    expected_hit = (PROMPT_TOKENS - 1) // CHUNK * CHUNK
+    rows = {"no connector": full, "engine 1 (cold daemon)": cold,
+            "vLLM prefix hit (floor)": floor, "engine 2 (warm daemon)": warm}
+    medians = {name: median_ms(r) for name, r in rows.items()}
+    print(f"\n{'setup':<26}{'TTFT median ms':>16}{'cached tokens':>16}")
+    for name, r in rows.items():
+        cached = sorted({x["num_cached_tokens"] for x in r})
+        print(f"{name:<26}{medians[name]:>16.1f}{','.join(map(str, cached)):>16}")
+    same_outputs = all(w["token_ids"] == f["token_ids"] for w, f in zip(warm, full, strict=True))
+    cold_ratio = medians["engine 1 (cold daemon)"] / medians["no connector"]
+    above_floor = medians["engine 2 (warm daemon)"] - medians["vLLM prefix hit (floor)"]
+    checks = {
+        f"engine 2 caches {expected_hit} tokens of every prompt":
+            all(w["num_cached_tokens"] == expected_hit for w in warm),
+        "engine 2 outputs identical to the baseline": same_outputs,
+        f"engine 2 TTFT within 10 ms of the floor ({above_floor:+.1f} ms)": above_floor <= 10,
+        f"engine 1 TTFT within 4% of no connector ({cold_ratio - 1:+.1%})": abs(cold_ratio - 1) <= 0.04,
+    }
+    print()
+    for name, ok in checks.items():
+        print(f"{'MET ' if ok else 'MISS'} {name}")
+    (args.out / "e2e.json").write_text(json.dumps(
+        {"median_ttft_ms": medians, "checks": checks,
+         "ttft_ms": {n: [x["ttft_s"] * 1e3 for x in r] for n, r in rows.items()}}, indent=2))
+    plot({n: [x["ttft_s"] * 1e3 for x in r] for n, r in rows.items()}, args.out / "e2e.png")
+    print(f"\nwrote {args.out / 'e2e.png'} and {args.out / 'e2e.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

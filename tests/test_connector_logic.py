@@ -1,0 +1,337 @@
+"""Issue 4: both halves of LMCacheMPDaemonConnector driven step by step, without an engine.
+
+The real daemon and the real scheduler/worker halves; only vLLM's request, block and
+scheduler-output objects are stand-ins (the fields the connector reads, per
+docs/vllm-0.32-connector-notes.md). This pins down what an engine run cannot show
+deterministically: the exact ops, a failed load, an absent or frozen daemon.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, TypeVar
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from lmcache_mp.config import default_url
+from lmcache_mp.launcher import DaemonProcess, start_daemon
+from lmcache_mp.mq import MessageQueueClient
+from lmcache_mp.protocol import RequestType
+from tests.kv_worker import make_caches, pages
+from tests.test_data_path import block_hashes, status
+from vllm_adapter.connector_common import ConnectorSettings, LMCacheMPConnectorMetadata
+from vllm_adapter.connector_scheduler import SchedulerSide
+from vllm_adapter.connector_worker import WorkerSide
+from vllm_adapter.multi_process_adapter import LoadStoreOp
+
+BLOCK, CHUNK = 16, 32  # the hashes of tests.test_data_path are over 16-token blocks
+SHAPE = [64, 2, BLOCK, 64]
+LAYERS = 2
+DAEMON_ARGS = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05")
+T = TypeVar("T")
+
+
+def request(request_id: str, tokens: list[int], preemptions: int = 0) -> Any:
+    return SimpleNamespace(request_id=request_id, block_hashes=block_hashes(tokens),
+                           num_prompt_tokens=len(tokens), num_tokens=len(tokens),
+                           num_preemptions=preemptions, skip_reading_prefix_cache=False)
+
+
+class Blocks:
+    """What vLLM hands `update_state_after_alloc`: every block the request holds."""
+
+    def __init__(self, ids: list[int]):
+        self.ids = ids
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return (list(self.ids),)
+
+
+def step(tables: dict[str, list[int]], new: tuple = (), cached: tuple = (), preempted: tuple = ()) -> Any:
+    """A SchedulerOutput: `new` and `cached` hold (request, computed before, scheduled now)."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, num_computed_tokens=c) for r, c, _ in new],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[r.request_id for r, _, _ in cached],
+                                              num_computed_tokens=[c for _, c, _ in cached]),
+        num_scheduled_tokens={r.request_id: n for r, _, n in (*new, *cached)},
+        preempted_req_ids=set(preempted),
+        kv_connector_block_state=SimpleNamespace(get_block_ids=lambda rid: (tables[rid],)))
+
+
+def until(probe: Callable[[], T | None], timeout: float = 10.0) -> T:
+    deadline = time.monotonic() + timeout
+    while (value := probe()) is None or value is False:
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+    return value
+
+
+def match(scheduler: SchedulerSide, req: Any, local: int = 0) -> tuple[int | None, bool]:
+    scheduler.on_new_request(req)
+
+    def answer() -> tuple[int | None, bool] | None:
+        result = scheduler.get_num_new_matched_tokens(req, local)
+        return None if result[0] is None else result
+
+    return until(answer)
+
+
+class Worker:
+    """A WorkerSide over its own caches, run the way vLLM's model runner runs it."""
+
+    def __init__(self, settings: ConnectorSettings, seed: int):
+        self.caches = make_caches(SHAPE, torch.bfloat16, LAYERS, seed=seed)
+        backend = SimpleNamespace(get_name=lambda: "CPU_ATTN")
+        layers = {name: SimpleNamespace(attn_backend=backend) for name in self.caches}
+        vllm_config = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context=layers))
+        self.side = WorkerSide(settings, vllm_config, "m", 1, 0, BLOCK)  # type: ignore[arg-type]
+        self.side.register_kv_caches(self.caches)
+        self.reported: dict[str, Counter[str]] = {kind: Counter() for kind in ("sent", "received", "failed")}
+        self.load_errors: set[int] = set()
+
+    def run(self, meta: LMCacheMPConnectorMetadata, finished: set[str] = frozenset()) -> None:
+        self.side.begin_step(meta)
+        self.side.start_load_kv(meta)
+        self.side.wait_for_save(meta)
+        self.collect(finished)
+
+    def collect(self, finished: set[str] = frozenset()) -> None:
+        results = self.side.transfer_results(set(finished))
+        self.reported["sent"].update(results.finished_sending)
+        self.reported["received"].update(results.finished_recving)
+        self.reported["failed"].update(results.failed_recving)
+        self.load_errors |= self.side.take_load_errors()
+
+    def wait_reported(self, kind: str, request_id: str) -> None:
+        def seen() -> bool:
+            self.collect()
+            return request_id in self.reported[kind]
+
+        until(seen)
+
+
+@pytest.fixture
+def halves(daemon: DaemonProcess) -> Iterator[tuple[SchedulerSide, Worker]]:
+    settings = ConnectorSettings(url=daemon.url, reconnect_interval_s=0.3)
+    scheduler = SchedulerSide(settings, "m", 1, 0, BLOCK)
+    worker = Worker(settings, seed=1)
+    yield scheduler, worker
+    worker.side.shutdown()
+    scheduler.shutdown()
+
+
+@pytest.mark.daemon_args(*DAEMON_ARGS)
+def test_stores_then_loads_exact_chunks(halves: tuple[SchedulerSide, Worker], daemon: DaemonProcess) -> None:
+    scheduler, worker = halves
+    rng = random.Random(7)
+    tokens = [rng.randrange(1000) for _ in range(4 * CHUNK + 5)]
+    hashes = block_hashes(tokens)
+    tables = {"r1": list(range(10, 19))}
+
+    # r1: a miss; prefill in two steps (70 + 63 tokens), then decoding.
+    r1 = request("r1", tokens)
+    assert match(scheduler, r1) == (0, False)
+    scheduler.update_state_after_alloc(r1, Blocks(tables["r1"]), 0)
+    first = scheduler.build_connector_meta(step(tables, new=((r1, 0, 70),)))
+    second = scheduler.build_connector_meta(step(tables, cached=((r1, 70, 63),)))
+    decode = scheduler.build_connector_meta(step(tables, cached=((r1, 133, 1),)))
+    assert first.loads == {} and list(first.stores) == ["r1"]
+    for meta, blocks in ((first, slice(0, 4)), (second, slice(4, 8))):  # this step's tokens count
+        op = meta.stores["r1"]
+        assert (op.block_ids, op.block_hashes) == (tables["r1"][blocks], hashes[blocks])
+    assert decode.stores == {}  # the last, partial chunk is never stored
+    for meta in (first, second, decode):
+        worker.run(meta)
+    assert scheduler.request_finished(r1) is True  # its stores may be in flight: keep the blocks
+    worker.collect({"r1"})  # vLLM names a finished request once
+    worker.wait_reported("sent", "r1")
+    worker.collect()
+    assert worker.reported["sent"] == {"r1": 1}
+    assert status(daemon.url).objects == 4
+
+    # r2 shares r1's 4 chunks; vLLM already holds its first 3 blocks (48 tokens).
+    tokens2 = tokens[: 4 * CHUNK] + [rng.randrange(1000) for _ in range(20)]
+    tables["r2"] = list(range(30, 40))
+    for layer in worker.caches.values():
+        layer[tables["r2"]] = 0
+    r2 = request("r2", tokens2)
+    assert match(scheduler, r2, local=48) == (4 * CHUNK - 48, True)
+    scheduler.update_state_after_alloc(r2, Blocks(tables["r2"][:8]), 4 * CHUNK - 48)
+    scheduler.update_state_after_alloc(r2, Blocks(tables["r2"]), 0)  # again, after the load
+    meta = scheduler.build_connector_meta(step(tables))
+    load = meta.loads["r2"]
+    # From the chunk boundary (block 2); vLLM's own block 2 is -1: left alone.
+    assert load.block_ids == [-1, *tables["r2"][3:8]] and load.block_hashes == block_hashes(tokens2)[2:8]
+    worker.run(meta)
+    worker.wait_reported("received", "r2")
+    assert worker.reported["failed"] == {} and worker.load_errors == set()
+    assert torch.equal(pages(worker.caches, "CPU_ATTN", SHAPE, tables["r2"][3:8]),
+                       pages(worker.caches, "CPU_ATTN", SHAPE, tables["r1"][3:8]))
+    assert not pages(worker.caches, "CPU_ATTN", SHAPE, tables["r2"][:3]).any()  # untouched
+    assert scheduler.build_connector_meta(step(tables)).loads == {}  # one load per request
+    assert scheduler.request_finished(r2) is False  # nothing stored: everything was a hit
+    worker.collect({"r2"})
+    worker.collect()
+    assert "r2" not in worker.reported["sent"]  # vLLM no longer holds it: reporting it would crash
+
+
+@pytest.mark.daemon_args(*DAEMON_ARGS)
+def test_failed_load_is_reported_and_recomputed(halves: tuple[SchedulerSide, Worker],
+                                                 daemon: DaemonProcess) -> None:
+    scheduler, worker = halves
+    tokens = list(range(2 * CHUNK + 1))
+    tables = {"w": list(range(5)), "r": list(range(20, 25))}
+    writer = request("w", tokens)
+    assert match(scheduler, writer) == (0, False)
+    worker.run(scheduler.build_connector_meta(step(tables, new=((writer, 0, len(tokens)),))))
+    scheduler.request_finished(writer)
+    worker.collect({"w"})
+    worker.wait_reported("sent", "w")
+
+    reader = request("r", tokens)
+    assert match(scheduler, reader) == (2 * CHUNK, True)
+    scheduler.update_state_after_alloc(reader, Blocks(tables["r"][:4]), 2 * CHUNK)
+    raw = MessageQueueClient(daemon.url)
+    try:  # the chunks vanish between the lookup and the load
+        raw.submit(RequestType.END_SESSION, ["r"]).result(10)
+        assert raw.submit(RequestType.CLEAR, []).result(10) == 2
+    finally:
+        raw.close()
+    worker.run(scheduler.build_connector_meta(step(tables)))
+    worker.wait_reported("received", "r")
+    assert worker.reported["failed"] == {"r": 1}
+    assert worker.load_errors == set(tables["r"][:4])
+
+    # vLLM then restarts the request from scratch: no second load; it stores everything again.
+    scheduler.update_connector_output(SimpleNamespace(failed_recving={"r"}))
+    assert scheduler.get_num_new_matched_tokens(reader, 0) == (0, False)
+    scheduler.update_state_after_alloc(reader, Blocks(tables["r"]), 0)
+    meta = scheduler.build_connector_meta(step(tables, new=((reader, 0, len(tokens)),)))
+    assert meta.stores["r"].block_ids == tables["r"][:4]
+    assert scheduler.request_finished(reader) is True
+
+
+@pytest.mark.daemon_args(*DAEMON_ARGS)
+def test_preempted_request_gets_no_reload_and_its_stores_land_first(
+        halves: tuple[SchedulerSide, Worker], daemon: DaemonProcess) -> None:
+    scheduler, worker = halves
+    tokens = list(range(100, 100 + 2 * CHUNK + 3))
+    tables = {"p": list(range(5))}
+    req = request("p", tokens)
+    assert match(scheduler, req) == (0, False)
+    prefill = scheduler.build_connector_meta(step(tables, new=((req, 0, len(tokens)),)))
+    preempted = scheduler.build_connector_meta(step(tables, preempted=("p",)))
+    assert preempted.preempted == {"p"}
+    daemon.proc.send_signal(signal.SIGSTOP)  # the store stays in flight until SIGCONT
+    try:
+        worker.run(prefill)
+        threading.Timer(0.5, daemon.proc.send_signal, [signal.SIGCONT]).start()
+        started = time.monotonic()
+        worker.side.begin_step(preempted)  # vLLM may reuse the blocks right after this
+        assert time.monotonic() - started >= 0.4
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    assert status(daemon.url).objects == 2
+    resumed = request("p", tokens, preemptions=1)
+    assert scheduler.get_num_new_matched_tokens(resumed, 0) == (0, False)
+
+
+@pytest.mark.daemon_args(*DAEMON_ARGS)
+def test_save_decode_cache_stores_chunks_completed_while_decoding(daemon: DaemonProcess) -> None:
+    scheduler = SchedulerSide(ConnectorSettings(url=daemon.url, save_decode_cache=True), "m", 1, 0, BLOCK)
+    try:
+        prompt = list(range(CHUNK + 1))
+        tables = {"d": [1, 2, 3, 4]}
+        req = request("d", prompt)
+        assert match(scheduler, req) == (0, False)
+        prefill = scheduler.build_connector_meta(step(tables, new=((req, 0, len(prompt)),)))
+        assert prefill.stores["d"].block_ids == [1, 2]
+        generated = prompt + list(range(CHUNK - 1))  # decoding fills the 2nd chunk
+        req.block_hashes, req.num_tokens = block_hashes(generated), len(generated)
+        meta = scheduler.build_connector_meta(step(tables, cached=((req, 2 * CHUNK - 1, 1),)))
+        assert meta.stores["d"].block_ids == [3, 4]
+        assert meta.stores["d"].block_hashes == block_hashes(generated)[2:4]
+    finally:
+        scheduler.shutdown()
+
+
+def test_absent_daemon_then_appearing(short_tmp: Path) -> None:
+    """vLLM starts without the daemon: no hits, failed loads, skipped stores, and no long
+    waits. Once the daemon starts, both halves connect and the worker registers."""
+    url = f"ipc://{short_tmp / 'late.sock'}"
+    settings = ConnectorSettings(url=url, reconnect_interval_s=0.3)
+    started = time.monotonic()
+    scheduler = SchedulerSide(settings, "m", 1, 0, BLOCK)
+    worker = Worker(settings, seed=2)
+    daemon = None
+    try:
+        assert time.monotonic() - started < 6  # each half waits up to 2 s for its first attempt
+        tokens = list(range(2 * CHUNK))
+        tables = {"a": [1, 2, 3, 4], "b": [5, 6, 7, 8]}
+        a = request("a", tokens)
+        assert scheduler.get_num_new_matched_tokens(a, 0) == (0, False)
+        assert scheduler.build_connector_meta(step(tables, new=((a, 0, len(tokens)),))).stores == {}
+        assert scheduler.request_finished(a) is False
+        # A load planned before the daemon went away fails; vLLM recomputes.
+        load = LoadStoreOp([-1, 6, 7, 8], block_hashes=block_hashes(tokens))
+        worker.run(LMCacheMPConnectorMetadata(loads={"b": load}))
+        assert worker.reported["received"] == worker.reported["failed"] == {"b": 1}
+        assert worker.load_errors == {6, 7, 8}
+
+        daemon = start_daemon(short_tmp, *DAEMON_ARGS, url=url)
+        until(lambda: status(url).registered_instances or worker.run(LMCacheMPConnectorMetadata()))
+        c = request("c", tokens)
+        tables["c"] = [9, 10, 11, 12]
+        assert match(scheduler, c) == (0, False)
+
+        def store_planned() -> LMCacheMPConnectorMetadata | None:  # once the scheduler is connected
+            meta = scheduler.build_connector_meta(step(tables, new=((c, 0, len(tokens)),)))
+            return meta if meta.stores else None
+
+        worker.run(until(store_planned))
+        assert scheduler.request_finished(c) is True
+        worker.collect({"c"})
+        worker.wait_reported("sent", "c")
+        assert match(scheduler, request("d", tokens)) == (2 * CHUNK, True)
+
+        # A frozen daemon: the lookup waits while the heartbeat still counts the daemon as
+        # alive, then the scheduler stops waiting and counts a miss.
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            frozen = request("e", tokens)
+            scheduler.on_new_request(frozen)
+            assert scheduler.get_num_new_matched_tokens(frozen, 0) == (None, True)
+            assert until(lambda: scheduler.get_num_new_matched_tokens(frozen, 0)[0] is not None, 5)
+            assert scheduler.get_num_new_matched_tokens(frozen, 0) == (0, False)
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        assert until(lambda: match(scheduler, request(f"f{time.monotonic()}", tokens))[0] == 2 * CHUNK, 5)
+    finally:
+        worker.side.shutdown()
+        scheduler.shutdown()
+        if daemon is not None:
+            daemon.stop()
+
+
+def test_settings() -> None:
+    assert ConnectorSettings.from_extra_config({}) == ConnectorSettings(url=default_url())
+    parsed = ConnectorSettings.from_extra_config({"lmcache.mp.url": "tcp://127.0.0.1:5555",
+                                                  "lmcache.mp.timeout_s": "2.5",
+                                                  "lmcache.mp.save_decode_cache": "false",
+                                                  "other.connector.key": 1})
+    assert (parsed.url, parsed.timeout_s, parsed.save_decode_cache) == ("tcp://127.0.0.1:5555", 2.5, False)
+    assert ConnectorSettings.from_extra_config({"lmcache.mp.save_decode_cache": True}).save_decode_cache
+    with pytest.raises(ValueError, match=r"lmcache\.mp\.time_out"):
+        ConnectorSettings.from_extra_config({"lmcache.mp.time_out": 3})
+    with pytest.raises(ValueError, match="positive"):
+        ConnectorSettings.from_extra_config({"lmcache.mp.reconnect_interval_s": 0})

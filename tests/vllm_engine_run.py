@@ -1,0 +1,73 @@
+"""Run a real vLLM engine over rounds of token prompts and print what it reports.
+
+    python -m tests.vllm_engine_run SPEC_JSON
+
+SPEC: model, dtype, block_size, num_blocks (KV cache size; registering the cache with the
+daemon moves it into shared memory, so small is quick), max_tokens, prefix_caching (bool),
+connector (null, or the `kv_connector_extra_config` for LMCacheMPDaemonConnector), rounds
+(a list of rounds, each a list of prompts, each a list of token ids), barrier_dir (optional:
+before round i > 0, wait until the file `go-i` exists there, so a test can act between
+rounds).
+
+After each round it prints one line `RESULT {"round": i, "outputs": [{"num_cached_tokens":
+n, "token_ids": [...]}, ...]}` (greedy decoding, fixed length). vLLM's own log goes to the
+same stream, hence the prefix. vLLM spawns its processes, so the entry point is guarded.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+BARRIER_TIMEOUT_S = 120.0
+
+
+def kv_transfer_config(extra_config: dict[str, Any]) -> dict[str, Any]:
+    return {"kv_connector": "LMCacheMPDaemonConnector", "kv_connector_module_path": "vllm_adapter.connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": extra_config}
+
+
+def engine_args(spec: dict[str, Any]) -> dict[str, Any]:
+    args: dict[str, Any] = {
+        "model": spec["model"], "dtype": spec.get("dtype", "float32"), "max_model_len": 1024,
+        "enforce_eager": True, "seed": 0, "max_num_seqs": 8, "block_size": spec["block_size"],
+        "num_gpu_blocks_override": spec["num_blocks"],
+        "enable_prefix_caching": spec.get("prefix_caching", True),
+        "disable_hybrid_kv_cache_manager": True,
+    }
+    if spec.get("connector") is not None:
+        args["kv_transfer_config"] = kv_transfer_config(spec["connector"])
+    return args
+
+
+def wait_for(path: Path) -> None:
+    deadline = time.monotonic() + BARRIER_TIMEOUT_S
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nobody created {path}")
+        time.sleep(0.05)
+
+
+def main() -> int:
+    spec = json.loads(sys.argv[1])
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(**engine_args(spec))
+    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
+    for i, prompts in enumerate(spec["rounds"]):
+        if i and spec.get("barrier_dir"):
+            wait_for(Path(spec["barrier_dir"]) / f"go-{i}")
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        results = [{"num_cached_tokens": o.num_cached_tokens, "token_ids": list(o.outputs[0].token_ids)}
+                   for o in outputs]
+        print("RESULT " + json.dumps({"round": i, "outputs": results}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

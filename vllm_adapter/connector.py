@@ -1,0 +1,190 @@
+"""`LMCacheMPDaemonConnector`: vLLM 0.32's KV connector for the lmcache-mp daemon.
+
+Load it with
+
+    --kv-transfer-config '{"kv_connector": "LMCacheMPDaemonConnector",
+                           "kv_connector_module_path": "vllm_adapter.connector",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"lmcache.mp.url": "ipc:///run/user/1000/lmcache-mp/daemon.sock"}}'
+
+Settings (`kv_connector_extra_config`; unknown `lmcache.mp.*` keys are refused):
+
+- `lmcache.mp.url`: the daemon's ZeroMQ URL, `ipc://PATH` or `tcp://HOST:PORT`. Default:
+  the daemon's own default socket, `lmcache_mp.config.default_url()`.
+- `lmcache.mp.timeout_s` (30): how long a request to the daemon may take before it counts
+  as failed (a lookup as a miss, a store as skipped, a load as failed and recomputed).
+- `lmcache.mp.reconnect_interval_s` (1): how often an absent daemon is tried again, and the
+  heartbeat period by which the scheduler notices that the daemon has gone.
+- `lmcache.mp.save_decode_cache` (false): also store chunks completed during decoding. Off
+  by default: only prompt chunks are stored, since the chunks that hold sampled tokens are
+  rarely shared and would churn the cache.
+
+How it works: vLLM builds the class twice. The scheduler half (`connector_scheduler`, in the
+EngineCore process) looks each request up once, plans asynchronous chunk-aligned loads beyond
+vLLM's own prefix-cache hit and stores of each new full chunk, and sends those plans to the
+workers in `LMCacheMPConnectorMetadata`. The worker half (`connector_worker`, in each worker)
+registers the KV caches with the daemon and runs the plans as batched RETRIEVE and STORE
+requests. The daemon is a best-effort cache: when it is down or restarts, vLLM keeps serving
+(no hits, stores skipped, failed loads recomputed) and both halves reconnect by themselves.
+`kv_load_failure_policy` should be "recompute": vLLM 0.32 defaults to "fail", which ends a
+request with an error when its load fails instead of recomputing it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from vllm_adapter.connector_common import ConnectorSettings, LMCacheMPConnectorMetadata
+from vllm_adapter.connector_scheduler import SchedulerSide
+from vllm_adapter.connector_worker import WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def _route_logs_to_vllm() -> None:
+    """vLLM configures only its own "vllm" logger; print ours (connector, adapters, client)
+    through the same handlers and level, so they show in vLLM's log."""
+    vllm_logger = logging.getLogger("vllm")
+    for name in ("vllm_adapter", "lmcache_mp"):
+        ours = logging.getLogger(name)
+        if not ours.handlers and vllm_logger.handlers:
+            for handler in vllm_logger.handlers:
+                ours.addHandler(handler)
+            ours.setLevel(vllm_logger.level)
+            ours.propagate = False
+
+
+def _block_size(kv_cache_config: KVCacheConfig) -> int:
+    """vLLM's block size, which is also the granularity of `request.block_hashes`."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError(f"LMCacheMPDaemonConnector supports one KV cache group, this model has "
+                         f"{len(groups)} (hybrid models are not supported)")
+    block_size = groups[0].kv_cache_spec.block_size
+    if kv_cache_config.hash_block_size != block_size:
+        raise ValueError(f"block hashes cover {kv_cache_config.hash_block_size} tokens, blocks "
+                         f"{block_size}: LMCacheMPDaemonConnector needs them equal")
+    return block_size
+
+
+class LMCacheMPDaemonConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _route_logs_to_vllm()
+        settings = ConnectorSettings.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        model_name = vllm_config.model_config.model
+        parallel = vllm_config.parallel_config
+        block_size = _block_size(kv_cache_config)
+        logger.info("LMCacheMPDaemonConnector (%s) from %s: daemon %s, model %s, block size %d",
+                    role.name, __file__, settings.url, model_name, block_size)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(settings, model_name, parallel.world_size, parallel.rank,
+                                            block_size)
+        else:
+            self._worker = WorkerSide(settings, vllm_config, model_name, parallel.world_size,
+                                      parallel.rank, block_size)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A best-effort cache: a store dropped by a preemption is only a later miss."""
+        return False
+
+    @property
+    def _sched(self) -> SchedulerSide:
+        assert self._scheduler is not None, "a scheduler-side call on the worker connector"
+        return self._scheduler
+
+    @property
+    def _work(self) -> WorkerSide:
+        assert self._worker is not None, "a worker-side call on the scheduler connector"
+        return self._worker
+
+    # ---- scheduler side ------------------------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:
+        self._sched.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._sched.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._sched.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched.request_finished(request), None
+
+    # ---- worker side ---------------------------------------------------------------------
+
+    def _meta(self) -> LMCacheMPConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, LMCacheMPConnectorMetadata)
+        return meta
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._work.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, LMCacheMPConnectorMetadata)
+        self._work.begin_step(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._work.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing per layer: loads are whole requests, and vLLM schedules a request only
+        after its load has been reported done."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        """Nothing per layer: the daemon copies whole chunks of every layer once the
+        forward pass is done (`wait_for_save`)."""
+
+    def wait_for_save(self) -> None:
+        self._work.wait_for_save(self._meta())
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        return self._work.transfer_results(finished_req_ids)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """The older form of `get_transfer_results` (vLLM 0.32 calls that one); load failures
+        still reach vLLM through `get_block_ids_with_load_errors`."""
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending, results.finished_recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._work.take_load_errors()
+
+    def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+        if self._worker is not None:
+            self._worker.shutdown()

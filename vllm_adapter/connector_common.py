@@ -1,0 +1,136 @@
+"""What both halves of `LMCacheMPDaemonConnector` share: the settings read from
+`kv_connector_extra_config`, the per-step metadata the scheduler sends the workers, and the
+background connection that lets vLLM start and keep serving while the daemon is away.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from lmcache_mp.config import default_url
+from lmcache_mp.errors import LMCacheMPError
+from vllm_adapter.multi_process_adapter import DEFAULT_TIMEOUT_S, LoadStoreOp
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_RECONNECT_INTERVAL_S = 1.0
+# How long one connection attempt waits for the daemon's HELLO. A daemon on this machine
+# answers in well under a millisecond; the margin is for a box busy running the model.
+CONNECT_TIMEOUT_S = 2.0
+
+_PREFIX = "lmcache.mp."
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """The connector's `kv_connector_extra_config` keys (see `vllm_adapter.connector`)."""
+
+    url: str
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    reconnect_interval_s: float = DEFAULT_RECONNECT_INTERVAL_S
+    save_decode_cache: bool = False
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorSettings:
+        ours = {key.removeprefix(_PREFIX): value for key, value in extra.items() if key.startswith(_PREFIX)}
+        unknown = sorted(set(ours) - {"url", "timeout_s", "reconnect_interval_s", "save_decode_cache"})
+        if unknown:  # a typo would otherwise silently fall back to a default
+            raise ValueError(f"unknown kv_connector_extra_config keys: {[_PREFIX + k for k in unknown]}")
+        settings = cls(
+            url=str(ours.get("url") or default_url()),
+            timeout_s=float(ours.get("timeout_s", DEFAULT_TIMEOUT_S)),
+            reconnect_interval_s=float(ours.get("reconnect_interval_s", DEFAULT_RECONNECT_INTERVAL_S)),
+            save_decode_cache=_as_bool(ours.get("save_decode_cache", False)),
+        )
+        if settings.timeout_s <= 0 or settings.reconnect_interval_s <= 0:
+            raise ValueError(f"{_PREFIX}timeout_s and {_PREFIX}reconnect_interval_s must be positive")
+        return settings
+
+
+def _as_bool(value: Any) -> bool:
+    """JSON gives a bool; a CLI or environment may give a string ("false" must be False)."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
+
+
+@dataclass
+class LMCacheMPConnectorMetadata(KVConnectorMetadata):
+    """One step's work for the workers, by request id. vLLM pickles it to every worker, so
+    it holds only small plain values: each op names the blocks and the block hashes of
+    whole chunks (a load's first block ids may be -1: blocks vLLM already has)."""
+
+    loads: dict[str, LoadStoreOp] = field(default_factory=dict)
+    stores: dict[str, LoadStoreOp] = field(default_factory=dict)
+    # Preempted this step: their blocks are free again, so their stores must land first.
+    preempted: set[str] = field(default_factory=set)
+
+
+class _Client(Protocol):
+    def shutdown(self) -> None: ...
+
+
+ClientT = TypeVar("ClientT", bound=_Client)
+
+
+class BackgroundConnect(Generic[ClientT]):
+    """Builds a daemon client on a thread of its own, retrying every interval until it
+    succeeds, so that an absent daemon never blocks vLLM's start or its steps. Until then
+    `get()` is None and the connector behaves as if the cache were empty."""
+
+    def __init__(self, factory: Callable[[], ClientT], retry_interval_s: float, what: str):
+        self._factory = factory
+        self._retry_interval_s = retry_interval_s
+        self._what = what
+        self._client: ClientT | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        threading.Thread(target=self._run, name=f"lmcache-mp connect ({what})", daemon=True).start()
+
+    def get(self) -> ClientT | None:
+        return self._client
+
+    def wait(self, timeout_s: float) -> ClientT | None:
+        """The client, waiting up to `timeout_s` for the first attempt to finish."""
+        self._ready.wait(timeout_s)
+        return self._client
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            client, self._client = self._client, None
+        self._stop.set()
+        if client is not None:
+            client.shutdown()
+
+    def _run(self) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                client = self._factory()
+            except (LMCacheMPError, OSError, ValueError) as err:
+                failures += 1
+                level = logging.WARNING if failures == 1 else logging.DEBUG
+                logger.log(level, "lmcache-mp %s: daemon unavailable (%s); retrying every %.1f s, "
+                           "serving without the cache meanwhile", self._what, err, self._retry_interval_s)
+                self._ready.set()
+                self._stop.wait(self._retry_interval_s)
+                continue
+            with self._lock:
+                closed = self._closed
+                if not closed:
+                    self._client = client
+            if closed:
+                client.shutdown()
+            else:
+                logger.info("lmcache-mp %s: connected", self._what)
+            self._ready.set()
+            return

@@ -1,0 +1,242 @@
+"""The scheduler half of `LMCacheMPDaemonConnector`, in vLLM's EngineCore process.
+
+It decides, per request, what the daemon holds (one LOOKUP, sent when the request arrives),
+what to load (whole chunks beyond vLLM's own prefix-cache hit, asynchronously) and what to
+store (each new full chunk once its KV is computed), and hands that to the workers as
+`LMCacheMPConnectorMetadata`. It never waits on the daemon: a pending lookup keeps the
+request waiting (vLLM asks again next step), and an absent daemon means 0 hits.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from lmcache_mp.mq import MessageQueueClient, MessagingFuture
+from lmcache_mp.protocol import RequestType
+from vllm_adapter.connector_common import (
+    CONNECT_TIMEOUT_S,
+    BackgroundConnect,
+    ConnectorSettings,
+    LMCacheMPConnectorMetadata,
+)
+from vllm_adapter.multi_process_adapter import LMCacheMPSchedulerAdapter, LoadStoreOp
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import KVConnectorBlockState, SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _RequestState:
+    request: Request  # vLLM's live object: its block hashes grow as tokens complete blocks
+    lookup_sent: bool = False
+    hit_tokens: int | None = None  # tokens the daemon holds for this prompt, once known
+    local_tokens: int = 0  # vLLM's own (block-aligned) prefix hit offered with that answer
+    load_planned: bool = False  # one load per request: after a failure or preemption, recompute
+    leases_released: bool = False
+    saved_chunks: int = 0  # leading chunks the daemon holds: its hit, then what we stored
+    has_stores: bool = False  # a store went out: the workers report the id in finished_sending
+
+
+class _Heartbeat:
+    """Whether the daemon answers: one PING per interval, each allowed one interval. While
+    the daemon is away, lookups count as misses at once instead of keeping requests waiting
+    for their timeout, and no stores are planned."""
+
+    def __init__(self, client: MessageQueueClient, interval_s: float):
+        self._client = client
+        self._interval_s = interval_s
+        self._alive = True
+        self._ping = self._send()
+
+    def _send(self) -> MessagingFuture[int]:
+        self._next_at = time.monotonic() + self._interval_s
+        return self._client.submit(RequestType.PING, [0], timeout_s=self._interval_s)
+
+    def alive(self) -> bool:
+        if self._ping.query():
+            alive = self._ping.exception() is None
+            if alive != self._alive:
+                if alive:
+                    logger.info("lmcache-mp daemon is back")
+                else:
+                    logger.warning("lmcache-mp daemon does not answer: serving without it until it does")
+                self._alive = alive
+            if time.monotonic() >= self._next_at:
+                self._ping = self._send()
+        return self._alive
+
+
+class SchedulerSide:
+    """Per-request bookkeeping for one engine; called only from EngineCore's thread."""
+
+    def __init__(self, settings: ConnectorSettings, model_name: str, world_size: int, rank: int,
+                 block_size: int):
+        self._block_size = block_size
+        self._save_decode_cache = settings.save_decode_cache
+        self._reconnect_interval_s = settings.reconnect_interval_s
+        self._link = BackgroundConnect(
+            lambda: LMCacheMPSchedulerAdapter(settings.url, None, model_name, world_size, rank, block_size,
+                                              timeout_s=settings.timeout_s,
+                                              connect_timeout_s=CONNECT_TIMEOUT_S),
+            settings.reconnect_interval_s, f"scheduler at {settings.url}")
+        self._heartbeat: _Heartbeat | None = None
+        self._chunk_blocks = 0  # vLLM blocks per daemon chunk, known once connected
+        self._requests: dict[str, _RequestState] = {}
+        self._pending_loads: dict[str, LoadStoreOp] = {}
+        # Give the first attempt a moment, so that the first requests already see the daemon.
+        self._link.wait(CONNECT_TIMEOUT_S)
+
+    def _daemon(self) -> LMCacheMPSchedulerAdapter | None:
+        """The adapter while the daemon answers, else None."""
+        adapter = self._link.get()
+        if adapter is None:
+            return None
+        if self._heartbeat is None:
+            self._heartbeat = _Heartbeat(adapter.mq_client, self._reconnect_interval_s)
+            self._chunk_blocks = adapter.num_blocks_per_chunk()
+        return adapter if self._heartbeat.alive() else None
+
+    # ---- matching ------------------------------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:
+        """Send the lookup as the request arrives; it is usually answered before the
+        scheduler first considers the request."""
+        self._hit_tokens(self._state(request))
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        state = self._state(request)
+        if request.num_preemptions > 0 or state.load_planned:
+            # Back after a preemption or a failed load (its blocks were freed): recompute.
+            return 0, False
+        hit = self._hit_tokens(state)
+        if hit is None:
+            return None, True  # lookup pending: vLLM skips the request this step, asks again
+        state.local_tokens = num_computed_tokens
+        new = max(0, hit - num_computed_tokens)
+        return new, new > 0  # always async: the whole load runs off the model's critical path
+
+    def _state(self, request: Request) -> _RequestState:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = self._requests[request.request_id] = _RequestState(request)
+        return state
+
+    def _hit_tokens(self, state: _RequestState) -> int | None:
+        if state.hit_tokens is None:
+            state.hit_tokens = self._poll_lookup(state)
+            if state.hit_tokens:  # only a connected daemon reports hits
+                state.saved_chunks = state.hit_tokens // (self._chunk_blocks * self._block_size)
+        return state.hit_tokens
+
+    def _poll_lookup(self, state: _RequestState) -> int | None:
+        request = state.request
+        adapter = self._daemon()
+        if adapter is None or request.skip_reading_prefix_cache:
+            return 0
+        if not state.lookup_sent:
+            adapter.maybe_submit_lookup_request(request.request_id, block_hashes=list(request.block_hashes))
+            state.lookup_sent = True
+        hit = adapter.check_lookup_result(request.request_id)
+        if hit is not None:
+            adapter.cleanup_lookup_result(request.request_id)
+        return hit
+
+    # ---- loads ---------------------------------------------------------------------------
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        """Plan the load of the `num_external_tokens` granted beyond the local hit. vLLM 0.32
+        passes every block of the request here (and calls again after an async load), so
+        the block list is read as the whole table, never appended to."""
+        state = self._requests.get(request.request_id)
+        if state is None:
+            return
+        if num_external_tokens == 0:
+            self._release_leases(state)  # the lookup's hits will not be read
+            return
+        (block_ids,) = blocks.get_block_ids()
+        local_blocks = state.local_tokens // self._block_size
+        end = (state.local_tokens + num_external_tokens) // self._block_size
+        # Chunk keys stride from the op's first block, so the op starts on a chunk boundary;
+        # blocks vLLM already holds in that first chunk (maybe shared with other requests)
+        # are -1: the daemon leaves them alone.
+        start = local_blocks - local_blocks % self._chunk_blocks
+        ids = [-1 if i < local_blocks else block_ids[i] for i in range(start, end)]
+        hashes = list(request.block_hashes[start:end])
+        self._pending_loads[request.request_id] = LoadStoreOp(ids, block_hashes=hashes)
+        state.load_planned = True
+
+    def _release_leases(self, state: _RequestState) -> None:
+        adapter = self._link.get()
+        if state.hit_tokens and not state.load_planned and not state.leases_released and adapter is not None:
+            adapter.end_session(state.request.request_id)
+            state.leases_released = True
+
+    # ---- per step ------------------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> LMCacheMPConnectorMetadata:
+        meta = LMCacheMPConnectorMetadata(loads=self._pending_loads,
+                                          preempted=set(scheduler_output.preempted_req_ids or ()))
+        self._pending_loads = {}
+        if self._daemon() is None:
+            return meta  # the daemon is away: the chunks are stored once it is back
+        block_state = scheduler_output.kv_connector_block_state
+        assert block_state is not None, "vLLM offers block tables while building connector metadata"
+        cached = scheduler_output.scheduled_cached_reqs
+        computed_before = [(new.req_id, new.num_computed_tokens)
+                           for new in scheduler_output.scheduled_new_reqs]
+        computed_before += zip(cached.req_ids, cached.num_computed_tokens, strict=True)
+        for req_id, before in computed_before:
+            computed = before + scheduler_output.num_scheduled_tokens[req_id]
+            op = self._plan_store(req_id, computed, block_state)
+            if op is not None:
+                meta.stores[req_id] = op
+        return meta
+
+    def _plan_store(self, req_id: str, computed: int,
+                    block_state: KVConnectorBlockState) -> LoadStoreOp | None:
+        """A store of the full chunks that are computed once this step has run and that the
+        daemon does not hold yet (neither its hit nor our earlier stores)."""
+        state = self._requests.get(req_id)
+        if state is None:
+            return None
+        request = state.request
+        limit = request.num_tokens if self._save_decode_cache else request.num_prompt_tokens
+        full_blocks = min(min(computed, limit) // self._block_size, len(request.block_hashes))
+        chunks = full_blocks // self._chunk_blocks
+        if chunks <= state.saved_chunks:
+            return None
+        block_table = block_state.get_block_ids(req_id)
+        assert block_table is not None, f"no block table for scheduled request {req_id}"
+        start, end = state.saved_chunks * self._chunk_blocks, chunks * self._chunk_blocks
+        state.saved_chunks = chunks
+        state.has_stores = True
+        return LoadStoreOp(block_table[0][start:end], block_hashes=list(request.block_hashes[start:end]))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        for req_id in connector_output.failed_recving:
+            state = self._requests.get(req_id)
+            if state is not None:
+                state.saved_chunks = 0  # the daemon may have lost them: store what vLLM recomputes
+
+    def request_finished(self, request: Request) -> bool:
+        """Forget the request; True if its blocks must stay until the workers report its
+        stores done (in finished_sending)."""
+        state = self._requests.pop(request.request_id, None)
+        adapter = self._link.get()
+        if adapter is not None:
+            adapter.cleanup_lookup_result(request.request_id)
+            adapter.end_session(request.request_id)  # aborted requests too: release any leases
+        return state is not None and state.has_stores
+
+    def shutdown(self) -> None:
+        self._link.close()

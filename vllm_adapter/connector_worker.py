@@ -1,0 +1,141 @@
+"""The worker half of `LMCacheMPDaemonConnector`, in each vLLM worker process.
+
+It registers the worker's KV caches with the daemon once, then turns each step's metadata
+into batched daemon requests: loads (RETRIEVE) when the step starts, stores (STORE) after
+the forward pass. Both run asynchronously in the daemon; completions are reported to vLLM
+through `get_transfer_results`, failed loads as `failed_recving` plus their block ids, so
+that vLLM recomputes instead of attending over KV that never arrived.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+from lmcache_mp.errors import LMCacheMPError
+from vllm_adapter.connector_common import (
+    CONNECT_TIMEOUT_S,
+    BackgroundConnect,
+    ConnectorSettings,
+    LMCacheMPConnectorMetadata,
+)
+from vllm_adapter.multi_process_adapter import LMCacheMPWorkerAdapter
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+
+logger = logging.getLogger(__name__)
+
+
+def attention_backend_name(vllm_config: VllmConfig, layer_names: list[str]) -> str:
+    """vLLM's attention backend for these layers (e.g. "CPU_ATTN"): it names the byte
+    layout of the KV cache for the daemon, which the tensor shape alone does not."""
+    layers = vllm_config.compilation_config.static_forward_context
+    names = {layers[name].attn_backend.get_name() for name in layer_names}
+    if len(names) != 1:
+        raise ValueError(f"the KV cache layers use attention backends {sorted(names)}; "
+                         "LMCacheMPDaemonConnector needs one backend for all layers")
+    return names.pop()
+
+
+class WorkerSide:
+    """One worker's caches and transfers; called only from vLLM's model-runner thread."""
+
+    def __init__(self, settings: ConnectorSettings, vllm_config: VllmConfig, model_name: str,
+                 world_size: int, rank: int, block_size: int):
+        self._vllm_config = vllm_config
+        self._timeout_s = settings.timeout_s
+        self._link = BackgroundConnect(
+            lambda: LMCacheMPWorkerAdapter(settings.url, None, model_name, world_size, rank, block_size,
+                                           timeout_s=settings.timeout_s, connect_timeout_s=CONNECT_TIMEOUT_S,
+                                           reregister_interval_s=settings.reconnect_interval_s),
+            settings.reconnect_interval_s, f"worker {rank} at {settings.url}")
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._layout = ""
+        self._caches_handed_over = False
+        self._with_stores: set[str] = set()  # requests that had stores, until reported finished
+        self._unsent_loads: dict[str, list[int]] = {}  # loads the daemon never got -> their blocks
+        self._load_errors: set[int] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._kv_caches = kv_caches
+        self._layout = attention_backend_name(self._vllm_config, list(kv_caches))
+        self._link.wait(CONNECT_TIMEOUT_S)
+        self._adapter()
+
+    def _adapter(self) -> LMCacheMPWorkerAdapter | None:
+        """The adapter once connected. The caches are handed to it here, on vLLM's model
+        thread, never concurrently with a forward pass: on CPU, registering moves them into
+        shared memory."""
+        adapter = self._link.get()
+        if adapter is not None and self._kv_caches and not self._caches_handed_over:
+            self._caches_handed_over = True
+            try:
+                adapter.register_kv_caches(self._kv_caches, self._layout)
+            except (LMCacheMPError, OSError) as err:
+                logger.warning("registering the KV caches with lmcache-mp failed (%s); "
+                               "retrying in the background", err)
+        return adapter
+
+    def begin_step(self, meta: LMCacheMPConnectorMetadata) -> None:
+        """Runs before each step's forward pass.
+
+        vLLM frees a preempted request's blocks at once and may hand them to another request
+        in this very step: its stores must finish reading them first. And if the daemon
+        went away, this is when the (non-blocking) check for its return goes out, so that
+        by the stores after the forward pass the worker is registered again."""
+        adapter = self._adapter()
+        if adapter is None:
+            return
+        if meta.preempted:
+            adapter.wait_for_stores(meta.preempted, self._timeout_s)
+        adapter.ensure_registered()
+
+    def start_load_kv(self, meta: LMCacheMPConnectorMetadata) -> None:
+        if not meta.loads:
+            return
+        adapter = self._adapter()
+        if adapter is None:
+            for req_id, op in meta.loads.items():
+                self._unsent_loads[req_id] = [b for b in op.block_ids if b >= 0]
+            return
+        adapter.batched_submit_retrieve_requests(list(meta.loads), list(meta.loads.values()), None)
+
+    def wait_for_save(self, meta: LMCacheMPConnectorMetadata) -> None:
+        """Submit this step's stores; the forward pass that computed their KV is done."""
+        if not meta.stores:
+            return
+        self._with_stores.update(meta.stores)
+        adapter = self._adapter()
+        if adapter is not None:
+            adapter.batched_submit_store_requests(list(meta.stores), list(meta.stores.values()), None)
+
+    def transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Loads done (failed ones also in failed_recving), and finished requests whose
+        stores are done. Only requests that had stores are reported as sent: the scheduler
+        keeps exactly those (request_finished returned True for them)."""
+        adapter = self._adapter()
+        if adapter is None:
+            sent, received, failed = set(finished_req_ids), set(), {}
+        else:
+            sent, received = adapter.get_finished(finished_req_ids)
+            failed = adapter.take_failed_retrieves()
+        failed.update(self._unsent_loads)
+        received.update(self._unsent_loads)
+        self._unsent_loads = {}
+        sent &= self._with_stores
+        self._with_stores -= sent
+        for block_ids in failed.values():
+            self._load_errors.update(block_ids)
+        return KVConnectorTransferResults(finished_sending=sent, finished_recving=received,
+                                          failed_recving=set(failed))
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        self._link.close()
