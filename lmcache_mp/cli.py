@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                        default=config.DEFAULT_MAX_QUEUED_REQUESTS,
                        help="requests waiting for a worker thread before new ones are refused "
                             "with OVERLOADED (default: %(default)s)")
+    serve.add_argument("--queue-deadline-s", type=float, default=config.DEFAULT_QUEUE_DEADLINE_S,
+                       help="a queued request not started within this many seconds is refused "
+                            "with OVERLOADED instead of run late; keep it below the clients' "
+                            "timeout (default: %(default)s)")
     serve.add_argument("--metrics-port", type=int, default=0,
                        help="serve Prometheus metrics over HTTP on this port (default: off)")
     serve.add_argument("--metrics-host", default="127.0.0.1",
@@ -98,6 +102,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         lease_ttl_s=args.lease_ttl_s,
         max_workers=args.max_workers,
         max_queued_requests=args.max_queued_requests,
+        queue_deadline_s=args.queue_deadline_s,
         allow_remote=args.allow_remote,
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,

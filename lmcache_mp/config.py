@@ -13,6 +13,9 @@ DEFAULT_L1_SIZE_GB = 1.0
 DEFAULT_LEASE_TTL_S = 60.0
 DEFAULT_MAX_WORKERS = 2
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
+# A queued request not started within this is refused. Clients time out later (the adapters
+# wait 30 s), so a request they gave up on is never carried out behind their back.
+DEFAULT_QUEUE_DEADLINE_S = 10.0
 
 
 def runtime_dir() -> Path:
@@ -67,6 +70,7 @@ class ServerConfig:
     lease_ttl_s: float = DEFAULT_LEASE_TTL_S
     max_workers: int = DEFAULT_MAX_WORKERS
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
+    queue_deadline_s: float = DEFAULT_QUEUE_DEADLINE_S
     allow_remote: bool = False
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0  # 0: no metrics endpoint
@@ -84,8 +88,8 @@ class ServerConfig:
             raise ValueError("--lease-ttl-s must be positive")
         if self.metrics_port:
             check_endpoint(f"tcp://{self.metrics_host}:{self.metrics_port}", self.allow_remote)
-        if self.max_workers <= 0 or self.max_queued_requests <= 0:
-            raise ValueError("--max-workers and --max-queued-requests must be positive")
+        if self.max_workers <= 0 or self.max_queued_requests <= 0 or self.queue_deadline_s <= 0:
+            raise ValueError("--max-workers, --max-queued-requests and --queue-deadline-s must be positive")
 
     @property
     def attach_socket(self) -> Path:

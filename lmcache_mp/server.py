@@ -142,11 +142,19 @@ class Server:
             self._send_error(identity, request_id, ErrorCode.OVERLOADED,
                              f"{self.config.max_queued_requests} requests already queued", request_type)
             return
-        self._pool.submit(self._run_queued, identity, request_id, request_type, handler, args)
+        self._pool.submit(self._run_queued, identity, request_id, request_type, handler, args,
+                          time.monotonic() + self.config.queue_deadline_s)
 
     def _run_queued(self, identity: bytes, request_id: bytes, request_type: RequestType,
-                    handler: Handler, args: list[Any]) -> None:
+                    handler: Handler, args: list[Any], deadline: float) -> None:
         try:
+            if time.monotonic() > deadline:
+                # Its client has likely given up and moved on (a RETRIEVE's blocks may hold
+                # other data by now): refuse rather than act late.
+                self._send_error(identity, request_id, ErrorCode.OVERLOADED,
+                                 f"{request_type.name} waited over {self.config.queue_deadline_s} s "
+                                 "for a worker thread; not started", request_type)
+                return
             self._run(identity, request_id, request_type, handler, args)
         finally:
             with self._queued_lock:

@@ -335,3 +335,32 @@ def test_bad_data_requests_get_typed_errors(daemon: DaemonProcess) -> None:
         assert status(daemon.url).registered_instances == [iid]
     finally:
         worker.shutdown()
+
+
+@pytest.mark.daemon_args("--chunk-size", str(CHUNK), "--l1-size-gb", "0.1", "--max-workers", "1",
+                         "--queue-deadline-s", "0.002")
+def test_requests_queued_past_their_deadline_are_refused_not_run(daemon: DaemonProcess) -> None:
+    worker = LMCacheMPWorkerAdapter(daemon.url, None, "m", 1, 0, BLOCK)
+    try:
+        worker.register_kv_caches(make_caches([512, 8, BLOCK, 128], torch.bfloat16, LAYERS, seed=6),
+                                  "CPU_ATTN")
+        hashes = block_hashes(list(range(512 * BLOCK)))
+        keys = [IPCCacheEngineKey("m", 1, 0, chunk_hash=h) for h in hashes[1::2]]
+        c = worker.mq_client
+        slow = c.submit(RequestType.STORE, [keys, worker.instance_id, list(range(512)), b""])
+        queued = [c.submit(RequestType.UNREGISTER_KV_CACHE, [10**6 + i]) for i in range(20)]
+        slow.wait(30)
+        refused = 0
+        for f in queued:
+            assert f.wait(30)
+            err = f.exception()
+            if err is not None:
+                assert isinstance(err, ServerError) and err.code is ErrorCode.OVERLOADED
+                assert "not started" in err.message
+                refused += 1
+            else:
+                assert f.result() is False  # ran: nothing was registered under that id
+        assert refused > 0
+        assert c.submit(RequestType.PING, [4]).result(5) == 4
+    finally:
+        worker.shutdown()
