@@ -337,17 +337,18 @@ def test_bad_data_requests_get_typed_errors(daemon: DaemonProcess) -> None:
         worker.shutdown()
 
 
-@pytest.mark.daemon_args("--chunk-size", str(CHUNK), "--l1-size-gb", "0.1", "--max-workers", "1",
-                         "--queue-deadline-s", "0.002")
+@pytest.mark.daemon_args("--chunk-size", str(CHUNK), "--l1-size-gb", "0.2", "--max-workers", "1",
+                         "--queue-deadline-s", "0.001")
 def test_requests_queued_past_their_deadline_are_refused_not_run(daemon: DaemonProcess) -> None:
     worker = LMCacheMPWorkerAdapter(daemon.url, None, "m", 1, 0, BLOCK)
     try:
-        worker.register_kv_caches(make_caches([512, 8, BLOCK, 128], torch.bfloat16, LAYERS, seed=6),
+        # A 128 MiB store keeps the only worker thread busy for ~10 ms.
+        worker.register_kv_caches(make_caches([1024, 8, BLOCK, 256], torch.bfloat16, LAYERS, seed=6),
                                   "CPU_ATTN")
-        hashes = block_hashes(list(range(512 * BLOCK)))
+        hashes = block_hashes(list(range(1024 * BLOCK)))
         keys = [IPCCacheEngineKey("m", 1, 0, chunk_hash=h) for h in hashes[1::2]]
         c = worker.mq_client
-        slow = c.submit(RequestType.STORE, [keys, worker.instance_id, list(range(512)), b""])
+        slow = c.submit(RequestType.STORE, [keys, worker.instance_id, list(range(1024)), b""])
         queued = [c.submit(RequestType.UNREGISTER_KV_CACHE, [10**6 + i]) for i in range(20)]
         slow.wait(30)
         refused = 0
