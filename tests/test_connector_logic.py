@@ -222,6 +222,47 @@ def test_failed_load_is_reported_and_recomputed(halves: tuple[SchedulerSide, Wor
 
 
 @pytest.mark.daemon_args(*DAEMON_ARGS)
+def test_sync_loads_complete_before_the_forward_pass(daemon: DaemonProcess) -> None:
+    settings = ConnectorSettings(url=daemon.url, reconnect_interval_s=0.3, load_mode="sync")
+    scheduler, worker = SchedulerSide(settings, "m", 1, 0, BLOCK), Worker(settings, seed=2)
+    try:
+        tokens = list(range(500, 500 + 2 * CHUNK + 1))
+        tables = {"w": list(range(5)), "r": list(range(20, 25)), "x": list(range(40, 45))}
+        writer = request("w", tokens)
+        assert match(scheduler, writer) == (0, False)
+        worker.run(scheduler.build_connector_meta(step(tables, new=((writer, 0, len(tokens)),))))
+        scheduler.request_finished(writer)
+        worker.collect({"w"})
+        worker.wait_reported("sent", "w")
+
+        reader = request("r", tokens)
+        assert match(scheduler, reader) == (2 * CHUNK, False)  # sync: vLLM loads before computing
+        exact = request("x", tokens[: 2 * CHUNK])  # a whole-prompt hit leaves the last chunk to vLLM
+        assert match(scheduler, exact) == (CHUNK, False)
+        scheduler.update_state_after_alloc(reader, Blocks(tables["r"]), 2 * CHUNK)
+        meta = scheduler.build_connector_meta(step(tables, new=((reader, 2 * CHUNK, 1),)))
+        assert meta.sync_loads and list(meta.loads) == ["r"]
+        worker.side.start_load_kv(meta)  # returns with the KV in place
+        assert torch.equal(pages(worker.caches, "CPU_ATTN", SHAPE, tables["r"][:4]),
+                           pages(worker.caches, "CPU_ATTN", SHAPE, tables["w"][:4]))
+        worker.collect()
+        assert "r" not in worker.reported["received"] and worker.load_errors == set()
+
+        raw = MessageQueueClient(daemon.url)
+        try:  # now the chunks vanish before the next sync load: its blocks are reported at once
+            raw.submit(RequestType.END_SESSION, ["x"]).result(10)
+            assert raw.submit(RequestType.CLEAR, []).result(10) == 2
+        finally:
+            raw.close()
+        scheduler.update_state_after_alloc(exact, Blocks(tables["x"][:4]), CHUNK)
+        worker.side.start_load_kv(scheduler.build_connector_meta(step(tables, new=((exact, CHUNK, CHUNK),))))
+        assert worker.side.take_load_errors() == set(tables["x"][:2])
+    finally:
+        worker.side.shutdown()
+        scheduler.shutdown()
+
+
+@pytest.mark.daemon_args(*DAEMON_ARGS)
 def test_preempted_request_gets_no_reload_and_its_stores_land_first(
         halves: tuple[SchedulerSide, Worker], daemon: DaemonProcess) -> None:
     scheduler, worker = halves
@@ -335,3 +376,6 @@ def test_settings() -> None:
         ConnectorSettings.from_extra_config({"lmcache.mp.time_out": 3})
     with pytest.raises(ValueError, match="positive"):
         ConnectorSettings.from_extra_config({"lmcache.mp.reconnect_interval_s": 0})
+    assert ConnectorSettings.from_extra_config({"lmcache.mp.load_mode": "sync"}).load_mode == "sync"
+    with pytest.raises(ValueError, match="load_mode"):
+        ConnectorSettings.from_extra_config({"lmcache.mp.load_mode": "eager"})

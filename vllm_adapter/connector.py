@@ -15,6 +15,10 @@ Settings (`kv_connector_extra_config`; unknown `lmcache.mp.*` keys are refused):
   as failed (a lookup as a miss, a store as skipped, a load as failed and recomputed).
 - `lmcache.mp.reconnect_interval_s` (1): how often an absent daemon is tried again, and the
   heartbeat period by which the scheduler notices that the daemon has gone.
+- `lmcache.mp.load_mode` ("async"): "async" loads while the engine steps on, other requests
+  keep running; "sync" loads right before the request's forward pass (the worker waits for
+  it), one scheduler step sooner, best for time to first token of requests that come alone.
+  A sync load leaves at least the last chunk for vLLM to compute.
 - `lmcache.mp.save_decode_cache` (false): also store chunks completed during decoding. Off
   by default: only prompt chunks are stored, since the chunks that hold sampled tokens are
   rarely shared and would churn the cache.

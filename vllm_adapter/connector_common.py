@@ -35,11 +35,15 @@ class ConnectorSettings:
     timeout_s: float = DEFAULT_TIMEOUT_S
     reconnect_interval_s: float = DEFAULT_RECONNECT_INTERVAL_S
     save_decode_cache: bool = False
+    # "async": loads run while the engine steps on (other requests keep running);
+    # "sync": a request's load runs right before its forward pass, one scheduler step sooner.
+    load_mode: str = "async"
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorSettings:
         ours = {key.removeprefix(_PREFIX): value for key, value in extra.items() if key.startswith(_PREFIX)}
-        unknown = sorted(set(ours) - {"url", "timeout_s", "reconnect_interval_s", "save_decode_cache"})
+        unknown = sorted(set(ours) - {"url", "timeout_s", "reconnect_interval_s", "save_decode_cache",
+                                      "load_mode"})
         if unknown:  # a typo would otherwise silently fall back to a default
             raise ValueError(f"unknown kv_connector_extra_config keys: {[_PREFIX + k for k in unknown]}")
         settings = cls(
@@ -47,7 +51,10 @@ class ConnectorSettings:
             timeout_s=float(ours.get("timeout_s", DEFAULT_TIMEOUT_S)),
             reconnect_interval_s=float(ours.get("reconnect_interval_s", DEFAULT_RECONNECT_INTERVAL_S)),
             save_decode_cache=_as_bool(ours.get("save_decode_cache", False)),
+            load_mode=str(ours.get("load_mode", "async")),
         )
+        if settings.load_mode not in ("async", "sync"):
+            raise ValueError(f'{_PREFIX}load_mode must be "async" or "sync", not {settings.load_mode!r}')
         if settings.timeout_s <= 0 or settings.reconnect_interval_s <= 0:
             raise ValueError(f"{_PREFIX}timeout_s and {_PREFIX}reconnect_interval_s must be positive")
         return settings
@@ -70,6 +77,8 @@ class LMCacheMPConnectorMetadata(KVConnectorMetadata):
     stores: dict[str, LoadStoreOp] = field(default_factory=dict)
     # Preempted this step: their blocks are free again, so their stores must land first.
     preempted: set[str] = field(default_factory=set)
+    # The loads must complete before this step's forward pass (load_mode "sync").
+    sync_loads: bool = False
 
 
 class _Client(Protocol):

@@ -81,6 +81,7 @@ class SchedulerSide:
                  block_size: int):
         self._block_size = block_size
         self._save_decode_cache = settings.save_decode_cache
+        self._sync_loads = settings.load_mode == "sync"
         self._reconnect_interval_s = settings.reconnect_interval_s
         self._link = BackgroundConnect(
             lambda: LMCacheMPSchedulerAdapter(settings.url, None, model_name, world_size, rank, block_size,
@@ -121,8 +122,13 @@ class SchedulerSide:
         if hit is None:
             return None, True  # lookup pending: vLLM skips the request this step, asks again
         state.local_tokens = num_computed_tokens
+        if self._sync_loads:
+            # vLLM must compute at least one token itself: a sync load stops a chunk short
+            # of a hit that covers the whole request.
+            chunk_tokens = self._chunk_blocks * self._block_size
+            hit = min(hit, (request.num_tokens - 1) // chunk_tokens * chunk_tokens)
         new = max(0, hit - num_computed_tokens)
-        return new, new > 0  # always async: the whole load runs off the model's critical path
+        return new, new > 0 and not self._sync_loads
 
     def _state(self, request: Request) -> _RequestState:
         state = self._requests.get(request.request_id)
@@ -185,7 +191,8 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> LMCacheMPConnectorMetadata:
         meta = LMCacheMPConnectorMetadata(loads=self._pending_loads,
-                                          preempted=set(scheduler_output.preempted_req_ids or ()))
+                                          preempted=set(scheduler_output.preempted_req_ids or ()),
+                                          sync_loads=self._sync_loads)
         self._pending_loads = {}
         if self._daemon() is None:
             return meta  # the daemon is away: the chunks are stored once it is back

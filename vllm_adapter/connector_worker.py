@@ -98,6 +98,16 @@ class WorkerSide:
         if not meta.loads:
             return
         adapter = self._adapter()
+        if meta.sync_loads:
+            # Before this step's forward pass: its blocks must hold the KV, or be reported bad
+            # now so that vLLM recomputes them in this very step.
+            if adapter is None:
+                failed = {rid: [b for b in op.block_ids if b >= 0] for rid, op in meta.loads.items()}
+            else:
+                failed = adapter.retrieve_now(list(meta.loads), list(meta.loads.values()), self._timeout_s)
+            for block_ids in failed.values():
+                self._load_errors.update(block_ids)
+            return
         if adapter is None:
             for req_id, op in meta.loads.items():
                 self._unsent_loads[req_id] = [b for b in op.block_ids if b >= 0]

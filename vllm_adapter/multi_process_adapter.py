@@ -325,6 +325,20 @@ class LMCacheMPWorkerAdapter:
                                           [keys, self.instance_id, block_ids, event_handle])
         tracker.add(request_ids, ops, future)
 
+    def retrieve_now(self, request_ids: list[str], ops: list[LoadStoreOp],
+                     timeout_s: float) -> dict[str, list[int]]:
+        """A synchronous load: retrieve and wait. Returns the requests that did not load
+        (failed, refused or timed out) -> their block ids. Not reported by `get_finished`."""
+        tracker = _PerRequestOps()
+        self._submit(RequestType.RETRIEVE, tracker, request_ids, ops, None)
+        tracker.wait(request_ids, timeout_s)
+        done = tracker.poll()
+        failed = {rid: tracker.take_blocks(rid) for rid in request_ids if done.get(rid, "timed out")}
+        for rid in failed:
+            logger.warning("load for request %s failed, vLLM will recompute: %s", rid,
+                           done.get(rid, "timed out"))
+        return failed
+
     def get_finished(self, finished_req_ids_from_engine: set[str]) -> tuple[set[str], set[str]]:
         """(requests whose stores are all done and which vLLM has finished, requests whose
         retrieves are done). Each id is returned once. Failed retrieves are also recorded
