@@ -214,6 +214,17 @@ def test_fresh_engine_loads_chunk_aligned_prefixes(engine1: list[list[int]], tin
     assert daemon.objects() == STORED_CHUNKS + 1  # PROBE's own second chunk
 
 
+def test_fresh_engine_with_sync_loads(engine1: list[list[int]], tiny_model: Path, work_dir: Path,
+                                      daemon: Daemon, baseline: list[list[int]]) -> None:
+    """load_mode "sync": loads land before the forward pass; a whole-prompt hit (the last
+    prompt) leaves its last chunk for vLLM to compute."""
+    spec = engine_spec(tiny_model, daemon, [PROMPTS])
+    spec["connector"]["lmcache.mp.load_mode"] = "sync"
+    (outputs,) = run_engine(spec, work_dir / "engine-sync.log")
+    assert cached(outputs) == [3 * CHUNK, 3 * CHUNK, CHUNK, 0, 3 * CHUNK]
+    assert tokens(outputs) == baseline[: len(PROMPTS)]
+
+
 def test_engine_keeps_serving_while_the_daemon_restarts(engine1: list[list[int]], tiny_model: Path,
                                                         work_dir: Path, daemon: Daemon,
                                                         baseline: list[list[int]]) -> None:

@@ -194,8 +194,11 @@ class SchedulerSide:
                                           preempted=set(scheduler_output.preempted_req_ids or ()),
                                           sync_loads=self._sync_loads)
         self._pending_loads = {}
-        if self._daemon() is None:
-            return meta  # the daemon is away: the chunks are stored once it is back
+        if self._link.get() is None:
+            return meta  # never connected yet: nobody to store to
+        # Stores are planned even while the heartbeat says the daemon is away: a store costs
+        # vLLM nothing (the worker drops it at once if it is not registered), and right after
+        # a restart the heartbeat lags by a step while the worker has registered again.
         block_state = scheduler_output.kv_connector_block_state
         assert block_state is not None, "vLLM offers block tables while building connector metadata"
         cached = scheduler_output.scheduled_cached_reqs
