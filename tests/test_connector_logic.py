@@ -120,6 +120,16 @@ class Worker:
         until(seen)
 
 
+def store_prompt(scheduler: SchedulerSide, worker: Worker, req: Any, tables: dict[str, list[int]]) -> None:
+    """A request that misses, computes its whole prompt in one step and finishes; returns
+    once its chunks are stored."""
+    assert match(scheduler, req) == (0, False)
+    worker.run(scheduler.build_connector_meta(step(tables, new=((req, 0, req.num_prompt_tokens),))))
+    scheduler.request_finished(req)
+    worker.collect({req.request_id})
+    worker.wait_reported("sent", req.request_id)
+
+
 @pytest.fixture
 def halves(daemon: DaemonProcess) -> Iterator[tuple[SchedulerSide, Worker]]:
     settings = ConnectorSettings(url=daemon.url, reconnect_interval_s=0.3)
@@ -191,12 +201,7 @@ def test_failed_load_is_reported_and_recomputed(halves: tuple[SchedulerSide, Wor
     scheduler, worker = halves
     tokens = list(range(2 * CHUNK + 1))
     tables = {"w": list(range(5)), "r": list(range(20, 25))}
-    writer = request("w", tokens)
-    assert match(scheduler, writer) == (0, False)
-    worker.run(scheduler.build_connector_meta(step(tables, new=((writer, 0, len(tokens)),))))
-    scheduler.request_finished(writer)
-    worker.collect({"w"})
-    worker.wait_reported("sent", "w")
+    store_prompt(scheduler, worker, request("w", tokens), tables)
 
     reader = request("r", tokens)
     assert match(scheduler, reader) == (2 * CHUNK, True)
@@ -228,12 +233,7 @@ def test_sync_loads_complete_before_the_forward_pass(daemon: DaemonProcess) -> N
     try:
         tokens = list(range(500, 500 + 2 * CHUNK + 1))
         tables = {"w": list(range(5)), "r": list(range(20, 25)), "x": list(range(40, 45))}
-        writer = request("w", tokens)
-        assert match(scheduler, writer) == (0, False)
-        worker.run(scheduler.build_connector_meta(step(tables, new=((writer, 0, len(tokens)),))))
-        scheduler.request_finished(writer)
-        worker.collect({"w"})
-        worker.wait_reported("sent", "w")
+        store_prompt(scheduler, worker, request("w", tokens), tables)
 
         reader = request("r", tokens)
         assert match(scheduler, reader) == (2 * CHUNK, False)  # sync: vLLM loads before computing
