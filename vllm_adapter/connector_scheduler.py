@@ -95,15 +95,18 @@ class SchedulerSide:
         # Give the first attempt a moment, so that the first requests already see the daemon.
         self._link.wait(CONNECT_TIMEOUT_S)
 
-    def _daemon(self) -> LMCacheMPSchedulerAdapter | None:
-        """The adapter while the daemon answers, else None."""
+    def _connected(self) -> LMCacheMPSchedulerAdapter | None:
+        """The adapter once connected, whether or not the daemon answers right now."""
         adapter = self._link.get()
-        if adapter is None:
-            return None
-        if self._heartbeat is None:
+        if adapter is not None and self._heartbeat is None:
             self._heartbeat = _Heartbeat(adapter.mq_client, self._reconnect_interval_s)
             self._chunk_blocks = adapter.num_blocks_per_chunk()
-        return adapter if self._heartbeat.alive() else None
+        return adapter
+
+    def _daemon(self) -> LMCacheMPSchedulerAdapter | None:
+        """The adapter while the daemon answers, else None."""
+        adapter = self._connected()
+        return adapter if adapter is not None and self._heartbeat.alive() else None
 
     # ---- matching ------------------------------------------------------------------------
 
@@ -122,7 +125,7 @@ class SchedulerSide:
         if hit is None:
             return None, True  # lookup pending: vLLM skips the request this step, asks again
         state.local_tokens = num_computed_tokens
-        if self._sync_loads:
+        if self._sync_loads and hit:
             # vLLM must compute at least one token itself: a sync load stops a chunk short
             # of a hit that covers the whole request.
             chunk_tokens = self._chunk_blocks * self._block_size
@@ -194,7 +197,7 @@ class SchedulerSide:
                                           preempted=set(scheduler_output.preempted_req_ids or ()),
                                           sync_loads=self._sync_loads)
         self._pending_loads = {}
-        if self._link.get() is None:
+        if self._connected() is None:
             return meta  # never connected yet: nobody to store to
         # Stores are planned even while the heartbeat says the daemon is away: a store costs
         # vLLM nothing (the worker drops it at once if it is not registered), and right after
