@@ -108,22 +108,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
     )
     try:
-        server = Daemon(cfg)
+        daemon = Daemon(cfg)
     except (ValueError, OSError) as err:
         logger.error("cannot start: %s", err)
         return 2
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
-    server.start()
+    daemon.start()
     metrics = f" metrics=http://{cfg.metrics_host}:{cfg.metrics_port}/metrics" if cfg.metrics_port else ""
     logger.info("lmcache-mp %s ready (node-local) pid=%d endpoints=%s chunk_size=%d pool=%.2f GiB%s",
-                __version__, os.getpid(), " ".join(server.endpoints), cfg.chunk_size, cfg.l1_size_gb,
+                __version__, os.getpid(), " ".join(daemon.endpoints), cfg.chunk_size, cfg.l1_size_gb,
                 metrics)
     while not stop.wait(3600):
         pass
     logger.info("shutting down")
-    server.stop()
+    daemon.stop()
     logger.info("stopped")
     return 0
 
