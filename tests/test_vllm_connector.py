@@ -228,11 +228,13 @@ def test_fresh_engine_with_sync_loads(engine1: list[list[int]], tiny_model: Path
 def test_engine_keeps_serving_while_the_daemon_restarts(engine1: list[list[int]], tiny_model: Path,
                                                         work_dir: Path, daemon: Daemon,
                                                         baseline: list[list[int]]) -> None:
-    """One engine, three rounds: daemon up, daemon killed, daemon back empty. vLLM's own
-    prefix cache is off here, so num_cached_tokens counts the daemon's hits only."""
+    """One engine, four rounds: daemon up, daemon killed, daemon back empty (twice). vLLM's
+    own prefix cache is off here, so num_cached_tokens counts the daemon's hits only. The
+    worker registers again by itself within the first steps after the restart; stores of
+    steps before that are dropped (best effort), so the last round makes sure they land."""
     barrier = work_dir / "barrier"
     barrier.mkdir()
-    spec = engine_spec(tiny_model, daemon, [PROMPTS, PROMPTS, HEADS], prefix_caching=False,
+    spec = engine_spec(tiny_model, daemon, [PROMPTS, PROMPTS, HEADS, HEADS], prefix_caching=False,
                        barrier_dir=str(barrier))
     engine = Engine(spec, work_dir / "engine-restart.log")
     try:
@@ -243,6 +245,8 @@ def test_engine_keeps_serving_while_the_daemon_restarts(engine1: list[list[int]]
         daemon.start()
         (barrier / "go-2").touch()
         back = engine.round(2)
+        (barrier / "go-3").touch()
+        again = engine.round(3)
         engine.finish()
     finally:
         engine.kill()
@@ -250,7 +254,7 @@ def test_engine_keeps_serving_while_the_daemon_restarts(engine1: list[list[int]]
     assert cached(down) == [0] * len(PROMPTS)
     assert cached(back) == [0] * len(HEADS)
     assert tokens(up) == tokens(down) == baseline[: len(PROMPTS)]
-    assert tokens(back) == [baseline[PROMPTS.index(p)] for p in HEADS]
+    assert tokens(back) == tokens(again) == [baseline[PROMPTS.index(p)] for p in HEADS]
     assert daemon.objects() == HEAD_CHUNKS  # the worker registered again by itself and stored
 
 

@@ -38,6 +38,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 30.0
 REREGISTER_INTERVAL_S = 1.0
+# A probe sent just as the daemon died is lost with its connection; waiting out a long probe
+# timeout then delays re-registration after a restart. Probes are tiny: retry them quickly.
+MAX_PROBE_INTERVAL_S = 0.25
 # Finished request ids remembered to report each exactly once (bounded).
 _REPORTED_MEMORY = 100_000
 
@@ -216,7 +219,7 @@ class LMCacheMPWorkerAdapter:
         self.server_url = server_url
         self._context = context
         self._timeout_s = timeout_s
-        self._reregister_interval_s = reregister_interval_s
+        self._probe_interval_s = min(reregister_interval_s, MAX_PROBE_INTERVAL_S)
         self._vllm_block_size = vllm_block_size
         self.mq_client, chunk_size = _connect(server_url, context, f"vllm-worker-{kv_rank}", timeout_s,
                                               vllm_block_size, connect_timeout_s)
@@ -288,11 +291,11 @@ class LMCacheMPWorkerAdapter:
                                    self.server_url, err)
                     return False
                 return True
-        if self._probe is None and time.monotonic() - self._last_register_try >= self._reregister_interval_s:
+        if self._probe is None and time.monotonic() - self._last_register_try >= self._probe_interval_s:
             self._last_register_try = time.monotonic()
             self._probe = self.mq_client.submit(
                 RequestType.HELLO, [PROTOCOL_VERSION, f"vllm-worker-{self.worker_id}"],
-                timeout_s=self._reregister_interval_s)
+                timeout_s=self._probe_interval_s)
         return False
 
     # ---- stores and retrieves ---------------------------------------------------------------
