@@ -245,19 +245,18 @@ class Engine:
         context = instance.context
         self._check_block_ids(context, block_ids, len(hashes), allow_skip=False)
         reserved = self.pool.reserve([instance.pool_key(h) for h in hashes], context.chunk_nbytes)
-        written: list[PoolObject] = []
+        fresh = [slot for slot in reserved if isinstance(slot, PoolObject)]
         try:
             self._wait_for_producer(event_handle, context.device)
             bpc = context.blocks_per_chunk
             for i, slot in enumerate(reserved):
                 if isinstance(slot, PoolObject):
                     context.gather(block_ids[i * bpc:(i + 1) * bpc], context.chunk_view(slot.data))
-                    written.append(slot)
             self._finish_copies(context.device)
         except BaseException:
-            self.pool.abort(written + [s for s in reserved if isinstance(s, PoolObject) and s not in written])
+            self.pool.abort(fresh)
             raise
-        self.pool.commit(written)  # visible to LOOKUP only now, with every byte in place
+        self.pool.commit(fresh)  # visible to LOOKUP only now, with every byte in place
         outcomes = [ChunkOutcome.STORED if isinstance(s, PoolObject) else s for s in reserved]
         self.metrics.stored(outcomes, context.chunk_nbytes)
         return StoreResult(b"", outcomes)
@@ -350,16 +349,15 @@ class Engine:
         }
 
     def status(self) -> dict[str, object]:
-        stats = self.pool.stats()
-        sessions, leases = self.leases.counts()
+        gauges = self.gauges()
         with self._lock:
             instances = sorted(self._instances)
         return {
-            "pool_bytes": stats.capacity_bytes,
-            "pool_used_bytes": stats.used_bytes,
-            "objects": stats.num_objects,
+            "pool_bytes": gauges["pool_capacity_bytes"],
+            "pool_used_bytes": gauges["pool_used_bytes"],
+            "objects": gauges["pool_objects"],
             "registered_instances": instances,
-            "sessions": sessions,
-            "leases": leases,
+            "sessions": gauges["lease_sessions"],
+            "leases": gauges["leases"],
         }
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import zmq
 
-from lmcache_mp.custom_types import IPCCacheEngineKey, KVCache
+from lmcache_mp.custom_types import IPCCacheEngineKey
 from lmcache_mp.errors import LMCacheMPError, ServerError
 from lmcache_mp.mq import MessageQueueClient, MessagingFuture
 from lmcache_mp.protocol import (
@@ -31,8 +31,8 @@ from lmcache_mp.protocol import (
     RequestType,
     RetrieveResult,
 )
-from lmcache_mp.transfer.shm import AttachChannel, share_cpu_tensors
-from vllm_adapter.utils import send_lmcache_request, striding_block_hashes, wrap_kv_caches
+from lmcache_mp.transfer.shm import AttachChannel
+from vllm_adapter.utils import export_kv_caches, send_lmcache_request, striding_block_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -252,13 +252,7 @@ class LMCacheMPWorkerAdapter:
 
     def _register(self) -> None:
         self._last_register_try = time.monotonic()
-        tensors = list(self.kv_caches.values())
-        if tensors and all(t.is_cuda for t in tensors):
-            handles: KVCache = wrap_kv_caches(self.kv_caches)
-            fds: list[int] = []
-        else:
-            shm_handles, fds = share_cpu_tensors(tensors)
-            handles = list(shm_handles)
+        handles, fds = export_kv_caches(self.kv_caches)
         hello = self.mq_client.handshake(f"vllm-worker-{self.worker_id}", timeout_s=self._timeout_s)
         if self._channel is not None:
             self._channel.close()
@@ -269,7 +263,7 @@ class LMCacheMPWorkerAdapter:
                                      [self.instance_id, handles, registration]).result(self._timeout_s)
         self._registered = True
         logger.info("registered %d KV cache layers with lmcache-mp at %s as %s (%d-byte chunks)",
-                    len(tensors), self.server_url, reply.layout, reply.chunk_bytes)
+                    len(handles), self.server_url, reply.layout, reply.chunk_bytes)
 
     def ensure_registered(self) -> bool:
         """Fail closed while the daemon is away; re-register when it is back. Never waits

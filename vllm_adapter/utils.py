@@ -29,12 +29,18 @@ def get_lmcache_chunk_size(mq_client: MessageQueueClient, timeout_s: float = 10.
     return send_lmcache_request(mq_client, RequestType.GET_CHUNK_SIZE, []).result(timeout_s)
 
 
-def wrap_kv_caches(kv_caches: dict[str, torch.Tensor]) -> KVCache:
-    """Handles for the daemon, one per layer in layer order. CPU caches are moved into
-    shared memory in place (see `lmcache_mp.transfer.shm`); CUDA caches are exported by
-    IPC handle."""
+def export_kv_caches(kv_caches: dict[str, torch.Tensor]) -> tuple[KVCache, list[int]]:
+    """Handles for the daemon, one per layer in layer order, and the shared-memory file
+    descriptors that go with them (CPU only; they travel over the attach socket). CPU caches
+    are moved into shared memory in place (see `lmcache_mp.transfer.shm`); CUDA caches are
+    exported by IPC handle."""
     tensors = list(kv_caches.values())
     if tensors and all(t.is_cuda for t in tensors):
-        return [CudaIPCWrapper(t) for t in tensors]
-    handles, _fds = share_cpu_tensors(tensors)
-    return list(handles)
+        return [CudaIPCWrapper(t) for t in tensors], []
+    handles, fds = share_cpu_tensors(tensors)
+    return list(handles), fds
+
+
+def wrap_kv_caches(kv_caches: dict[str, torch.Tensor]) -> KVCache:
+    """The seed's helper: just the handles of `export_kv_caches`."""
+    return export_kv_caches(kv_caches)[0]
