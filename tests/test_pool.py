@@ -10,8 +10,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from lmcache_mp.protocol import ChunkOutcome
-from lmcache_mp.storage.pool import ALIGN, MemoryPool, ObjectState, PoolObject, default_slab_bytes
+from lmcache_mp.storage.pool import (
+    ALIGN,
+    MemoryPool,
+    ObjectState,
+    PoolObject,
+    ReserveFailure,
+    default_slab_bytes,
+)
 
 KiB = 1024
 
@@ -33,6 +39,21 @@ def touch(pool: MemoryPool, keys: list) -> None:
 def assert_disjoint(objects: list[PoolObject]) -> None:
     spans = sorted((obj.data.data_ptr(), obj.data.data_ptr() + obj.nbytes) for obj in objects)
     assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))
+
+
+def store(pool: MemoryPool, keys: list, parent=None, *, nbytes: int = 256, pin: bool = False) -> list:
+    """One rank's STORE of a chain as the daemon does it: link (refreshing the part already here and
+    the parent), reserve, link the new objects, commit them. Returns reserve's outcomes."""
+    pool.link(keys, parent)
+    outcomes = pool.reserve(keys, nbytes)
+    assert ReserveFailure.NO_SPACE not in outcomes, outcomes
+    pool.link(keys, parent)
+    pool.commit([obj for obj in outcomes if isinstance(obj, PoolObject)], pin=pin)
+    return outcomes
+
+
+def is_prefix(alive: list[bool]) -> bool:
+    return alive == sorted(alive, reverse=True)
 
 
 def live_keys(pool: MemoryPool, keys: list) -> set:
@@ -75,10 +96,10 @@ def test_writing_object_is_invisible_until_commit() -> None:
 def test_duplicate_keys_are_already_present() -> None:
     pool = MemoryPool(4 * KiB, slab_bytes=KiB)
     first, second = pool.reserve(["a", "a"], 64)
-    assert isinstance(first, PoolObject) and second is ChunkOutcome.ALREADY_PRESENT
-    assert pool.reserve(["a"], 64) == [ChunkOutcome.ALREADY_PRESENT]  # still WRITING
+    assert isinstance(first, PoolObject) and second is ReserveFailure.ALREADY_PRESENT
+    assert pool.reserve(["a"], 64) == [ReserveFailure.ALREADY_PRESENT]  # still WRITING
     pool.commit([first])
-    assert pool.reserve(["a"], 128) == [ChunkOutcome.ALREADY_PRESENT]
+    assert pool.reserve(["a"], 128) == [ReserveFailure.ALREADY_PRESENT]
     assert pool.num_objects == 1
 
 
@@ -92,6 +113,33 @@ def test_abort_frees_the_slot() -> None:
     again = pool.reserve([0, 9], 256)
     assert all(isinstance(obj, PoolObject) for obj in again)
     assert pool.stats().evictions == 0
+
+
+def test_commit_with_pin_pins_each_object_at_once() -> None:
+    pool = MemoryPool(2 * KiB, slab_bytes=KiB)  # two slabs of four 256-byte slots
+    pinned = pool.reserve([("p", i) for i in range(4)], 256)  # slab 0
+    pool.commit(pinned, pin=True)
+    assert all(obj.state is ObjectState.READY and obj.pins == 1 for obj in pinned)
+    stats = pool.stats()
+    assert stats.num_pinned == 4 and stats.num_writing == 0
+    assert pool.clear() == 0
+    assert [len(chunk) for chunk in pool.pin_prefix([[obj.key] for obj in pinned])] == [1] * 4
+    pool.unpin(pinned)  # the lookup's pins go; the commit's stay
+    assert all(obj.pins == 1 for obj in pinned)
+
+    others = reserve_ready(pool, [("o", i) for i in range(4)], 256)  # slab 1
+    # The others are evictable and go; the pinned ones don't, and their slab can't change hands.
+    assert all(isinstance(obj, PoolObject) for obj in pool.reserve(["x", "y"], 256))
+    assert pool.reserve(["big"], 512) == [ReserveFailure.NO_SPACE]
+    assert pool.reserve(["z", "w", "v"], 256)[2] == ReserveFailure.NO_SPACE
+    assert all(obj.state is ObjectState.FREED for obj in others)
+    assert all(obj.state is ObjectState.READY for obj in pinned)
+
+    pool.unpin(pinned)  # now evictable, the first the most recent
+    assert pool.stats().num_pinned == 0
+    [v] = pool.reserve(["v"], 256)
+    assert isinstance(v, PoolObject)
+    assert [obj.state for obj in pinned] == [ObjectState.READY] * 3 + [ObjectState.FREED]
 
 
 def test_commit_and_abort_misuse_raise_and_change_nothing() -> None:
@@ -167,7 +215,8 @@ def test_unpin_misuse_raises_and_changes_nothing() -> None:
 
 def test_lru_eviction_and_touching_saves_an_object() -> None:
     pool = MemoryPool(KiB, slab_bytes=KiB)  # four 256-byte slots
-    reserve_ready(pool, ["a", "b", "c", "d"], 256)
+    for key in "abcd":  # one commit each: a is the least recently used
+        reserve_ready(pool, [key], 256)
     touch(pool, ["a"])  # pin + unpin
     pool.pin_prefix([["b"], ["missing"], ["c"]])  # touches b; c comes after the gap
     pool.unpin(pool.pin(["b"]) * 2)
@@ -187,7 +236,7 @@ def test_pinned_and_writing_objects_are_never_evicted() -> None:
 
     [new] = pool.reserve(["n"], 256)  # evicts c, the only evictable object
     assert objects[2].state is ObjectState.FREED
-    assert pool.reserve(["x", "y"], 256) == [ChunkOutcome.NO_SPACE] * 2
+    assert pool.reserve(["x", "y"], 256) == [ReserveFailure.NO_SPACE] * 2
     assert writing.state is ObjectState.WRITING and new.state is ObjectState.WRITING
     assert objects[0].pins == 1 and objects[1].pins == 1
     assert pool.num_objects == 4 and pool.used_bytes == KiB
@@ -202,7 +251,7 @@ def test_no_space_leaves_earlier_reservations_of_the_call_alone() -> None:
     old = reserve_ready(pool, ["old"], 256)[0]
     outcomes = pool.reserve(list(range(6)), 256)
     assert [isinstance(o, PoolObject) for o in outcomes] == [True] * 4 + [False] * 2
-    assert outcomes[4:] == [ChunkOutcome.NO_SPACE] * 2
+    assert outcomes[4:] == [ReserveFailure.NO_SPACE] * 2
     assert old.state is ObjectState.FREED  # evicted for key 3, not the call's own reservations
     assert all(obj.state is ObjectState.WRITING for obj in outcomes[:4])
 
@@ -217,6 +266,178 @@ def test_clear_keeps_pinned_and_writing_objects() -> None:
     assert b.state is ObjectState.FREED and c.state is ObjectState.FREED
     assert pool.num_objects == 2 and pool.used_bytes == 200
     assert pool.stats().evictions == 0
+
+
+def test_one_call_makes_its_first_object_the_most_recent() -> None:
+    pool = MemoryPool(KiB, slab_bytes=KiB)  # four 256-byte slots
+    *_, d = reserve_ready(pool, ["a", "b", "c", "d"], 256)  # chunk order: a the most recent
+    reserve_ready(pool, ["e"], 256)
+    assert d.state is ObjectState.FREED
+    pool.unpin(pool.pin(["a", "b", "c"]))  # a lookup in chunk order, after e was stored
+    reserve_ready(pool, ["f"], 256)
+    assert live_keys(pool, list("abcdef")) == set("abcf")  # e went, not a
+
+
+# ---- prefix-aware eviction -------------------------------------------------------------------
+
+
+def test_link_records_parents_of_live_keys_only() -> None:
+    pool = MemoryPool(4 * KiB, slab_bytes=KiB)
+    a, b, d = pool.reserve(["a", "b", "d"], 64)
+    pool.link(["a", "b", "c", "d"], parent="missing")  # WRITING objects can be linked
+    assert a.parent is None and b.parent is a and d.parent is None  # no c: the chain breaks there
+    pool.commit([a, b, d])
+    [e] = reserve_ready(pool, ["e"], 64)
+    pool.link(["e"], parent="d")
+    assert e.parent is d
+    pool.link(["e"])  # no parent given: the link stays
+    assert e.parent is d
+
+    pool.pin(["e"])
+    assert pool.clear() == 3  # d goes; e, pinned, stays
+    assert e.parent is d and d.state is ObjectState.FREED  # a freed parent counts as none...
+    pool.unpin([e])
+    assert e.parent is None  # ... and the first walk that meets it lets go of it
+    [d2] = reserve_ready(pool, ["d"], 64)  # the same key again is a new object: no link yet
+    pool.link(["d", "e"])
+    assert e.parent is d2
+
+
+def test_parent_cycles_do_not_trap_the_walks() -> None:
+    pool = MemoryPool(KiB, slab_bytes=KiB)
+    a, b = reserve_ready(pool, ["a", "b"], 256)
+    pool.link(["a", "b"])
+    pool.link(["b", "a"])  # keys that name prefixes can't do this, but the pool must not hang
+    assert a.parent is b and b.parent is a
+    touch(pool, ["a", "b"])
+    assert len([o for o in pool.reserve(["c", "d", "e"], 256) if isinstance(o, PoolObject)]) == 3
+
+
+class Prompts:
+    """Prompts stored chunk by chunk on a few ranks, with the object each key last got, so a test
+    can tell what survives without touching anything."""
+
+    def __init__(self, pool: MemoryPool, ranks: int = 2) -> None:
+        self.pool = pool
+        self.ranks = ranks
+        self.keys: list[list[list]] = []  # per prompt, per rank, its chunk keys in order
+        self.objects: dict = {}  # key -> the object it last got
+
+    def new(self, length: int, shared: list[list] | None = None) -> int:
+        """A prompt of `length` chunks, the first ones (per rank) `shared` with an earlier prompt."""
+        p = len(self.keys)
+        first = shared or [[] for _ in range(self.ranks)]
+        self.keys.append(
+            [
+                first[rank] + [(p, c, rank) for c in range(len(first[rank]), length)]
+                for rank in range(self.ranks)
+            ]
+        )
+        return p
+
+    def store(self, p: int, start: int = 0, stop: int | None = None) -> None:
+        """STORE chunks start..stop-1 of prompt p on every rank, naming chunk start-1 as the parent."""
+        for keys in self.keys[p]:
+            chain = keys[start:stop]
+            outcomes = store(self.pool, chain, keys[start - 1] if start else None)
+            self.objects.update(
+                (key, obj) for key, obj in zip(chain, outcomes, strict=True) if isinstance(obj, PoolObject)
+            )
+
+    def lookup(self, p: int) -> int:
+        """A LOOKUP of prompt p: pin its prefix on all ranks, chunk-major, and let go. Returns hits."""
+        pinned = self.pool.pin_prefix([list(chunk) for chunk in zip(*self.keys[p], strict=True)])
+        self.pool.unpin([obj for chunk in pinned for obj in chunk])
+        return len(pinned)
+
+    def alive(self, p: int, rank: int = 0) -> list[bool]:
+        return [
+            key in self.objects and self.objects[key].state is not ObjectState.FREED
+            for key in self.keys[p][rank]
+        ]
+
+    def assert_prefixes(self) -> None:
+        for p in range(len(self.keys)):
+            for rank in range(self.ranks):
+                assert is_prefix(self.alive(p, rank)), (p, rank, self.alive(p, rank))
+
+
+def test_eviction_leaves_every_prompt_a_prefix() -> None:
+    """Prompts of 4-8 chunks on two ranks, some stored in two STOREs (chunked prefill) with other
+    work in between, some extending an earlier prompt's first chunks, some looked up, under steady
+    memory pressure: what survives of every prompt is a prefix of it, so all of it can be hit."""
+    pool = MemoryPool(16 * KiB, slab_bytes=KiB)  # 64 slots of 256 bytes
+    prompts = Prompts(pool)
+    second_part: list[int] = []
+    cut = 0  # prompts seen with some chunks gone and some left
+    for i in range(60):
+        shared = None
+        if i % 4 == 3:  # shares its first three chunks with the prompt before last
+            shared = [keys[:3] for keys in prompts.keys[-2]]
+        p = prompts.new(4 + i % 5, shared)
+        if i % 3 == 1:  # chunked prefill: its first 3 chunks now, the rest after the next prompt
+            prompts.store(p, 0, 3)
+            second_part.append(p)
+        else:
+            prompts.store(p)
+            for q in second_part:
+                prompts.store(q, 3)
+            second_part.clear()
+        if i % 5 == 4:
+            prompts.lookup(p - 3)
+        prompts.assert_prefixes()
+        cut += sum(0 < sum(prompts.alive(q)) < len(prompts.alive(q)) for q in range(p + 1))
+    assert pool.stats().evictions > 300
+    assert cut  # prompts lost their tails, not only whole prompts
+
+
+@pytest.mark.parametrize("lookup", ["pin_prefix", "pin"])
+def test_a_looked_up_prompt_outlives_an_untouched_one(lookup: str) -> None:
+    pool = MemoryPool(4 * KiB, slab_bytes=KiB)  # 16 slots of 256 bytes
+    prompts = Prompts(pool, ranks=1)
+    a = prompts.new(8)
+    b = prompts.new(8)
+    prompts.store(a)
+    prompts.store(b)  # the pool is full; a is older
+    if lookup == "pin_prefix":
+        assert prompts.lookup(a) == 8
+    else:
+        touch(pool, prompts.keys[a][0])
+
+    prompts.store(prompts.new(4))  # evicts b's last four chunks: b keeps a prefix that can be hit
+    assert prompts.alive(a) == [True] * 8
+    assert prompts.alive(b) == [True] * 4 + [False] * 4
+    prompts.store(prompts.new(4))
+    assert prompts.alive(a) == [True] * 8 and not any(prompts.alive(b))
+    prompts.store(prompts.new(2))  # only now does a go, from its tail
+    assert prompts.alive(a) == [True] * 6 + [False] * 2
+
+
+def test_storing_the_rest_of_a_prompt_refreshes_its_first_part() -> None:
+    pool = MemoryPool(4 * KiB, slab_bytes=KiB)  # 16 slots of 256 bytes
+    prompts = Prompts(pool, ranks=1)
+    a = prompts.new(8)
+    b = prompts.new(12)
+    prompts.store(a, 0, 4)  # chunked prefill: a's first half, then all of b, then a's second half
+    prompts.store(b)  # the pool is full
+    prompts.store(a, 4)  # its reserve evicts b's tail, not a's first half
+    assert prompts.alive(a) == [True] * 8
+    assert prompts.alive(b) == [True] * 8 + [False] * 4
+    prompts.store(prompts.new(8))  # a's whole chain is more recent than what is left of b
+    assert prompts.alive(a) == [True] * 8 and not any(prompts.alive(b))
+
+
+def test_a_store_extending_a_cached_prefix_keeps_it() -> None:
+    pool = MemoryPool(4 * KiB, slab_bytes=KiB)  # 16 slots of 256 bytes
+    prompts = Prompts(pool, ranks=1)
+    a = prompts.new(6)
+    prompts.store(a)
+    prompts.store(prompts.new(10))  # full; a is the least recently used
+    c = prompts.new(8, shared=[prompts.keys[a][0][:4]])  # a's first 4 chunks, then 4 of its own
+    prompts.store(c)  # link before reserve: the 4 shared chunks are spared
+    assert prompts.alive(c) == [True] * 8
+    assert prompts.alive(a) == [True] * 4 + [False] * 2
+    prompts.assert_prefixes()
 
 
 # ---- slabs and size classes ------------------------------------------------------------------
@@ -254,7 +475,7 @@ def test_a_slab_with_a_writing_object_keeps_its_class() -> None:
     ready, writing, freed = ObjectState.READY, ObjectState.WRITING, ObjectState.FREED
     assert [obj.state for obj in small] == [ready] * 3 + [writing] + [freed] * 4
     assert big.data.data_ptr() == small[4].data.data_ptr()
-    assert pool.reserve(["x", "y"], 512)[1] == ChunkOutcome.NO_SPACE  # x takes the slot beside big
+    assert pool.reserve(["x", "y"], 512)[1] == ReserveFailure.NO_SPACE  # x takes the slot beside big
 
 
 def test_emptied_slab_goes_back_to_the_free_list() -> None:
@@ -268,9 +489,9 @@ def test_emptied_slab_goes_back_to_the_free_list() -> None:
 
 def test_objects_larger_than_a_slab_span_several() -> None:
     pool = MemoryPool(4 * KiB, slab_bytes=KiB)
-    a, b = reserve_ready(pool, ["a", "b"], 1500)  # each takes two base slabs
-    reserve_ready(pool, ["c"], 1500)  # evicts a, the least recently used
-    assert a.state is ObjectState.FREED and b.state is ObjectState.READY
+    a, b = reserve_ready(pool, ["a", "b"], 1500)  # each takes two base slabs; a the most recent
+    reserve_ready(pool, ["c"], 1500)  # evicts b, the least recently used
+    assert a.state is ObjectState.READY and b.state is ObjectState.FREED
     assert pool.clear() == 2
 
     smalls = reserve_ready(pool, list(range(16)), 256)  # one per base slab at 0, 1, 2, 3
@@ -278,7 +499,7 @@ def test_objects_larger_than_a_slab_span_several() -> None:
     [big] = pool.reserve(["big"], 1500)
     assert isinstance(big, PoolObject)
     assert {i for i, obj in enumerate(smalls) if obj.state is ObjectState.FREED} == set(range(4, 12))
-    assert pool.reserve(["big2"], 1500) == [ChunkOutcome.NO_SPACE]
+    assert pool.reserve(["big2"], 1500) == [ReserveFailure.NO_SPACE]
 
 
 def test_default_slab_rule() -> None:
@@ -333,14 +554,17 @@ KEYS = st.integers(0, 50)
 
 
 class PoolMachine(RuleBasedStateMachine):
-    """Random reserve/commit/abort/pin/unpin/clear sequences against a small pool; every object we
-    were handed keeps the byte we filled it with for as long as it is alive."""
+    """Random reserve/commit/abort/link/pin/unpin/clear sequences against a small pool; every object
+    we were handed keeps the byte we filled it with for as long as it is alive, and eviction within
+    a size class never takes an object before a READY unpinned descendant (linked chains of keys
+    only ever run from a smaller key to a larger one, as prefix hashes can't form cycles)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.pool = MemoryPool(4 * KiB, slab_bytes=KiB)
         self.objects: dict[PoolObject, int] = {}  # every object handed out -> its fill byte
         self.pins: dict[PoolObject, int] = {}
+        self.parents: dict[PoolObject, PoolObject] = {}  # every link recorded
         self.fill = 0
 
     def alive(self) -> list[PoolObject]:
@@ -349,31 +573,101 @@ class PoolMachine(RuleBasedStateMachine):
     def in_state(self, state: ObjectState) -> list[PoolObject]:
         return [obj for obj in self.objects if obj.state is state]
 
-    @rule(keys=st.lists(KEYS, max_size=4), nbytes=st.sampled_from(SIZES))
-    def reserve(self, keys: list[int], nbytes: int) -> None:
+    def parent(self, obj: PoolObject) -> PoolObject | None:
+        parent = self.parents.get(obj)
+        return parent if parent is not None and parent.state is not ObjectState.FREED else None
+
+    def ancestors(self, obj: PoolObject) -> list[PoolObject]:
+        out = []
+        while (obj := self.parent(obj)) is not None:
+            out.append(obj)
+        return out
+
+    def do_reserve(self, keys: list[int], nbytes: int) -> list[PoolObject | ReserveFailure]:
+        # Own-class eviction is LRU, and ancestors are more recent than their READY unpinned
+        # descendants: an object of this size evicted by this call took every such descendant of
+        # this size with it (objects of other sizes may go in whole slabs, in no chain order).
+        evictable = [
+            obj for obj in self.in_state(ObjectState.READY) if obj not in self.pins and obj.nbytes == nbytes
+        ]
+        ancestors = {obj: [a for a in self.ancestors(obj) if a.nbytes == nbytes] for obj in evictable}
         # A key live before the call may be evicted by an earlier key of the call, then reserved anew.
         before = {obj.key: obj for obj in self.alive()}
         seen: set[int] = set()
-        for key, outcome in zip(keys, self.pool.reserve(keys, nbytes), strict=True):
+        outcomes = self.pool.reserve(keys, nbytes)
+        for key, outcome in zip(keys, outcomes, strict=True):
             if isinstance(outcome, PoolObject):
                 assert key not in seen and outcome.key == key and outcome.nbytes == nbytes
                 assert key not in before or before[key].state is ObjectState.FREED
                 self.fill = self.fill % 255 + 1
                 outcome.data.fill_(self.fill)
                 self.objects[outcome] = self.fill
-            elif outcome is ChunkOutcome.ALREADY_PRESENT:
+            elif outcome is ReserveFailure.ALREADY_PRESENT:
                 assert key in before or key in seen
             else:
-                assert outcome is ChunkOutcome.NO_SPACE
+                assert outcome is ReserveFailure.NO_SPACE
                 continue
             seen.add(key)
+        for obj in evictable:
+            if obj.state is not ObjectState.FREED:
+                evicted = [a.key for a in ancestors[obj] if a.state is ObjectState.FREED]
+                assert not evicted, f"{evicted} evicted before their descendant {obj.key}"
+        return outcomes
+
+    def do_link(self, keys: list[int], parent: int | None) -> None:
+        live = {obj.key: obj for obj in self.alive()}
+        prev = live.get(parent)
+        for key in keys:
+            obj = live.get(key)
+            if obj is not None and prev is not None:
+                self.parents[obj] = prev
+            prev = obj
+        self.pool.link(keys, parent)
+
+    def add_pins(self, objects: list[PoolObject]) -> None:
+        for obj in objects:
+            self.pins[obj] = self.pins.get(obj, 0) + 1
+
+    @rule(keys=st.lists(KEYS, max_size=4), nbytes=st.sampled_from(SIZES))
+    def reserve(self, keys: list[int], nbytes: int) -> None:
+        self.do_reserve(keys, nbytes)
 
     @precondition(lambda self: self.in_state(ObjectState.WRITING))
-    @rule(data=st.data(), commit=st.booleans())
-    def finish(self, data: st.DataObject, commit: bool) -> None:
+    @rule(data=st.data(), commit=st.booleans(), pin=st.booleans())
+    def finish(self, data: st.DataObject, commit: bool, pin: bool) -> None:
         writing = self.in_state(ObjectState.WRITING)
         chosen = data.draw(st.lists(st.sampled_from(writing), min_size=1, unique_by=id))
-        (self.pool.commit if commit else self.pool.abort)(chosen)
+        if commit:
+            self.pool.commit(chosen, pin=pin)
+            assert all(obj.state is ObjectState.READY and obj.pins == pin for obj in chosen)
+            if pin:
+                self.add_pins(chosen)
+        else:
+            self.pool.abort(chosen)
+
+    @rule(
+        data=st.data(),
+        keys=st.lists(KEYS, min_size=1, max_size=5, unique=True).map(sorted),
+        nbytes=st.sampled_from(SIZES),
+        pin=st.booleans(),
+    )
+    def store_chain(self, data: st.DataObject, keys: list[int], nbytes: int, pin: bool) -> None:
+        """A STORE of a chain: link, reserve, link, commit what it reserved (pinned or not)."""
+        parent = data.draw(st.none() | st.integers(0, keys[0] - 1)) if keys[0] else None
+        self.do_link(keys, parent)
+        fresh = [obj for obj in self.do_reserve(keys, nbytes) if isinstance(obj, PoolObject)]
+        self.do_link(keys, parent)
+        self.pool.commit(fresh, pin=pin)
+        if pin:
+            self.add_pins(fresh)
+
+    @precondition(lambda self: self.alive())
+    @rule(data=st.data())
+    def link(self, data: st.DataObject) -> None:
+        live = sorted({obj.key for obj in self.alive()})
+        keys = sorted(data.draw(st.lists(st.sampled_from(live) | KEYS, min_size=1, max_size=4, unique=True)))
+        parent = data.draw(st.none() | st.sampled_from(live) | KEYS)
+        self.do_link(keys, parent if parent is None or parent < keys[0] else None)
 
     @rule(chunks=st.lists(st.lists(KEYS, min_size=1, max_size=2), max_size=4))
     def pin_prefix(self, chunks: list[list[int]]) -> None:
@@ -385,25 +679,24 @@ class PoolMachine(RuleBasedStateMachine):
         assert len(pinned) == expected
         for keys, objects in zip(chunks, pinned, strict=False):
             assert [obj.key for obj in objects] == keys
-            for obj in objects:
-                self.pins[obj] = self.pins.get(obj, 0) + 1
+            self.add_pins(objects)
 
     @rule(keys=st.lists(KEYS, max_size=3))
     def pin(self, keys: list[int]) -> None:
         ready = {obj.key for obj in self.in_state(ObjectState.READY)}
         objects = self.pool.pin(keys)
         assert (objects is not None) == (set(keys) <= ready)
-        for obj in objects or ():
-            self.pins[obj] = self.pins.get(obj, 0) + 1
+        self.add_pins(objects or [])
 
     @precondition(lambda self: self.pins)
     @rule(data=st.data())
     def unpin(self, data: st.DataObject) -> None:
-        obj = data.draw(st.sampled_from(list(self.pins)))
-        self.pool.unpin([obj])
-        self.pins[obj] -= 1
-        if not self.pins[obj]:
-            del self.pins[obj]
+        objects = data.draw(st.lists(st.sampled_from(list(self.pins)), min_size=1, max_size=4, unique_by=id))
+        self.pool.unpin(objects)
+        for obj in objects:
+            self.pins[obj] -= 1
+            if not self.pins[obj]:
+                del self.pins[obj]
 
     @rule()
     def clear(self) -> None:
@@ -424,6 +717,14 @@ class PoolMachine(RuleBasedStateMachine):
     def pinned_objects_survive(self) -> None:
         for obj, pins in self.pins.items():
             assert obj.state is ObjectState.READY and obj.pins == pins
+
+    @invariant()
+    def links_are_the_recorded_ones(self) -> None:
+        for obj in self.alive():
+            parent = (
+                obj.parent if obj.parent is not None and obj.parent.state is not ObjectState.FREED else None
+            )
+            assert parent is self.parent(obj)
 
     @invariant()
     def live_objects_are_disjoint_and_intact(self) -> None:

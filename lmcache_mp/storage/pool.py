@@ -13,18 +13,38 @@ a whole number of its slots (so its slabs have no slack), about 64 MiB but at mo
 slot fits a base slab uses one base slab per slab; a larger one uses `span` consecutive base slabs
 per slab, which hold one object or a few.
 
-Lifecycle. `reserve` hands out a WRITING object (invisible to readers, never evicted); `commit`
-makes it READY, `abort` frees it. Readers `pin` READY objects while they copy out of them. Only
-READY objects with no pins are evictable, least recently used first; committing an object and
-releasing its last pin make it the most recently used.
+Lifecycle. `reserve` hands out a WRITING object (invisible to readers, never evicted), or a
+`ReserveFailure` for a key it can't serve; `commit` makes it READY (with `pin=True` also pinned, in
+the same step, so it is never evictable in between), `abort` frees it. Readers `pin` READY objects
+while they copy out of them. Only READY objects with no pins are evictable, least recently used
+first (one LRU order per size class).
+
+Prefixes. Keys are opaque here, but in the daemon a key names a chunk *and the whole token prefix
+before it*, and a lookup counts hits only up to the first missing chunk: a chunk whose predecessor
+is gone can never be hit. So the pool keeps parent links (`link` records each key's predecessor in
+one rank's chain; a parent that has been freed counts as none) and orders recency so that an
+ancestor is always more recently used than its READY unpinned descendants. The LRU object of a size
+class then has no evictable descendant in that class (only pinned, WRITING or gone ones), so
+eviction eats each chain from its tail and what stays is a usable prefix. The rules: when objects
+become evictable (a commit without pin, the last unpin), they become the most recently used in
+*reverse* order of the call's list, which callers give in chunk order (`pin` and `pin_prefix`
+return theirs in that order, `pin_prefix` chunk-major), so the first chunk ends up the most
+recent; then every READY unpinned ancestor reachable through parent links (walking through pinned
+and WRITING ones too) becomes more recent still, each after its descendants. `link` refreshes the
+chain it links, and its parent, the same way (a STORE links before reserving, so that its reserve
+spares the prefix it extends, and again after). A walk stops at objects the call has already seen,
+so a call costs O(objects + ancestors walked). Pins protect objects, not prefixes: a pinned chunk's
+ancestors stay evictable (a lookup pins the whole prefix it reads, and its unpin refreshes them).
 
 Eviction, when a size class has no free slot and no free slab: its own LRU evictable object first
 (that frees a slot of the right size); failing that, whole slabs of other classes, because a slot
 of another size is of no use: the slab that became evictable longest ago (one base slab needed),
 or, for a multi-slab span, the run of base slabs with no pinned or WRITING object that needs the
-fewest occupied base slabs cleared. The latter scans the base slabs, but only when slabs move
+fewest occupied base slabs cleared. Whole-slab eviction follows slabs, not chains, so it may take
+a middle chunk of a prefix; the chunks after it are then dead weight, but they are older than the
+chunks before it, so their own class evicts them before those. The slab scan runs only when slabs move
 between size classes; reserving, committing, pinning and unpinning are otherwise O(1) per object
-(a multi-slab span also walks the free runs, which are few).
+plus the ancestor walks above (a multi-slab span also walks the free runs, which are few).
 
 One lock guards all bookkeeping; no method ever copies object bytes, so it is held briefly.
 """
@@ -38,8 +58,6 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import torch
-
-from lmcache_mp.protocol import ChunkOutcome
 
 # Every object's data starts on a cache line, which vectorised copies want.
 ALIGN = 64
@@ -64,6 +82,13 @@ class ObjectState(enum.Enum):
     FREED = enum.auto()  # aborted, evicted or cleared: its memory may already hold another object
 
 
+class ReserveFailure(enum.Enum):
+    """Why `reserve` handed out no object for a key; the caller maps it to its own outcome code."""
+
+    ALREADY_PRESENT = enum.auto()  # the key is live, READY or still WRITING
+    NO_SPACE = enum.auto()  # nothing evictable would free a slot of the right size
+
+
 @dataclass(eq=False)
 class PoolObject:
     """One stored chunk. Compared by identity, so the pool can key its LRU dicts by the object."""
@@ -75,6 +100,9 @@ class PoolObject:
     slot: int = field(repr=False)
     state: ObjectState = ObjectState.WRITING
     pins: int = 0
+    # The chunk before this one in its chain (see `MemoryPool.link`); one that is FREED counts as
+    # None and is cleared when next met.
+    parent: PoolObject | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -205,22 +233,51 @@ class MemoryPool:
         with self._lock:
             return len(self._index)
 
-    def reserve(self, keys: list[Hashable], nbytes: int) -> list[PoolObject | ChunkOutcome]:
-        """Per key, in order: ALREADY_PRESENT if the key is live (even if still WRITING), else a new
-        WRITING object of `nbytes`, evicting what it must, else NO_SPACE. Raises ValueError, before
-        reserving anything, if `nbytes` can never fit."""
+    def reserve(self, keys: list[Hashable], nbytes: int) -> list[PoolObject | ReserveFailure]:
+        """Per key, in order: ReserveFailure.ALREADY_PRESENT if the key is live (even if still
+        WRITING), else a new WRITING object of `nbytes`, evicting what it must, else
+        ReserveFailure.NO_SPACE. Raises ValueError, before reserving anything, if `nbytes` can never
+        fit."""
         with self._lock:
             size_class = self._size_class(nbytes)
             return [self._reserve_one(key, size_class) for key in keys]
 
-    def commit(self, objects: list[PoolObject]) -> None:
-        """WRITING -> READY: visible to readers, and the most recently used."""
+    def commit(self, objects: list[PoolObject], *, pin: bool = False) -> None:
+        """WRITING -> READY: visible to readers. With `pin`, each object also gets one pin (release it
+        with `unpin`) and is never evictable in between; without, the objects become the most recently
+        used, the first of the list the most recent, and their ancestors more recent still."""
         with self._lock:
             self._check_writing(objects)
             for obj in objects:
                 obj.state = ObjectState.READY
                 self._num_writing -= 1
-                self._make_evictable(obj)
+                if pin:
+                    obj.pins = 1  # WRITING -> pinned: its slab stays stuck on the same count
+                    self._num_pinned += 1
+                else:
+                    self._make_evictable(obj)
+            if not pin:
+                self._refresh(objects)
+
+    def link(self, keys: list[Hashable], parent: Hashable | None = None) -> None:
+        """Record that keys[i - 1] is the parent of keys[i], and `parent` that of keys[0], where both
+        are live (READY or WRITING); a key that isn't breaks the chain there, and no link is ever
+        removed here. Then refresh the chain: its live objects and `parent` become the most recently
+        used, in reverse (`parent` the most recent), and their ancestors more recent still.
+
+        A STORE links its keys before `reserve` too: that makes the part of its chain already here,
+        and the parent, the most recent, so the reserve doesn't evict the prefix it extends."""
+        with self._lock:
+            prev = None if parent is None else self._index.get(parent)
+            linked: list[PoolObject] = [] if prev is None else [prev]
+            for key in keys:
+                obj = self._index.get(key)
+                if obj is not None:
+                    if prev is not None and prev is not obj:
+                        obj.parent = prev
+                    linked.append(obj)
+                prev = obj
+            self._refresh(linked)
 
     def abort(self, objects: list[PoolObject]) -> None:
         """WRITING -> freed: the write failed and the slot is free again."""
@@ -233,7 +290,8 @@ class MemoryPool:
 
     def pin_prefix(self, chunks: list[list[Hashable]]) -> list[list[PoolObject]]:
         """The objects of the leading chunks whose every key (one per rank) is READY, each pinned;
-        stops at the first incomplete chunk, whose objects and later ones are left alone."""
+        stops at the first incomplete chunk, whose objects and later ones are left alone. Flattened,
+        the result is chunk-major, the order `unpin` wants back."""
         with self._lock:
             out: list[list[PoolObject]] = []
             for keys in chunks:
@@ -254,17 +312,21 @@ class MemoryPool:
             return objects
 
     def unpin(self, objects: list[PoolObject]) -> None:
-        """Release one pin per occurrence. Raises ValueError, changing nothing, if any object would
-        drop below zero pins."""
+        """Release one pin per occurrence; objects left with none become the most recently used, in
+        chunk order like a commit (the first the most recent, its ancestors more recent still).
+        Raises ValueError, changing nothing, if any object would drop below zero pins."""
         with self._lock:
             for obj, count in Counter(objects).items():
                 if obj.pins < count:
                     raise ValueError(f"unpin of {obj.key!r} {count} time(s), but it has {obj.pins} pin(s)")
+            released: list[PoolObject] = []
             for obj in objects:
                 obj.pins -= 1
                 if obj.pins == 0:
                     self._num_pinned -= 1
                     self._make_evictable(obj)
+                    released.append(obj)
+            self._refresh(released)
 
     def clear(self) -> int:
         """Drop every READY unpinned object; returns how many. Pinned and WRITING objects stay."""
@@ -332,12 +394,12 @@ class MemoryPool:
 
     # ---- reserving and eviction ----------------------------------------------------------------
 
-    def _reserve_one(self, key: Hashable, size_class: _SizeClass) -> PoolObject | ChunkOutcome:
+    def _reserve_one(self, key: Hashable, size_class: _SizeClass) -> PoolObject | ReserveFailure:
         if key in self._index:
-            return ChunkOutcome.ALREADY_PRESENT
+            return ReserveFailure.ALREADY_PRESENT
         slab = self._slab_with_free_slot(size_class)
         if slab is None:
-            return ChunkOutcome.NO_SPACE
+            return ReserveFailure.NO_SPACE
         slot = slab.free_slots.pop()
         if not slab.free_slots:
             del size_class.open_slabs[slab]
@@ -434,9 +496,36 @@ class MemoryPool:
         obj.pins += 1
 
     def _make_evictable(self, obj: PoolObject) -> None:
-        """obj is now READY and unpinned: evictable, as the most recently used."""
+        """obj is now READY and unpinned: evictable, as the most recently used (until `_refresh`
+        puts the call's objects in their final order)."""
         obj.slab.size_class.evictable[obj] = None
         self._unstick(obj.slab)
+
+    def _refresh(self, objects: list[PoolObject]) -> None:
+        """Make `objects` and all their ancestors the most recently used, each ancestor after its
+        descendants and `objects` in reverse (objects[0] the most recent of them); only the READY
+        unpinned ones move, but walks go through the rest. Every walk stops at an object already
+        seen, so this is O(objects + ancestors walked), and parent cycles can't trap it."""
+        order: list[PoolObject] = []  # every object seen, each after its ancestors
+        seen: set[PoolObject] = set()
+        for start in objects:
+            path: list[PoolObject] = []
+            node: PoolObject | None = start
+            while node is not None and node not in seen:
+                seen.add(node)
+                path.append(node)
+                node = self._parent(node)
+            order.extend(reversed(path))
+        for obj in reversed(order):
+            if obj.state is ObjectState.READY and obj.pins == 0:
+                obj.slab.size_class.evictable.move_to_end(obj)
+
+    @staticmethod
+    def _parent(obj: PoolObject) -> PoolObject | None:
+        parent = obj.parent
+        if parent is not None and parent.state is ObjectState.FREED:
+            obj.parent = parent = None
+        return parent
 
     def _stick(self, slab: _Slab) -> None:
         slab.stuck += 1
@@ -456,6 +545,7 @@ class MemoryPool:
         del self._index[obj.key]
         self._used -= obj.nbytes
         obj.state = ObjectState.FREED
+        obj.parent = None  # a freed object has no chain; don't keep its ancestors alive
         slab = obj.slab
         slab.objects[obj.slot] = None
         slab.free_slots.append(obj.slot)
