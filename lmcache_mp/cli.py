@@ -52,6 +52,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--l1-size-gb", type=float, default=config.DEFAULT_L1_SIZE_GB,
                        help="CPU memory pool size in GiB, allocated once at start "
                             "(default: %(default)s)")
+    serve.add_argument("--l2", action="append", default=[], metavar="URL",
+                       help="a storage tier below the CPU pool; repeat for several, fastest first. "
+                            "disk:///ABS/PATH?size_gb=N: a local (NVMe) directory, kept across "
+                            "restarts, LRU-evicted beyond N GiB, locked against a second daemon. "
+                            "Chunks are written behind STOREs and read back (verified) by LOOKUPs")
+    serve.add_argument("--l2-queue-gb", type=float, default=None,
+                       help="write-behind queue per lower tier: chunks waiting to be written stay "
+                            "pinned in the CPU pool up to this size; past it, new chunks are not "
+                            "written to that tier (counted as skipped). Default: a quarter of "
+                            "--l1-size-gb")
     serve.add_argument("--lease-ttl-s", type=float, default=config.DEFAULT_LEASE_TTL_S,
                        help="seconds a LOOKUP keeps its hits leased for the RETRIEVE that "
                             "follows, if the client never retrieves or ends the session "
@@ -92,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from lmcache_mp.daemon import Daemon
+    from lmcache_mp.storage.tiers import redact_url
 
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -106,6 +117,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allow_remote=args.allow_remote,
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
+        l2=args.l2,
+        l2_queue_gb=args.l2_queue_gb,
     )
     try:
         daemon = Daemon(cfg)
@@ -117,9 +130,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda signum, frame: stop.set())
     daemon.start()
     metrics = f" metrics=http://{cfg.metrics_host}:{cfg.metrics_port}/metrics" if cfg.metrics_port else ""
-    logger.info("lmcache-mp %s ready (node-local) pid=%d endpoints=%s chunk_size=%d pool=%.2f GiB%s",
+    tiers = f" l2={','.join(map(redact_url, cfg.l2))}" if cfg.l2 else ""
+    logger.info("lmcache-mp %s ready (node-local) pid=%d endpoints=%s chunk_size=%d pool=%.2f GiB%s%s",
                 __version__, os.getpid(), " ".join(daemon.endpoints), cfg.chunk_size, cfg.l1_size_gb,
-                metrics)
+                tiers, metrics)
     while not stop.wait(3600):
         pass
     logger.info("shutting down")
@@ -165,11 +179,16 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
+    tiers = data.pop("tiers")
     width = max(map(len, data))
     for name, value in data.items():
         if isinstance(value, list):
             value = ", ".join(map(str, value)) or "-"
         print(f"{name:<{width}}  {value}")
+    for tier in tiers:
+        print(f"\ntier {tier.pop('name')}")
+        for name, value in tier.items():
+            print(f"  {name:<{width}}  {value}")
     return 0
 
 

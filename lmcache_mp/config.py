@@ -74,6 +74,12 @@ class ServerConfig:
     allow_remote: bool = False
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0  # 0: no metrics endpoint
+    l2: list[str] = field(default_factory=list)  # lower storage tiers, in order (storage/tiers.py)
+    l2_queue_gb: float | None = None  # write-behind queue per tier; None: a quarter of L1
+
+    @property
+    def write_queue_gb(self) -> float:
+        return self.l2_queue_gb if self.l2_queue_gb is not None else self.l1_size_gb / 4
 
     def validate(self) -> None:
         if not self.listen:
@@ -88,6 +94,8 @@ class ServerConfig:
             raise ValueError("--lease-ttl-s must be positive")
         if self.metrics_port:
             check_endpoint(f"tcp://{self.metrics_host}:{self.metrics_port}", self.allow_remote)
+        if self.l2_queue_gb is not None and self.l2_queue_gb <= 0:
+            raise ValueError("--l2-queue-gb must be positive")
         if self.max_workers <= 0 or self.max_queued_requests <= 0 or self.queue_deadline_s <= 0:
             raise ValueError("--max-workers, --max-queued-requests and --queue-deadline-s must be positive")
 

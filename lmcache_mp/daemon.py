@@ -8,7 +8,7 @@ from lmcache_mp.config import ServerConfig
 from lmcache_mp.engine import Engine
 from lmcache_mp.observability import Metrics
 from lmcache_mp.protocol import RequestType
-from lmcache_mp.server import Handler, Server
+from lmcache_mp.server import Server
 
 
 class Daemon:
@@ -23,21 +23,19 @@ class Daemon:
         self.metrics = Metrics()
         self.engine = Engine(config, self.metrics)
         e = self.engine
-        handlers = {
-            # Bookkeeping only: answered on the socket thread.
-            RequestType.LOOKUP: Handler(e.lookup, inline=True),
-            RequestType.END_SESSION: Handler(e.end_session, inline=True),
-            # Copies, mappings and whole-pool sweeps: on the worker pool.
-            RequestType.REGISTER_KV_CACHE: Handler(e.register, inline=False),
-            RequestType.UNREGISTER_KV_CACHE: Handler(e.unregister, inline=False),
-            RequestType.STORE: Handler(e.store, inline=False),
-            RequestType.RETRIEVE: Handler(e.retrieve, inline=False),
-            RequestType.CLEAR: Handler(e.clear, inline=False),
+        handlers = {  # where each runs is declared in protocol.PROTOCOL
+            RequestType.LOOKUP: e.lookup,
+            RequestType.END_SESSION: e.end_session,
+            RequestType.REGISTER_KV_CACHE: e.register,
+            RequestType.UNREGISTER_KV_CACHE: e.unregister,
+            RequestType.STORE: e.store,
+            RequestType.RETRIEVE: e.retrieve,
+            RequestType.CLEAR: e.clear,
         }
         try:
             self.server = Server(config, handlers, status_extra=e.status, on_tick=e.tick,
                                  metrics=self.metrics)
-            self.metrics.watch(e.gauges)
+            self.metrics.watch(e.gauges, e.tier_gauges)
             if config.metrics_port:
                 self.metrics.serve(config.metrics_host, config.metrics_port)
         except BaseException:

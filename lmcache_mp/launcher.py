@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,14 +36,16 @@ class DaemonProcess:
         return self.proc.wait(timeout)
 
 
-def start_daemon(tmp_dir: Path, *args: str, url: str | None = None,
-                 ready_timeout: float = 30.0) -> DaemonProcess:
+def start_daemon(tmp_dir: Path, *args: str, url: str | None = None, ready_timeout: float = 30.0,
+                 command_prefix: Sequence[str] = ()) -> DaemonProcess:
+    """Start `lmcache-mp serve --listen URL ARGS...` (under `command_prefix`, e.g. a namespace
+    wrapper, when given) and wait until it answers HELLO."""
     url = url or f"ipc://{tmp_dir / 'daemon.sock'}"
     log_path = tmp_dir / f"daemon-{time.monotonic_ns()}.log"
     env = dict(os.environ, LMCACHE_MP_RUNTIME_DIR=str(tmp_dir))
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "lmcache_mp.cli", "serve", "--listen", url, *args],
+            [*command_prefix, sys.executable, "-m", "lmcache_mp.cli", "serve", "--listen", url, *args],
             stdout=log, stderr=subprocess.STDOUT, env=env,
         )
     daemon = DaemonProcess(url, proc, log_path)

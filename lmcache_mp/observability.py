@@ -20,14 +20,26 @@ _LATENCY_BUCKETS = (50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25
 
 
 class _Gauges(Collector):
-    """Pool, lease and registration gauges, read from the engine at scrape time."""
+    """Pool, lease and registration gauges, and each lower tier's counters (labelled by tier),
+    read from the engine at scrape time."""
 
-    def __init__(self, read: Callable[[], dict[str, float]]):
+    def __init__(self, read: Callable[[], dict[str, float]],
+                 read_tiers: Callable[[], dict[str, dict[str, float]]]):
         self._read = read
+        self._read_tiers = read_tiers
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         for name, value in self._read().items():
             yield GaugeMetricFamily(f"lmcache_mp_{name}", name.replace("_", " "), value=value)
+        families: dict[str, GaugeMetricFamily] = {}
+        for tier, values in self._read_tiers().items():
+            for name, value in values.items():
+                family = families.get(name)
+                if family is None:
+                    family = families[name] = GaugeMetricFamily(
+                        f"lmcache_mp_tier_{name}", f"lower tier {name.replace('_', ' ')}", labels=["tier"])
+                family.add_metric([tier], value)
+        yield from families.values()
 
 
 class Metrics:
@@ -58,8 +70,9 @@ class Metrics:
         for direction in ("store", "retrieve"):
             self.bytes.labels(direction)
 
-    def watch(self, read: Callable[[], dict[str, float]]) -> None:
-        self.registry.register(_Gauges(read))
+    def watch(self, read: Callable[[], dict[str, float]],
+              read_tiers: Callable[[], dict[str, dict[str, float]]]) -> None:
+        self.registry.register(_Gauges(read, read_tiers))
 
     def serve(self, host: str, port: int) -> None:
         start_http_server(port, addr=host, registry=self.registry)

@@ -121,6 +121,25 @@ class RetrieveResult(msgspec.Struct, array_like=True, gc=False):
         return self.ok
 
 
+class TierStatus(msgspec.Struct, gc=False):
+    """One storage tier below the CPU pool (see `storage.base.TierStats` for each field)."""
+
+    name: str
+    objects: int = 0
+    bytes: int = 0
+    capacity_bytes: int = 0
+    hits_total: int = 0
+    misses_total: int = 0
+    corrupt_total: int = 0
+    writes_total: int = 0
+    write_errors_total: int = 0
+    evictions_total: int = 0
+    promotions_total: int = 0
+    write_queue_chunks: int = 0
+    write_queue_bytes: int = 0
+    skipped_writes_total: int = 0
+
+
 class StatusReport(msgspec.Struct, gc=False):
     server_version: str
     protocol_version: int
@@ -134,36 +153,52 @@ class StatusReport(msgspec.Struct, gc=False):
     sessions: int = 0
     leases: int = 0
     requests_in_flight: int = 0
+    tiers: list[TierStatus] = []
+
+
+class HandlerKind(enum.Enum):
+    """Where the daemon runs a request's handler (see server.py)."""
+
+    INLINE = enum.auto()  # on the socket thread: bookkeeping only, never blocks
+    WORKER = enum.auto()  # on the bounded worker pool: copies, mappings, whole-pool sweeps
+    # On the socket thread, like INLINE, but the handler may return a Future instead of a
+    # value: the reply goes out when it completes (a LOOKUP that reads from a lower tier).
+    DEFERRED = enum.auto()
 
 
 @dataclass(frozen=True)
 class RequestSpec:
     payload: tuple[Any, ...]  # one type per payload frame
     reply: Any
+    kind: HandlerKind
 
 
 Keys = list[IPCCacheEngineKey]
 
 PROTOCOL: dict[RequestType, RequestSpec] = {
     # HELLO(client protocol version, client name) -> who the server is.
-    RequestType.HELLO: RequestSpec((int, str), HelloReply),
+    RequestType.HELLO: RequestSpec((int, str), HelloReply, HandlerKind.INLINE),
     # PING(nonce) -> the same nonce, so a caller can match replies to requests.
-    RequestType.PING: RequestSpec((int,), int),
-    RequestType.GET_CHUNK_SIZE: RequestSpec((), int),
-    RequestType.STATUS: RequestSpec((), StatusReport),
+    RequestType.PING: RequestSpec((int,), int, HandlerKind.INLINE),
+    RequestType.GET_CHUNK_SIZE: RequestSpec((), int, HandlerKind.INLINE),
+    RequestType.STATUS: RequestSpec((), StatusReport, HandlerKind.INLINE),
     # REGISTER_KV_CACHE(instance id, one handle per layer in layer order, who/how).
-    RequestType.REGISTER_KV_CACHE: RequestSpec((int, KVCache, KVCacheRegistration), RegisterReply),
+    RequestType.REGISTER_KV_CACHE: RequestSpec((int, KVCache, KVCacheRegistration), RegisterReply,
+                                                    HandlerKind.WORKER),
     # UNREGISTER_KV_CACHE(instance id) -> whether it was registered.
-    RequestType.UNREGISTER_KV_CACHE: RequestSpec((int,), bool),
-    # LOOKUP(keys without worker id) -> number of leading chunks present on every rank.
-    RequestType.LOOKUP: RequestSpec((Keys,), int),
+    RequestType.UNREGISTER_KV_CACHE: RequestSpec((int,), bool, HandlerKind.WORKER),
+    # LOOKUP(keys without worker id) -> number of leading chunks present on every rank, in any
+    # tier (deferred while chunks are read up from a lower tier).
+    RequestType.LOOKUP: RequestSpec((Keys,), int, HandlerKind.DEFERRED),
     # STORE / RETRIEVE(keys, instance id, block ids, CUDA event IPC handle or b"").
-    RequestType.STORE: RequestSpec((Keys, int, list[int], bytes), StoreResult),
-    RequestType.RETRIEVE: RequestSpec((Keys, int, list[int], bytes), RetrieveResult),
+    RequestType.STORE: RequestSpec((Keys, int, list[int], bytes), StoreResult, HandlerKind.WORKER),
+    RequestType.RETRIEVE: RequestSpec((Keys, int, list[int], bytes), RetrieveResult,
+                                         HandlerKind.WORKER),
     # END_SESSION(request id): release everything the request still holds.
-    RequestType.END_SESSION: RequestSpec((str,), None),
-    # CLEAR() -> number of objects dropped (objects under lease or being written stay).
-    RequestType.CLEAR: RequestSpec((), int),
+    RequestType.END_SESSION: RequestSpec((str,), None, HandlerKind.INLINE),
+    # CLEAR() -> number of objects dropped from the CPU pool (objects under lease or being
+    # written stay; lower tiers are persistent and keep theirs).
+    RequestType.CLEAR: RequestSpec((), int, HandlerKind.WORKER),
 }
 
 assert set(PROTOCOL) == set(RequestType), "every request type needs a spec"

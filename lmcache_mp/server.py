@@ -1,8 +1,11 @@
 """The daemon: binds the message queue and answers every request.
 
-Cheap requests (PING, HELLO, LOOKUP, ...) are answered on the socket thread. Requests
-that copy KV or map memory run on a bounded worker pool, so PING stays fast while a
-STORE runs. Whatever happens, each request gets one reply: a result or an error.
+Where a handler runs is declared next to its schema in the protocol table
+(`protocol.HandlerKind`): cheap requests (PING, HELLO, END_SESSION, ...) are answered on the
+socket thread; requests that copy KV or map memory run on a bounded worker pool, so PING
+stays fast while a STORE runs; a deferred handler (LOOKUP) runs on the socket thread and
+may hand back a Future, whose result is sent when it completes. Whatever happens, each
+request gets one reply: a result or an error.
 """
 
 from __future__ import annotations
@@ -13,8 +16,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -25,8 +27,10 @@ from lmcache_mp.errors import ServerError
 from lmcache_mp.mq import REQUEST_ID, Codec, MessageQueueServer
 from lmcache_mp.observability import Metrics
 from lmcache_mp.protocol import (
+    PROTOCOL,
     PROTOCOL_VERSION,
     ErrorCode,
+    HandlerKind,
     HelloReply,
     RequestType,
     StatusReport,
@@ -35,11 +39,7 @@ from lmcache_mp.protocol import (
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Handler:
-    fn: Callable[..., Any]
-    # Inline handlers run on the socket thread: they must never block or copy KV.
-    inline: bool
+Handler = Callable[..., Any]
 
 
 class Server:
@@ -54,10 +54,10 @@ class Server:
         self._status_extra = status_extra
         self._on_tick = on_tick
         self._handlers: dict[RequestType, Handler] = {
-            RequestType.HELLO: Handler(self._hello, inline=True),
-            RequestType.PING: Handler(lambda nonce: nonce, inline=True),
-            RequestType.GET_CHUNK_SIZE: Handler(lambda: config.chunk_size, inline=True),
-            RequestType.STATUS: Handler(self._status, inline=True),
+            RequestType.HELLO: self._hello,
+            RequestType.PING: lambda nonce: nonce,
+            RequestType.GET_CHUNK_SIZE: lambda: config.chunk_size,
+            RequestType.STATUS: self._status,
             **(handlers or {}),
         }
         self._pool = ThreadPoolExecutor(config.max_workers, thread_name_prefix="lmcache-mp-worker")
@@ -129,7 +129,7 @@ class Server:
             self._send_error(identity, request_id, ErrorCode.NOT_IMPLEMENTED,
                              f"{request_type.name} is not implemented by this daemon", request_type)
             return
-        if handler.inline:
+        if PROTOCOL[request_type].kind is not HandlerKind.WORKER:
             self._run(identity, request_id, request_type, handler, args)
             return
         with self._queued_lock:
@@ -163,15 +163,41 @@ class Server:
     def _run(self, identity: bytes, request_id: bytes, request_type: RequestType,
              handler: Handler, args: list[Any]) -> None:
         start = time.perf_counter()
+        try:
+            result = handler(*args)
+        except Exception as err:
+            self._reply(identity, request_id, request_type, start, error=err)
+            return
+        if isinstance(result, Future):  # a deferred handler: reply when it completes
+            result.add_done_callback(
+                lambda done: self._reply_when_done(identity, request_id, request_type, start, done))
+            return
+        self._reply(identity, request_id, request_type, start, result=result)
+
+    def _reply_when_done(self, identity: bytes, request_id: bytes, request_type: RequestType,
+                         start: float, done: Future) -> None:
+        if done.cancelled():
+            error: BaseException | None = ServerError(ErrorCode.SHUTTING_DOWN, "the daemon is stopping")
+        else:
+            error = done.exception()
+        if error is not None:
+            self._reply(identity, request_id, request_type, start, error=error)
+        else:
+            self._reply(identity, request_id, request_type, start, result=done.result())
+
+    def _reply(self, identity: bytes, request_id: bytes, request_type: RequestType, start: float, *,
+               result: Any = None, error: BaseException | None = None) -> None:
+        """Send one handler's result or error (typed: a ServerError keeps its code)."""
         status = ErrorCode.OK
         try:
-            result = handler.fn(*args)
+            if error is not None:
+                raise error
             body = self.codec.encode_reply(result)
         except ServerError as err:
             status = err.code if isinstance(err.code, ErrorCode) else ErrorCode.INTERNAL
             body = self.codec.encode_error(status, err.message)
-        except Exception as err:
-            logger.error("%s failed:\n%s", request_type.name, traceback.format_exc())
+        except (Exception, CancelledError) as err:
+            logger.error("%s failed:\n%s", request_type.name, "".join(traceback.format_exception(err)))
             status = ErrorCode.INTERNAL
             body = self.codec.encode_error(status, f"{request_type.name} failed: {type(err).__name__}: {err}")
         self._mq.reply(identity, request_id, status, body)

@@ -27,8 +27,8 @@ from lmcache_mp.config import default_url
 from lmcache_mp.launcher import DaemonProcess, start_daemon
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import RequestType
+from tests.helpers import block_hashes, freeze, status
 from tests.kv_worker import make_caches, pages
-from tests.test_data_path import block_hashes, status
 from vllm_adapter.connector_common import ConnectorSettings, LMCacheMPConnectorMetadata
 from vllm_adapter.connector_scheduler import SchedulerSide
 from vllm_adapter.connector_worker import WorkerSide
@@ -273,7 +273,7 @@ def test_preempted_request_gets_no_reload_and_its_stores_land_first(
     prefill = scheduler.build_connector_meta(step(tables, new=((req, 0, len(tokens)),)))
     preempted = scheduler.build_connector_meta(step(tables, preempted=("p",)))
     assert preempted.preempted == {"p"}
-    daemon.proc.send_signal(signal.SIGSTOP)  # the store stays in flight until SIGCONT
+    freeze(daemon.proc)  # the store stays in flight until SIGCONT
     try:
         worker.run(prefill)
         threading.Timer(0.5, daemon.proc.send_signal, [signal.SIGCONT]).start()
@@ -350,7 +350,7 @@ def test_absent_daemon_then_appearing(short_tmp: Path, load_mode: str) -> None:
 
         # A frozen daemon: the lookup waits while the heartbeat still counts the daemon as
         # alive, then the scheduler stops waiting and counts a miss.
-        daemon.proc.send_signal(signal.SIGSTOP)
+        freeze(daemon.proc)
         try:
             frozen = request("e", tokens)
             scheduler.on_new_request(frozen)

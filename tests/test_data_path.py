@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -19,14 +18,12 @@ import torch
 from lmcache_mp.custom_types import IPCCacheEngineKey, SharedMemoryTensor
 from lmcache_mp.errors import ServerError
 from lmcache_mp.launcher import DaemonProcess
-from lmcache_mp.mq import MessageQueueClient
-from lmcache_mp.protocol import ChunkOutcome, ErrorCode, KVCacheRegistration, RequestType, StatusReport
+from lmcache_mp.protocol import ChunkOutcome, ErrorCode, KVCacheRegistration, RequestType
 from lmcache_mp.transfer.shm import AttachChannel, share_cpu_tensors
+from tests.helpers import BLOCK, CHUNK, LAYERS, NUM_BLOCKS, block_hashes, lookup, run_worker, status
 from tests.kv_worker import make_caches, pages, wait_done
 from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp
 
-BLOCK, CHUNK = 16, 32
-NUM_BLOCKS, LAYERS = 64, 2
 DAEMON_ARGS = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05")
 
 LAYOUTS = {
@@ -37,40 +34,6 @@ LAYOUTS = {
     "mla": ("TRITON_MLA", [NUM_BLOCKS, BLOCK, 96]),
     "by_shape": ("", [NUM_BLOCKS, 2, BLOCK, 64]),
 }
-
-
-def block_hashes(tokens: list[int]) -> list[bytes]:
-    """A vLLM-like chain of block hashes over full blocks."""
-    out, prev = [], b"none"
-    for i in range(len(tokens) // BLOCK):
-        prev = hashlib.sha256(prev + repr(tokens[i * BLOCK:(i + 1) * BLOCK]).encode()).digest()
-        out.append(prev)
-    return out
-
-
-def status(url: str) -> StatusReport:
-    c = MessageQueueClient(url)
-    try:
-        return c.submit(RequestType.STATUS, []).result(10)
-    finally:
-        c.close()
-
-
-def run_worker(spec: dict, timeout: float = 120) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, "-m", "tests.kv_worker", json.dumps(spec)],
-                         capture_output=True, text=True, timeout=timeout)
-    assert out.returncode == 0, out.stderr
-    return out
-
-
-def lookup(scheduler: LMCacheMPSchedulerAdapter, request_id: str, **kw) -> int:
-    scheduler.maybe_submit_lookup_request(request_id, **kw)
-    deadline = time.monotonic() + 10
-    while (hit := scheduler.check_lookup_result(request_id)) is None:
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
-    scheduler.cleanup_lookup_result(request_id)
-    return hit
 
 
 def _our_shm_names() -> set[str]:

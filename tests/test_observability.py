@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from lmcache_mp.launcher import start_daemon
+from tests.helpers import BLOCK, CHUNK, LAYERS, NUM_BLOCKS, block_hashes, lookup
 from tests.kv_worker import make_caches, wait_done
-from tests.test_data_path import BLOCK, CHUNK, LAYERS, NUM_BLOCKS, block_hashes, lookup
 from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from lmcache_mp.launcher import start_daemon
-from tests.test_data_path import status
+from tests.helpers import status
 from tests.vllm_engine_run import kv_transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]

@@ -1,23 +1,22 @@
-"""KV cache layouts: where a block lives in each registered layer tensor, and fingerprints.
+"""KV cache layouts: where a block lives in each registered layer tensor, and chunk formats.
 
 The daemon moves whole blocks ("pages"): for every layer, the slice of the layer tensor
 that belongs to one block id. Which dimension indexes blocks, and which one counts the
 tokens of a block, depends on the attention backend. The shape alone cannot tell vLLM
 0.32's CPU layout (K rows then V rows per head) from its FlashAttention layout (K|V per
 token): both are `[num_blocks, heads, block_size, 2*head_size]`. So the worker sends the
-backend name, and the name becomes part of every stored object's fingerprint: bytes
+backend name, and the name becomes part of every stored chunk's format (and fingerprint): bytes
 stored under one layout are never read back into another.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
-import msgspec
 import torch
 
 from lmcache_mp.custom_types import dtype_to_str
+from lmcache_mp.storage.base import ChunkFormat
 
 
 @dataclass(frozen=True)
@@ -82,16 +81,6 @@ def resolve_layout(name: str, shape: torch.Size) -> LayoutSpec:
     return spec
 
 
-class _FingerprintFields(msgspec.Struct, array_like=True):
-    model_name: str
-    world_size: int
-    worker_id: int
-    layout: str
-    dtype: str
-    num_layers: int
-    page_shape: tuple[int, ...]
-
-
 @dataclass(frozen=True)
 class KVGeometry:
     """Everything about a worker's caches that decides what a stored chunk's bytes mean."""
@@ -110,11 +99,11 @@ class KVGeometry:
     def chunk_nbytes(self, blocks_per_chunk: int) -> int:
         return self.num_layers * blocks_per_chunk * self.page_nbytes
 
-    def fingerprint(self, model_name: str, world_size: int, worker_id: int) -> bytes:
-        """16 bytes, deterministic across processes and restarts."""
-        fields = _FingerprintFields(model_name, world_size, worker_id, self.layout.name,
-                                    dtype_to_str(self.dtype), self.num_layers, self.page_shape)
-        return hashlib.blake2b(msgspec.msgpack.encode(fields), digest_size=16).digest()
+    def chunk_format(self, model_name: str, world_size: int, worker_id: int,
+                     chunk_tokens: int) -> ChunkFormat:
+        """What a chunk stored from these caches is; its fingerprint keys the chunk in every tier."""
+        return ChunkFormat(model_name, world_size, worker_id, self.layout.name,
+                           dtype_to_str(self.dtype), self.num_layers, self.page_shape, chunk_tokens)
 
 
 def describe_caches(layers: list[torch.Tensor], layout_name: str) -> KVGeometry:

@@ -1,0 +1,85 @@
+"""From wire keys to chunks: which chunk hashes an operation covers, and the checks on its keys.
+
+A hash-mode key names one chunk (vLLM block hashes strided to chunk boundaries). A token-mode
+key names the full chunks of its token range, hashed here with `hashing.chunk_hashes`. Keys
+never mix models or world sizes within one request, and a worker's keys must be its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lmcache_mp.custom_types import IPCCacheEngineKey
+from lmcache_mp.errors import ServerError
+from lmcache_mp.hashing import chunk_hashes
+from lmcache_mp.protocol import ErrorCode, KVCacheRegistration
+
+
+def invalid(message: str) -> ServerError:
+    return ServerError(ErrorCode.INVALID_ARGUMENT, message)
+
+
+@dataclass(frozen=True)
+class OpChunks:
+    """The chunks one LOOKUP / STORE / RETRIEVE covers, in order."""
+
+    request_ids: list[str | None]  # the request each chunk's key came from
+    hashes: list[bytes]
+    # Hash of the chunk just before the first one, when the keys tell it (token mode starting
+    # past 0): the pool links the stored chain to it, for prefix-aware eviction.
+    parent: bytes | None = None
+
+
+class ChunkMapper:
+    def __init__(self, chunk_size: int):
+        self.chunk_size = chunk_size
+
+    def op_chunks(self, keys: list[IPCCacheEngineKey], lookup: bool) -> OpChunks:
+        """Every chunk the keys cover. A LOOKUP's token keys count from token 0."""
+        request_ids: list[str | None] = []
+        hashes: list[bytes] = []
+        parent: bytes | None = None
+        for key in keys:
+            if not key.is_token_mode:
+                request_ids.append(key.request_id)
+                hashes.append(key.chunk_hash)
+                continue
+            first, chain = self._token_chunks(key, lookup)
+            if not hashes and first:
+                parent = chain[first - 1]
+            request_ids.extend([key.request_id] * (len(chain) - first))
+            hashes.extend(chain[first:])
+        return OpChunks(request_ids, hashes, parent)
+
+    def _token_chunks(self, key: IPCCacheEngineKey, lookup: bool) -> tuple[int, list[bytes]]:
+        """(index of the key's first chunk, hashes of every chunk from 0 through its last)."""
+        end = min(key.end or len(key.token_ids), len(key.token_ids)) // self.chunk_size
+        start = 0 if lookup else key.start
+        if start % self.chunk_size:
+            raise invalid(f"token range start {start} is not a multiple of the chunk size {self.chunk_size}")
+        try:
+            chain = chunk_hashes(key.token_ids, self.chunk_size, end)
+        except ValueError as err:
+            raise invalid(str(err)) from None
+        return min(start // self.chunk_size, len(chain)), chain
+
+
+def check_same_model(keys: list[IPCCacheEngineKey]) -> tuple[str, int]:
+    """The (model, world size) all keys share; refuses a request that mixes them."""
+    model, world_size = keys[0].model_name, keys[0].world_size
+    for key in keys:
+        if key.model_name != model or key.world_size != world_size:
+            raise invalid(f"one request mixes keys of ({model}, {world_size}) and "
+                          f"({key.model_name}, {key.world_size})")
+    return model, world_size
+
+
+def check_keys_for(registration: KVCacheRegistration, keys: list[IPCCacheEngineKey]) -> None:
+    """Keys sent with an instance id must be that worker's: same model, world size and rank."""
+    r = registration
+    for key in keys:
+        if (key.model_name, key.world_size) != (r.model_name, r.world_size):
+            raise invalid(f"keys for ({key.model_name}, world size {key.world_size}) sent to an "
+                          f"instance registered for ({r.model_name}, world size {r.world_size})")
+        if key.worker_id is not None and key.worker_id != r.worker_id:
+            raise invalid(f"keys of worker {key.worker_id} sent to the instance of worker {r.worker_id}")

@@ -1,0 +1,174 @@
+"""Registered workers: their KV caches (mapped into the daemon), chunk formats and attach tokens.
+
+A worker registers once per cache (REGISTER_KV_CACHE). On CPU its caches arrive as file
+descriptors over the attach socket, claimed here by the registration's attach token; that
+socket then stays open as the registration's liveness signal, so a worker that dies is
+dropped at once. Each registration has a `ChunkFormat`: a chunk stored from its caches is
+keyed by (chunk hash, format fingerprint) in every tier, so it is only ever read back into a
+cache of the very same kind.
+
+One lock guards the tables; mapping memory and copies happen outside it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lmcache_mp.custom_types import CudaIPCWrapper, KVCache, SharedMemoryTensor
+from lmcache_mp.distributed.api import rank_of
+from lmcache_mp.errors import ServerError
+from lmcache_mp.keys import invalid
+from lmcache_mp.protocol import ErrorCode, KVCacheRegistration, RegisterReply
+from lmcache_mp.storage.base import ChunkFormat
+from lmcache_mp.transfer.context import TransferContext
+from lmcache_mp.transfer.layouts import describe_caches
+from lmcache_mp.transfer.shm import AttachListener, map_storages
+
+logger = logging.getLogger(__name__)
+
+RankKey = tuple[str, int, int]  # (model, world size, worker id)
+
+
+@dataclass
+class Instance:
+    """One registered worker: its caches (mapped here), who it is, and its chunk format."""
+
+    instance_id: int
+    registration: KVCacheRegistration
+    context: TransferContext
+    fmt: ChunkFormat
+
+    @property
+    def rank_key(self) -> RankKey:
+        r = self.registration
+        return r.model_name, r.world_size, r.worker_id
+
+    def pool_key(self, chunk_hash: bytes) -> tuple[bytes, bytes]:
+        """The chunk's key in the L1 pool (`ChunkKey.ident`)."""
+        return chunk_hash, self.fmt.fingerprint
+
+
+class Registry:
+    def __init__(self, attach_socket: Path, chunk_size: int, max_chunk_nbytes: int):
+        self.chunk_size = chunk_size
+        self._max_chunk_nbytes = max_chunk_nbytes
+        self._instances: dict[int, Instance] = {}
+        # rank -> {format fingerprint: the registered instances with that format}
+        self._rank_formats: dict[RankKey, dict[bytes, list[Instance]]] = {}
+        self._tokens: dict[bytes, int] = {}  # attach token -> instance id
+        self._lock = threading.Lock()
+        self.attach = AttachListener(attach_socket, self._on_attach_closed)
+        self.attach.start()
+
+    def close(self) -> None:
+        self.attach.stop()
+
+    def register(self, instance_id: int, kv_caches: KVCache, reg: KVCacheRegistration) -> RegisterReply:
+        if not 0 <= reg.worker_id < reg.world_size:
+            raise invalid(f"worker_id {reg.worker_id} is outside world_size {reg.world_size}")
+        try:
+            rank_of(reg.world_size, reg.worker_id)  # refuses ranks that do not fit a kv_rank
+            layers = self._open_layers(kv_caches, reg)
+            geometry = describe_caches(layers, reg.layout)
+            context = TransferContext(layers, geometry, self.chunk_size)
+        except ValueError as err:
+            raise invalid(f"cannot register instance {instance_id}: {err}") from None
+        if context.chunk_nbytes > self._max_chunk_nbytes:
+            raise invalid(f"one chunk of this cache takes {context.chunk_nbytes} bytes, more than the "
+                          f"whole pool ({self._max_chunk_nbytes}); raise --l1-size-gb")
+        fmt = geometry.chunk_format(reg.model_name, reg.world_size, reg.worker_id, self.chunk_size)
+        instance = Instance(instance_id, reg, context, fmt)
+        with self._lock:
+            self._drop_locked(instance_id)
+            self._instances[instance_id] = instance
+            formats = self._rank_formats.setdefault(instance.rank_key, {})
+            formats.setdefault(fmt.fingerprint, []).append(instance)
+            if reg.attach_token:
+                self._tokens[reg.attach_token] = instance_id
+        logger.info("registered instance %d: %s rank %d/%d, %s %s, %d layers x %d blocks of %d tokens",
+                    instance_id, reg.model_name, reg.worker_id, reg.world_size, geometry.layout.name,
+                    geometry.dtype, geometry.num_layers, geometry.num_blocks, geometry.block_size)
+        return RegisterReply(geometry.layout.name, geometry.num_layers, geometry.num_blocks,
+                             geometry.block_size, context.chunk_nbytes)
+
+    def _open_layers(self, handles: KVCache, reg: KVCacheRegistration) -> list[torch.Tensor]:
+        if handles and all(isinstance(h, SharedMemoryTensor) for h in handles):
+            if not reg.attach_token:
+                raise ValueError("shared-memory caches need an attach token")
+            fds = self.attach.claim(reg.attach_token)
+            sizes: dict[int, int] = {}
+            for h in handles:
+                sizes.setdefault(h.state.storage_index, h.state.storage_nbytes)
+            if sorted(sizes) != list(range(len(fds))):
+                for fd in fds:
+                    os.close(fd)
+                raise ValueError(f"handles name storages {sorted(sizes)}, {len(fds)} descriptors arrived")
+            storages = map_storages(fds, [sizes[i] for i in range(len(fds))])
+            return [h.view_of(storages) for h in handles]  # type: ignore[attr-defined]
+        if handles and all(isinstance(h, CudaIPCWrapper) for h in handles):
+            if reg.attach_token:
+                self.attach.claim(reg.attach_token)  # liveness only: it carries no descriptors
+            return [h.to_tensor() for h in handles]  # type: ignore[attr-defined]
+        kinds = sorted({type(h).__name__ for h in handles}) or ["nothing"]
+        raise ValueError(f"expected one handle per layer, all of one kind; got {', '.join(kinds)}")
+
+    def unregister(self, instance_id: int) -> bool:
+        with self._lock:
+            found = self._drop_locked(instance_id)
+        if found:
+            logger.info("unregistered instance %d", instance_id)
+        return found
+
+    def _drop_locked(self, instance_id: int) -> bool:
+        # The mapped memory is released when the last in-flight copy drops its reference.
+        instance = self._instances.pop(instance_id, None)
+        if instance is None:
+            return False
+        formats = self._rank_formats[instance.rank_key]
+        same_format = formats[instance.fmt.fingerprint]
+        same_format.remove(instance)
+        if not same_format:
+            del formats[instance.fmt.fingerprint]
+        if not formats:
+            del self._rank_formats[instance.rank_key]
+        if instance.registration.attach_token:
+            self._tokens.pop(instance.registration.attach_token, None)
+        return True
+
+    def _on_attach_closed(self, token: bytes) -> None:
+        with self._lock:
+            instance_id = self._tokens.get(token)
+            if instance_id is not None:
+                self._drop_locked(instance_id)
+        if instance_id is not None:
+            logger.info("worker of instance %d went away: dropped its registration", instance_id)
+
+    def instance(self, instance_id: int) -> Instance:
+        with self._lock:
+            instance = self._instances.get(instance_id)
+        if instance is None:
+            raise ServerError(ErrorCode.UNKNOWN_INSTANCE,
+                              f"no KV cache is registered under instance id {instance_id}")
+        return instance
+
+    def rank_instances(self, model: str, world_size: int) -> list[list[Instance]]:
+        """For each rank, one registered instance per distinct chunk format (usually exactly one);
+        an empty list when some rank has none: nothing could be retrieved into every rank."""
+        with self._lock:
+            per_rank = [[same[0] for same in self._rank_formats.get((model, world_size, r), {}).values()]
+                        for r in range(world_size)]
+        return per_rank if all(per_rank) else []
+
+    def instance_ids(self) -> list[int]:
+        with self._lock:
+            return sorted(self._instances)
+
+    @property
+    def num_attach_channels(self) -> int:
+        return self.attach.num_channels

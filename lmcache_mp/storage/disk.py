@@ -1,0 +1,439 @@
+"""A lower tier in a local directory (an NVMe drive): one file per chunk, kept across restarts.
+
+Files. Each chunk is one file holding the object of `chunk_format.py` (checksummed header, then
+the chunk's bytes), named by a digest of the key's ident and sharded by its first two hex digits:
+`ROOT/ab/ab12...(40 hex).kv`. A digest collision is harmless: reads verify the header against the
+key, so a file can only ever be served for the key it was written for. Other entries of the
+directory: `lock` (the owning daemon's pid, flock'ed while it runs: one daemon per directory) and
+`tmp/` (files being written; whatever is there at start is a leftover and is removed).
+
+Writes go to a temp file in `tmp/` (same filesystem) and are renamed into place, so a name never
+shows a half-written file to a running daemon. There is no fsync: after a power loss a file may be
+torn or empty, and the checksum catches it on its first read, which then deletes it. A write that
+fails (ENOSPC, EIO, EDQUOT, ...) removes its temp file, is counted, logged at a limited rate and
+otherwise ignored: the disk is a cache, and the daemon serves on without it.
+
+Index. In memory: file name -> (size, sequence number), in LRU order (least recently read or
+written first), and the sum of the sizes. At start it is rebuilt from the directory listing and
+stat results alone (no file is opened), ordered by mtime; a hit sets the file's mtime, so the LRU
+order survives restarts. Capacity counts whole files (headers included); a put evicts LRU files
+until the new one fits, and the start evicts down to the capacity.
+
+Concurrency. One lock guards the index, the counters and `_busy` (names with a write or an
+unlink in flight); all file I/O happens outside it. A put skips a name that is indexed or busy,
+and a file is unlinked only after its entry has left the index, so a name is never written and
+unlinked at once. A reader that finds its file gone, or damaged, drops the entry only if it is
+still the one it looked up (same sequence number), so it never drops a newer object's entry. A
+read that races an eviction either misses or reads the unlinked file through its open
+descriptor, whose bytes are still verified. The worst a race can leave is an entry whose file
+is gone, which the next get of that key turns into a miss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import itertools
+import logging
+import math
+import os
+import re
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import torch
+
+from lmcache_mp.storage import chunk_format
+from lmcache_mp.storage.base import ChunkKey, StorageTier, TierStats
+from lmcache_mp.storage.chunk_format import CorruptChunk
+
+logger = logging.getLogger(__name__)
+
+_FILE_NAME = re.compile(r"[0-9a-f]{40}\.kv")
+_SUFFIX = ".kv"
+_LOCK_FILE = "lock"
+_TMP_DIR = "tmp"
+# The first read of a get: the prefix and, in one syscall, any realistic header (~200 bytes).
+_FIRST_READ = 4096
+_WARN_INTERVAL_S = 10.0
+_GiB = 1 << 30
+_URL_HELP = "disk:///ABSOLUTE/PATH?size_gb=N"
+
+
+def object_name(key: ChunkKey) -> str:
+    """The file name stem of `key`'s object: 40 hex digits."""
+    return hashlib.blake2b(key.chunk_hash + key.fingerprint, digest_size=20).hexdigest()
+
+
+class _ThrottledWarning:
+    """Logs the first warning at once, then at most one per interval, saying how many it held back
+    (a full disk fails every write, and one line per chunk would drown the log)."""
+
+    def __init__(self, interval_s: float = _WARN_INTERVAL_S) -> None:
+        self._interval_s = interval_s
+        self._lock = threading.Lock()
+        self._next = 0.0
+        self._held_back = 0
+
+    def warning(self, msg: str, *args: object) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now < self._next:
+                self._held_back += 1
+                return
+            self._next = now + self._interval_s
+            held_back, self._held_back = self._held_back, 0
+        if held_back:
+            msg += " (%d similar warnings held back)"
+            args = (*args, held_back)
+        logger.warning(msg, *args)
+
+
+def _write_all(fd: int, bufs: list[memoryview]) -> None:
+    """Write all of `bufs` in order, resuming after short writes."""
+    bufs = [b for b in bufs if b.nbytes]
+    while bufs:
+        written = os.writev(fd, bufs)
+        while bufs and written >= bufs[0].nbytes:
+            written -= bufs[0].nbytes
+            bufs.pop(0)
+        if written:
+            bufs[0] = bufs[0][written:]
+
+
+def _read_all(fd: int, dest: memoryview, offset: int) -> None:
+    """Fill `dest` from `offset` on, resuming after short reads."""
+    done = 0
+    while done < dest.nbytes:
+        n = os.preadv(fd, [dest[done:]], offset + done)
+        if n == 0:
+            raise CorruptChunk(f"payload truncated after {done} of {dest.nbytes} bytes")
+        done += n
+
+
+def _parse_size_gb(url: str, query: str) -> float:
+    try:
+        params = parse_qs(query, keep_blank_values=True, strict_parsing=True) if query else {}
+    except ValueError:
+        raise ValueError(f"disk tier URL {url!r} has a malformed query; expected {_URL_HELP}") from None
+    unknown = sorted(set(params) - {"size_gb"})
+    if unknown:
+        raise ValueError(f"disk tier URL {url!r} has unknown parameters {unknown}; expected {_URL_HELP}")
+    values = params.get("size_gb", [])
+    if len(values) != 1:
+        raise ValueError(f"disk tier URL {url!r} needs exactly one size_gb (GiB); expected {_URL_HELP}")
+    try:
+        size_gb = float(values[0])
+    except ValueError:
+        size_gb = math.nan
+    if not (math.isfinite(size_gb) and size_gb > 0):
+        raise ValueError(f"disk tier URL {url!r}: size_gb must be a positive number, got {values[0]!r}")
+    return size_gb
+
+
+class DiskTier(StorageTier):
+    """Chunks as files in one directory; see the module docstring for the layout and invariants.
+
+    `put` writes synchronously and ignores `blocking`: the storage manager calls it from its own
+    writer thread, which is where a write may take its time.
+    """
+
+    def __init__(self, root: Path, capacity_bytes: int) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"disk tier capacity must be positive, got {capacity_bytes} bytes")
+        self.root = Path(root)
+        self._root = str(self.root)
+        self._tmp = os.path.join(self._root, _TMP_DIR)
+        self._capacity = capacity_bytes
+        self._lock = threading.Lock()
+        self._index: OrderedDict[str, tuple[int, int]] = OrderedDict()  # name -> (size, seq)
+        self._bytes = 0  # sum of the indexed sizes
+        self._reserved = 0  # sizes of the writes in flight
+        self._busy: set[str] = set()
+        self._seq = itertools.count()
+        self._tmp_seq = itertools.count()
+        self._stats = TierStats(name=f"disk://{self.root}", capacity_bytes=capacity_bytes)
+        self._write_warnings = _ThrottledWarning()
+        self._corrupt_warnings = _ThrottledWarning()
+        self._read_warnings = _ThrottledWarning()
+        self._lock_fd: int | None = self._open_directory()
+        self._reindex()
+
+    @classmethod
+    def from_url(cls, url: str) -> DiskTier:
+        """A tier for `disk:///ABSOLUTE/PATH?size_gb=N` (N in GiB, positive, may be fractional)."""
+        parts = urlsplit(url)
+        if parts.scheme != "disk":
+            raise ValueError(f"not a disk tier URL: {url!r}; expected {_URL_HELP}")
+        if parts.netloc or not parts.path.startswith("/") or parts.fragment:
+            raise ValueError(f"disk tier URL {url!r} must name an absolute path: {_URL_HELP}")
+        size_gb = _parse_size_gb(url, parts.query)
+        return cls(Path(unquote(parts.path)), int(size_gb * _GiB))
+
+    # -- start --------------------------------------------------------------------------------
+
+    def _open_directory(self) -> int:
+        """Create and probe the directory, lock it, clear leftovers; returns the lock's fd."""
+        try:
+            os.makedirs(self._root, mode=0o700, exist_ok=True)
+            os.makedirs(self._tmp, mode=0o700, exist_ok=True)
+            probe = os.path.join(self._tmp, f".probe-{os.getpid()}-{threading.get_ident()}")
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600))
+            os.unlink(probe)
+            for shard in range(256):
+                os.makedirs(os.path.join(self._root, f"{shard:02x}"), mode=0o700, exist_ok=True)
+            lock_fd = self._take_lock()
+        except OSError as e:
+            raise ValueError(f"disk tier: cannot use {self._root} as a cache directory "
+                             f"({e.strerror or e}); pass a writable directory in --l2 {_URL_HELP}") from None
+        self._remove_temp_files()
+        return lock_fd
+
+    def _take_lock(self) -> int:
+        fd = os.open(os.path.join(self._root, _LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise ValueError(f"disk tier: {self._root} is in use by another lmcache-mp daemon "
+                             f"(pid {owner}); give each daemon its own directory") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return fd
+
+    def _remove_temp_files(self) -> None:
+        # Only after taking the lock: until then they could be another daemon's writes in flight.
+        with os.scandir(self._tmp) as entries:
+            for entry in entries:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+
+    def _reindex(self) -> None:
+        started = time.monotonic()
+        found: list[tuple[int, str, int]] = []  # (mtime_ns, name, size)
+        for shard in range(256):
+            prefix = f"{shard:02x}"
+            with os.scandir(os.path.join(self._root, prefix)) as entries:
+                for entry in entries:
+                    if (_FILE_NAME.fullmatch(entry.name) and entry.name.startswith(prefix)
+                            and entry.is_file(follow_symlinks=False)):
+                        st = entry.stat(follow_symlinks=False)
+                        found.append((st.st_mtime_ns, entry.name[:-len(_SUFFIX)], st.st_size))
+        found.sort()
+        for _, name, size in found:
+            self._index[name] = (size, next(self._seq))
+            self._bytes += size
+        with self._lock:
+            victims = self._evict_for(0)
+        self._unlink_busy(victims)
+        logger.info("disk tier %s: indexed %d objects (%.2f GiB) in %.3f s; evicted %d to fit %.2f GiB",
+                    self._root, len(found), sum(size for _, _, size in found) / _GiB,
+                    time.monotonic() - started, len(victims), self._capacity / _GiB)
+
+    # -- the tier -----------------------------------------------------------------------------
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self._root, name[:2], name + _SUFFIX)
+
+    def contains(self, key: ChunkKey) -> bool:
+        name = object_name(key)
+        with self._lock:
+            return name in self._index
+
+    def put(self, key: ChunkKey, kv_chunk: torch.Tensor, blocking: bool = True) -> None:
+        name = object_name(key)
+        with self._lock:
+            if name in self._index or name in self._busy:
+                return
+        payload = chunk_format.as_buffer(kv_chunk)
+        header = chunk_format.encode_header(key, payload)
+        size = len(header) + payload.nbytes
+        victims = self._reserve(name, size)
+        if victims is None:
+            return
+        self._unlink_busy(victims)
+        try:
+            self._write(name, header, payload)
+        except OSError as e:
+            self._end_write(name, size, stored=False)
+            self._write_warnings.warning("disk tier %s: write failed, chunk not stored: %s", self._root, e)
+            return
+        self._end_write(name, size, stored=True)
+
+    def _reserve(self, name: str, size: int) -> list[str] | None:
+        """Mark `name` busy and `size` bytes reserved, evicting what must go (those names are
+        returned, busy, for the caller to unlink); None when the write is to be skipped."""
+        with self._lock:
+            if name in self._index or name in self._busy:
+                return None
+            if self._reserved + size <= self._capacity:
+                victims = self._evict_for(size)
+                self._busy.add(name)
+                self._reserved += size
+                return victims
+            self._stats.write_errors_total += 1
+            in_flight = self._reserved
+        self._write_warnings.warning("disk tier %s: a %d-byte chunk does not fit in the capacity of %d bytes "
+                                     "(%d bytes of writes in flight); not stored",
+                                     self._root, size, self._capacity, in_flight)
+        return None
+
+    def _evict_for(self, size: int) -> list[str]:
+        """Under the lock: drop LRU entries until `size` more bytes fit; their names, now busy."""
+        victims = []
+        while self._bytes + self._reserved + size > self._capacity:
+            name, (victim_size, _) = self._index.popitem(last=False)
+            self._bytes -= victim_size
+            victims.append(name)
+        self._busy.update(victims)
+        self._stats.evictions_total += len(victims)
+        return victims
+
+    def _write(self, name: str, header: bytes, payload: memoryview) -> None:
+        tmp = os.path.join(self._tmp, f"{name}.{next(self._tmp_seq)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            try:
+                _write_all(fd, [memoryview(header), payload])
+            finally:
+                os.close(fd)
+            os.rename(tmp, self._path(name))
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    def _end_write(self, name: str, size: int, stored: bool) -> None:
+        with self._lock:
+            self._busy.discard(name)
+            self._reserved -= size
+            if stored:
+                self._index[name] = (size, next(self._seq))
+                self._bytes += size
+                self._stats.writes_total += 1
+            else:
+                self._stats.write_errors_total += 1
+
+    def get(self, key: ChunkKey, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        name = object_name(key)
+        with self._lock:
+            entry = self._index.get(name)
+            if entry is None:
+                self._stats.misses_total += 1
+                return None
+        try:
+            fd = os.open(self._path(name), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:  # removed behind our back
+            self._drop(name, entry, unlink=False)
+            self._count_miss()
+            return None
+        except OSError as e:
+            self._read_failed(name, e)
+            return None
+        try:
+            return self._read(fd, name, entry, key, out)
+        except CorruptChunk as e:
+            self._discard_corrupt(name, entry, e.reason)
+        except OSError as e:
+            self._read_failed(name, e)
+        finally:
+            os.close(fd)
+        return None
+
+    def _read(self, fd: int, name: str, entry: tuple[int, int], key: ChunkKey,
+              out: torch.Tensor | None) -> torch.Tensor | None:
+        first = os.pread(fd, _FIRST_READ, 0)
+        header_size = chunk_format.header_size(first)
+        if len(first) >= header_size:
+            header = first[:header_size]
+        else:
+            header = first + os.pread(fd, header_size - len(first), len(first))
+        payload_len = chunk_format.check_header(key, header)
+        file_size = os.fstat(fd).st_size
+        if file_size != header_size + payload_len:
+            raise CorruptChunk(f"file is {file_size} bytes, its header says {header_size + payload_len}")
+        if out is None:
+            out = torch.empty(payload_len, dtype=torch.uint8)
+        elif out.numel() * out.element_size() != payload_len:
+            self._count_miss()
+            return None
+        dest = chunk_format.as_buffer(out)
+        _read_all(fd, dest, header_size)
+        chunk_format.check_payload(header, dest)
+        with self._lock:
+            if self._index.get(name) == entry:
+                self._index.move_to_end(name)
+            self._stats.hits_total += 1
+        with contextlib.suppress(OSError):
+            os.utime(fd)  # the LRU order, for the next start
+        return out
+
+    def _count_miss(self) -> None:
+        with self._lock:
+            self._stats.misses_total += 1
+
+    def _read_failed(self, name: str, error: OSError) -> None:
+        # EIO, EACCES and the like may be transient, so the file stays (LRU eviction ends it).
+        self._count_miss()
+        self._read_warnings.warning("disk tier %s: reading %s failed: %s", self._root, name, error)
+
+    def _drop(self, name: str, entry: tuple[int, int], unlink: bool) -> bool:
+        """Forget `name` if its entry is still `entry` (never a newer object's); with `unlink`,
+        the name becomes busy for the caller to unlink. Whether it was forgotten."""
+        with self._lock:
+            if self._index.get(name) != entry:
+                return False
+            del self._index[name]
+            self._bytes -= entry[0]
+            if unlink:
+                self._busy.add(name)
+            return True
+
+    def _discard_corrupt(self, name: str, entry: tuple[int, int], reason: str) -> None:
+        with self._lock:
+            self._stats.corrupt_total += 1
+        if self._drop(name, entry, unlink=True):
+            self._unlink_busy([name])
+        self._corrupt_warnings.warning("disk tier %s: removed damaged object %s: %s",
+                                       self._root, name, reason)
+
+    def _unlink_busy(self, names: list[str]) -> None:
+        """Unlink the files of `names` (out of the index and busy with us), then free the names."""
+        try:
+            for name in names:
+                try:
+                    os.unlink(self._path(name))
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    self._write_warnings.warning("disk tier %s: cannot remove %s: %s", self._root, name, e)
+        finally:
+            if names:
+                with self._lock:
+                    self._busy.difference_update(names)
+
+    def remove(self, key: ChunkKey) -> None:
+        name = object_name(key)
+        with self._lock:
+            entry = self._index.pop(name, None)
+            if entry is None:
+                return
+            self._bytes -= entry[0]
+            self._busy.add(name)
+        self._unlink_busy([name])
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            return dataclasses.replace(self._stats, objects=len(self._index), bytes=self._bytes)
+
+    def close(self) -> None:
+        with self._lock:
+            fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)  # releases the flock

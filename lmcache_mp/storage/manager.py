@@ -1,0 +1,220 @@
+"""The storage manager: the CPU pool (L1) and the lower tiers, as one store of chunks.
+
+The engine sees storage only through these primitives:
+
+    reserve(fmt, hashes, nbytes, parent) -> [PoolObject | ReserveFailure]
+                                               L1 slots a STORE copies into
+    commit_store(fmt, hashes, slots, parent)   make them visible, link the prefix chain, and
+                                               queue them for the lower tiers (write-behind)
+    abort(objects)                             a STORE's copy failed: free its slots
+    lookup(hashes, ranks) -> Hits | Future[Hits]
+                                               the leading chunks present on every rank, pinned
+                                               in L1; a Future when some must first be read
+                                               from a lower tier (read-through)
+    pin(keys) / unpin(objects)                 a RETRIEVE reads L1 only
+    clear() -> int                             drop L1's unpinned objects (lower tiers stay)
+    stats() -> (PoolStats, [TierStats])
+    close()                                    finish queued writes (bounded), release tiers
+
+Write-behind: a committed chunk is pinned and offered to each lower tier's `TierWriter`,
+which writes it off the request path and unpins it; a full queue skips the chunk (counted).
+
+Read-through: a LOOKUP pins what L1 has at once, on the socket thread. If the prefix stops
+short and there are lower tiers, the rest is looked for on a reader thread: per chunk, every
+rank's object is taken from L1 or read (and verified, by the tier) from the first tier that
+has it into a fresh L1 slot, committed pinned, so the RETRIEVE that follows is a plain L1
+copy. The prefix stops at the first chunk some rank has nowhere, or that fails to read.
+Promotions run on one thread, so two lookups never promote the same chunk twice; their
+number in flight is bounded, and past the bound a LOOKUP answers with what L1 has.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Hashable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+from lmcache_mp.storage.base import ChunkFormat, ChunkKey, StorageTier, TierStats
+from lmcache_mp.storage.pool import MemoryPool, PoolObject, PoolStats, ReserveFailure
+from lmcache_mp.storage.write_behind import TierWriter
+
+logger = logging.getLogger(__name__)
+
+# A LOOKUP's result: per leading chunk, one pinned L1 object per rank.
+Hits = list[list[PoolObject]]
+
+MAX_PENDING_PROMOTIONS = 256
+SHUTDOWN_FLUSH_S = 10.0
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """How one rank stores a chunk: its format, and the chunk's size in bytes."""
+
+    fmt: ChunkFormat
+    chunk_nbytes: int
+
+
+class StorageManager:
+    def __init__(self, pool: MemoryPool, tiers: list[tuple[str, StorageTier]], write_queue_bytes: int):
+        self.pool = pool
+        self._tiers = [tier for _, tier in tiers]
+        self._names = [name for name, _ in tiers]
+        self._writers = [TierWriter(tier, name, write_queue_bytes, pool.unpin) for name, tier in tiers]
+        self._promotions = [0] * len(tiers)
+        self._readers = ThreadPoolExecutor(1, thread_name_prefix="lmcache-mp-read")
+        self._pending = 0
+        self._lock = threading.Lock()
+
+    @property
+    def has_lower_tiers(self) -> bool:
+        return bool(self._tiers)
+
+    # ---- STORE --------------------------------------------------------------------------------
+
+    def reserve(self, fmt: ChunkFormat, hashes: list[bytes], nbytes: int,
+                parent: bytes | None) -> list[PoolObject | ReserveFailure]:
+        """L1 slots for a STORE of one rank's chain of chunks (`parent`: the chunk before the
+        first, when known). The chain's live part is refreshed first, so that the evictions
+        this reserve may cause never take the prefix it extends."""
+        keys, parent_key = self._chain(fmt, hashes, parent)
+        self.pool.link(keys, parent=parent_key)
+        return self.pool.reserve(keys, nbytes)
+
+    def abort(self, objects: list[PoolObject]) -> None:
+        self.pool.abort(objects)
+
+    def commit_store(self, fmt: ChunkFormat, hashes: list[bytes], slots: list[PoolObject | ReserveFailure],
+                     parent: bytes | None) -> None:
+        """Publish a STORE's filled slots (in chunk order, failures included) and queue them."""
+        fresh = [(h, s) for h, s in zip(hashes, slots, strict=True) if isinstance(s, PoolObject)]
+        objects = [obj for _, obj in fresh]
+        keys, parent_key = self._chain(fmt, hashes, parent)
+        self.pool.link(keys, parent=parent_key)  # now with the new chunks in the chain
+        self.pool.commit(objects, pin=bool(self._writers))  # a queued chunk stays pinned
+        for i, writer in enumerate(self._writers):
+            if i:
+                self.pool.pin([obj.key for obj in objects])  # one pin per writer
+            for h, obj in fresh:
+                if not writer.offer(ChunkKey(h, fmt), obj):
+                    self.pool.unpin([obj])
+
+    @staticmethod
+    def _chain(fmt: ChunkFormat, hashes: list[bytes],
+               parent: bytes | None) -> tuple[list[tuple[bytes, bytes]], tuple[bytes, bytes] | None]:
+        fp = fmt.fingerprint
+        return [(h, fp) for h in hashes], (parent, fp) if parent is not None else None
+
+    # ---- LOOKUP -------------------------------------------------------------------------------
+
+    def lookup(self, hashes: list[bytes], ranks: list[list[RankSpec]]) -> Hits | Future[Hits]:
+        """See the module docstring. `ranks` holds, per rank, its registered formats."""
+        hits, combo = self._l1_prefix(hashes, ranks)
+        if len(hits) == len(hashes) or not self._tiers:
+            return hits
+        with self._lock:
+            if self._pending >= MAX_PENDING_PROMOTIONS:
+                return hits  # overloaded: answer with L1's part rather than queue without bound
+            self._pending += 1
+        return self._readers.submit(self._promote, hashes, combo, hits)
+
+    def _l1_prefix(self, hashes: list[bytes],
+                   ranks: list[list[RankSpec]]) -> tuple[Hits, tuple[RankSpec, ...]]:
+        """The longest pinned L1 prefix over the ranks' format combinations (one, unless ranks
+        registered several layouts), and that combination."""
+        best: Hits = []
+        best_combo: tuple[RankSpec, ...] = ()
+        for combo in itertools.product(*ranks):
+            fps = [spec.fmt.fingerprint for spec in combo]
+            pinned = self.pool.pin_prefix([[(h, fp) for fp in fps] for h in hashes])  # chunk-major
+            if not best_combo or len(pinned) > len(best):
+                best, pinned, best_combo = pinned, best, combo
+            self.pool.unpin([o for chunk in pinned for o in chunk])
+        return best, best_combo
+
+    def _promote(self, hashes: list[bytes], combo: tuple[RankSpec, ...], hits: Hits) -> Hits:
+        try:
+            for h in hashes[len(hits):]:
+                chunk = self._chunk_from_tiers(h, combo)
+                if chunk is None:
+                    break
+                hits.append(chunk)
+            for spec in combo:
+                self.pool.link([(h, spec.fmt.fingerprint) for h in hashes[:len(hits)]])
+            return hits
+        except BaseException:
+            self.pool.unpin([o for chunk in hits for o in chunk])
+            raise
+        finally:
+            with self._lock:
+                self._pending -= 1
+
+    def _chunk_from_tiers(self, chunk_hash: bytes, combo: tuple[RankSpec, ...]) -> list[PoolObject] | None:
+        """Every rank's object of one chunk, pinned in L1 (read from a lower tier where L1 lacks
+        it), or None (nothing left pinned) when some rank's object can't be had."""
+        objects: list[PoolObject] = []
+        for spec in combo:
+            obj = self._promote_one(ChunkKey(chunk_hash, spec.fmt), spec.chunk_nbytes)
+            if obj is None:
+                self.pool.unpin(objects)
+                return None
+            objects.append(obj)
+        return objects
+
+    def _promote_one(self, key: ChunkKey, nbytes: int) -> PoolObject | None:
+        in_l1 = self.pool.pin([key.ident])
+        if in_l1 is not None:
+            return in_l1[0]
+        index = next((i for i, tier in enumerate(self._tiers) if tier.contains(key)), None)
+        if index is None:
+            return None
+        [slot] = self.pool.reserve([key.ident], nbytes)
+        if not isinstance(slot, PoolObject):
+            return None  # a STORE is writing it right now, or L1 is full of pinned objects
+        try:
+            got = self._tiers[index].get(key, out=slot.data)
+        except BaseException:
+            self.pool.abort([slot])
+            raise
+        if got is None:  # vanished, or failed verification (the tier removed and counted it)
+            self.pool.abort([slot])
+            return None
+        self.pool.commit([slot], pin=True)
+        with self._lock:
+            self._promotions[index] += 1
+        return slot
+
+    # ---- RETRIEVE, CLEAR, status, lifecycle ---------------------------------------------------
+
+    def pin(self, keys: list[Hashable]) -> list[PoolObject] | None:
+        return self.pool.pin(keys)
+
+    def unpin(self, objects: list[PoolObject]) -> None:
+        self.pool.unpin(objects)
+
+    def clear(self) -> int:
+        return self.pool.clear()
+
+    def stats(self) -> tuple[PoolStats, list[TierStats]]:
+        tiers = []
+        for i, (tier, writer) in enumerate(zip(self._tiers, self._writers, strict=True)):
+            chunks, nbytes = writer.depth()
+            with self._lock:
+                promotions = self._promotions[i]
+            tiers.append(replace(tier.stats(), promotions_total=promotions, write_queue_chunks=chunks,
+                                 write_queue_bytes=nbytes, skipped_writes_total=writer.skipped_total))
+        return self.pool.stats(), tiers
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every queued write is done (tests, benchmarks, shutdown)."""
+        return all(writer.flush(timeout_s) for writer in self._writers)
+
+    def close(self) -> None:
+        self._readers.shutdown(wait=True, cancel_futures=True)
+        for writer in self._writers:
+            writer.close(SHUTDOWN_FLUSH_S)
+        for tier in self._tiers:
+            tier.close()

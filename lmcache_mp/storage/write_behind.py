@@ -1,0 +1,101 @@
+"""Write-behind: chunks committed to L1 are copied to a lower tier off the request path.
+
+One `TierWriter` per lower tier: a bounded queue and the thread that drains it, so a slow
+tier (a remote server) never holds up a fast one (a local disk). A queued chunk stays pinned
+in L1 until its write is done, so an eviction never loses a chunk that is still queued. The
+queue is bounded in bytes: when it is full, `offer` refuses the chunk at once (counted as
+skipped) and the STORE that produced it never waits.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from lmcache_mp.storage.base import ChunkKey, StorageTier
+from lmcache_mp.storage.pool import PoolObject
+
+logger = logging.getLogger(__name__)
+
+
+class TierWriter:
+    def __init__(self, tier: StorageTier, name: str, capacity_bytes: int,
+                 release: Callable[[list[PoolObject]], None]):
+        self.tier = tier
+        self.name = name
+        self.capacity_bytes = capacity_bytes
+        self._release = release  # unpins an object once written (or given up on)
+        self._queue: deque[tuple[ChunkKey, PoolObject]] = deque()
+        self._queued_bytes = 0
+        self._busy = False  # an item has left the queue but is still being written
+        self._closed = False
+        self._cond = threading.Condition()
+        self.skipped_total = 0
+        self._thread = threading.Thread(target=self._run, name=f"lmcache-mp-write-{name}", daemon=True)
+        self._thread.start()
+
+    def offer(self, key: ChunkKey, obj: PoolObject) -> bool:
+        """Queue `obj` (pinned by the caller; unpinned here once written). False when the queue
+        is full or closed: the caller keeps its pin and must release it."""
+        with self._cond:
+            if self._closed or self._queued_bytes + obj.nbytes > self.capacity_bytes:
+                self.skipped_total += 1
+                return False
+            self._queue.append((key, obj))
+            self._queued_bytes += obj.nbytes
+            self._cond.notify()
+            return True
+
+    def depth(self) -> tuple[int, int]:
+        """(chunks, bytes) waiting, the one being written included."""
+        with self._cond:
+            return len(self._queue) + self._busy, self._queued_bytes
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until everything queued so far is written; False if `timeout_s` passed first."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._queue or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self, timeout_s: float) -> None:
+        """Write what is queued (up to `timeout_s`), then stop; what is left is dropped."""
+        if not self.flush(timeout_s):
+            logger.warning("%s: %d chunks still queued after %.0f s at shutdown; dropped", self.name,
+                           self.depth()[0], timeout_s)
+        with self._cond:
+            self._closed = True
+            dropped = list(self._queue)
+            self._queue.clear()
+            self._queued_bytes = 0
+            self._cond.notify_all()
+        self._thread.join(timeout=timeout_s)
+        self._release([obj for _, obj in dropped])
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                key, obj = self._queue.popleft()
+                self._busy = True
+            try:
+                if not self.tier.contains(key):
+                    self.tier.put(key, obj.data)  # a tier counts and swallows its own errors
+            except Exception:
+                logger.exception("%s: writing a chunk failed; skipped", self.name)
+            finally:
+                self._release([obj])
+                with self._cond:
+                    self._busy = False
+                    self._queued_bytes -= obj.nbytes
+                    self._cond.notify_all()

@@ -1,0 +1,68 @@
+"""Helpers the tests share: vLLM-like block hashes, STATUS, lookups, stand-in worker processes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from lmcache_mp.mq import MessageQueueClient
+from lmcache_mp.protocol import RequestType, StatusReport
+from vllm_adapter import LMCacheMPSchedulerAdapter
+
+BLOCK, CHUNK = 16, 32  # vLLM block and daemon chunk sizes of the data-path tests
+NUM_BLOCKS, LAYERS = 64, 2
+
+
+def block_hashes(tokens: list[int]) -> list[bytes]:
+    """A vLLM-like chain of block hashes over full blocks."""
+    out, prev = [], b"none"
+    for i in range(len(tokens) // BLOCK):
+        prev = hashlib.sha256(prev + repr(tokens[i * BLOCK:(i + 1) * BLOCK]).encode()).digest()
+        out.append(prev)
+    return out
+
+
+def status(url: str) -> StatusReport:
+    c = MessageQueueClient(url)
+    try:
+        return c.submit(RequestType.STATUS, []).result(10)
+    finally:
+        c.close()
+
+
+def lookup(scheduler: LMCacheMPSchedulerAdapter, request_id: str, **kw) -> int:
+    scheduler.maybe_submit_lookup_request(request_id, **kw)
+    deadline = time.monotonic() + 10
+    while (hit := scheduler.check_lookup_result(request_id)) is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    scheduler.cleanup_lookup_result(request_id)
+    return hit
+
+
+def run_worker(spec: dict, timeout: float = 120) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, "-m", "tests.kv_worker", json.dumps(spec)],
+                         capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr
+    return out
+
+
+def freeze(proc: subprocess.Popen, timeout: float = 5.0) -> None:
+    """SIGSTOP `proc` and wait until every one of its threads has stopped: a thread running on
+    another core when the signal is sent can still answer a request or two before it stops."""
+    proc.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    tasks = Path(f"/proc/{proc.pid}/task")
+    while not all(_thread_state(task) in "tT" for task in tasks.iterdir()):
+        assert time.monotonic() < deadline, "the process did not stop"
+        time.sleep(0.001)
+
+
+def _thread_state(task: Path) -> str:
+    # /proc/PID/task/TID/stat: "tid (comm) STATE ..."; comm may hold spaces and parentheses.
+    return (task / "stat").read_text().rpartition(")")[2].split()[0]

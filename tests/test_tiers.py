@@ -1,0 +1,330 @@
+"""Issue 8: tiers below the CPU pool, through the real daemon: write-behind, read-through,
+restarts, corruption, a full disk, and prefix-aware eviction."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmcache_mp.custom_types import IPCCacheEngineKey
+from lmcache_mp.launcher import DaemonProcess, start_daemon
+from lmcache_mp.mq import MessageQueueClient
+from lmcache_mp.protocol import ChunkOutcome, RequestType, TierStatus
+from lmcache_mp.storage.base import ChunkFormat, ChunkKey
+from lmcache_mp.storage.disk import object_name
+from tests.helpers import BLOCK, CHUNK, LAYERS, NUM_BLOCKS, block_hashes, lookup, run_worker, status
+from tests.kv_worker import make_caches, pages, wait_done
+from tests.test_observability import scrape
+from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp
+
+SHAPE = [NUM_BLOCKS, 2, BLOCK, 64]
+CHUNK_BYTES = LAYERS * (CHUNK // BLOCK) * 2 * BLOCK * 64 * 2  # 16 KiB
+
+
+def fmt(layout: str = "CPU_ATTN", model: str = "m") -> ChunkFormat:
+    """The format the daemon gives a chunk stored from SHAPE caches (page: 2 heads x 16 x 64)."""
+    return ChunkFormat(model, 1, 0, layout, "bfloat16", LAYERS, (2, BLOCK, 64), CHUNK)
+
+
+def disk_args(disk: Path, size_gb: float = 0.01, *extra: str) -> tuple[str, ...]:
+    return ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05", "--l2", f"disk://{disk}?size_gb={size_gb}",
+            *extra)
+
+
+def tier(url: str) -> TierStatus:
+    (only,) = status(url).tiers
+    return only
+
+
+def wait_written(url: str, objects: int, timeout: float = 20) -> TierStatus:
+    """Until the write-behind queue is empty and the tier holds `objects` chunks."""
+    deadline = time.monotonic() + timeout
+    while True:
+        t = tier(url)
+        if t.write_queue_chunks == 0 and t.objects == objects:
+            return t
+        assert time.monotonic() < deadline, t
+        time.sleep(0.02)
+
+
+def object_path(disk: Path, chunk_hash: bytes, chunk_format: ChunkFormat) -> Path:
+    name = object_name(ChunkKey(chunk_hash, chunk_format))
+    return disk / name[:2] / f"{name}.kv"
+
+
+def store(client: MessageQueueClient, instance_id: int, hashes: list[bytes], request_id: str,
+          first_block: int = 0) -> list[ChunkOutcome]:
+    """One raw STORE of len(hashes) chunks from consecutive blocks."""
+    keys = [IPCCacheEngineKey("m", 1, 0, chunk_hash=h, request_id=request_id) for h in hashes]
+    blocks = list(range(first_block, first_block + len(hashes) * (CHUNK // BLOCK)))
+    return client.submit(RequestType.STORE, [keys, instance_id, blocks, b""]).result(10).outcomes
+
+
+def count_lookup(client: MessageQueueClient, hashes: list[bytes]) -> int:
+    """Leading chunks present, leasing nothing (no request id)."""
+    keys = [IPCCacheEngineKey("m", 1, None, chunk_hash=h) for h in hashes]
+    return client.submit(RequestType.LOOKUP, [keys]).result(10)
+
+
+@pytest.fixture
+def disk(short_tmp: Path) -> Iterator[Path]:
+    path = short_tmp / "disk"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def worker_for(request: pytest.FixtureRequest) -> Iterator:
+    """worker_for(url, layout="CPU_ATTN", seed=1): a registered worker adapter, shut down after."""
+    made: list[LMCacheMPWorkerAdapter] = []
+
+    def make(url: str, layout: str = "CPU_ATTN", seed: int = 1) -> LMCacheMPWorkerAdapter:
+        worker = LMCacheMPWorkerAdapter(url, None, "m", 1, 0, BLOCK)
+        worker.register_kv_caches(make_caches(SHAPE, torch.bfloat16, LAYERS, seed=seed), layout)
+        made.append(worker)
+        return worker
+
+    yield make
+    for worker in made:
+        worker.shutdown()
+
+
+def _stop(daemon: DaemonProcess) -> None:
+    assert daemon.stop() == 0
+    assert "Traceback" not in daemon.log(), daemon.log()
+
+
+def test_chunks_survive_a_restart_on_disk_byte_for_byte(short_tmp: Path, disk: Path, worker_for) -> None:
+    tokens = list(range(5 * CHUNK + 7))  # 5 full chunks and a tail
+    hashes = block_hashes(tokens)
+    ids = [9, 3, 40, 41, 7, 12, 60, 2, 33, 34]
+    daemon = start_daemon(short_tmp, *disk_args(disk))
+    worker = worker_for(daemon.url)
+    caches = make_caches(SHAPE, torch.bfloat16, LAYERS, seed=1)  # what worker_for filled
+    worker.submit_store_request("s", LoadStoreOp(ids, block_hashes=hashes), None)
+    wait_done(worker, "s", retrieve=False)
+    written = wait_written(daemon.url, 5)
+    assert written.writes_total == 5 and written.skipped_writes_total == 0
+    worker.shutdown()
+    _stop(daemon)
+    assert not list((disk / "tmp").iterdir())
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    daemon = start_daemon(short_tmp, *disk_args(disk, 0.01, "--metrics-port", str(port)))
+    try:
+        before = status(daemon.url)
+        assert before.objects == 0 and before.tiers[0].objects == 5
+        out = short_tmp / "pages.pt"
+        run_worker({"url": daemon.url, "layout": "CPU_ATTN", "shape": SHAPE, "dtype": "bfloat16",
+                    "num_layers": LAYERS, "block_size": BLOCK, "action": "retrieve", "model": "m",
+                    "block_ids": list(range(20, 30)), "request_id": "reader", "out": str(out),
+                    "block_hashes": [h.hex() for h in hashes]})
+        got = torch.load(out)
+        assert got["hit"] == 5 * CHUNK and got["failed"] == []
+        expected = pages(caches, "CPU_ATTN", SHAPE, ids)
+        assert torch.equal(got["pages"].view(torch.uint8), expected.view(torch.uint8))
+        after = status(daemon.url)
+        t = after.tiers[0]
+        assert (after.objects, t.promotions_total, t.hits_total, t.corrupt_total) == (5, 5, 5, 0)
+        assert after.leases == 0
+        metrics = scrape(port)
+        assert metrics[f'lmcache_mp_tier_promotions_total{{tier="disk://{disk}"}}'] == 5
+        cli = subprocess.run([sys.executable, "-m", "lmcache_mp.cli", "status", "--url", daemon.url],
+                             capture_output=True, text=True, timeout=30)
+        assert f"tier disk://{disk}" in cli.stdout and "promotions_total" in cli.stdout, cli.stdout
+    finally:
+        _stop(daemon)
+
+
+def test_damaged_or_foreign_files_are_misses_and_deleted(short_tmp: Path, disk: Path, worker_for) -> None:
+    prompts = [block_hashes([p * 1000 + t for t in range(2 * CHUNK)])[1::2] for p in range(4)]
+    daemon = start_daemon(short_tmp, *disk_args(disk))
+    cpu = worker_for(daemon.url)
+    for p, hashes in enumerate(prompts):
+        assert store(cpu.mq_client, cpu.instance_id, hashes, f"p{p}") == [ChunkOutcome.STORED] * 2
+    cpu.shutdown()  # the next registration from this process takes the same instance id
+    flash = worker_for(daemon.url, "FLASH_ATTN", seed=2)  # same shape, another layout
+    assert store(flash.mq_client, flash.instance_id, prompts[3], "f3") == [ChunkOutcome.STORED] * 2
+    wait_written(daemon.url, 10)
+    flash.shutdown()
+    _stop(daemon)
+
+    def path(p: int, c: int, layout: str = "CPU_ATTN") -> Path:
+        return object_path(disk, prompts[p][c], fmt(layout))
+
+    flipped, truncated, foreign, wrong_format = path(0, 0), path(1, 1), path(2, 0), path(3, 0)
+    data = bytearray(flipped.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    flipped.write_bytes(bytes(data))
+    truncated.write_bytes(truncated.read_bytes()[:-100])
+    foreign.write_bytes(path(3, 1).read_bytes())  # another chunk's object under this name
+    wrong_format.write_bytes(path(3, 0, "FLASH_ATTN").read_bytes())  # same hash, other layout
+
+    daemon = start_daemon(short_tmp, *disk_args(disk))
+    try:
+        cpu = worker_for(daemon.url)
+        assert [count_lookup(cpu.mq_client, hashes) for hashes in prompts] == [0, 1, 0, 0]
+        for damaged in (flipped, truncated, foreign, wrong_format):
+            assert not damaged.exists(), damaged
+        t = tier(daemon.url)
+        assert t.corrupt_total == 4 and t.objects == 6
+        assert path(3, 0, "FLASH_ATTN").exists()  # the other layout's own object is untouched
+    finally:
+        _stop(daemon)
+
+
+def _unshare_works() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"], capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _unshare_works(), reason="needs unshare --user --mount to mount a small tmpfs")
+def test_full_disk_skips_writes_and_the_daemon_serves_on(short_tmp: Path, disk: Path, worker_for) -> None:
+    """The tier directory is a 256 KiB tmpfs (in the daemon's own mount namespace): ENOSPC."""
+    disk.mkdir()
+    mount = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+             'mount -t tmpfs -o size=256k tmpfs "$0" && exec "$@"', str(disk)]
+    daemon = start_daemon(short_tmp, *disk_args(disk), command_prefix=mount)
+    try:
+        worker = worker_for(daemon.url)
+        prompts = [block_hashes([p * 1000 + t for t in range(2 * CHUNK)])[1::2] for p in range(20)]
+        for p, hashes in enumerate(prompts):  # 40 chunks of 16 KiB: 640 KiB
+            assert store(worker.mq_client, worker.instance_id, hashes, f"p{p}") == [ChunkOutcome.STORED] * 2
+        deadline = time.monotonic() + 20
+        while (t := tier(daemon.url)).write_queue_chunks:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert t.write_errors_total > 0 and 0 < t.objects < 40
+        assert t.writes_total + t.write_errors_total == 40
+        assert all(count_lookup(worker.mq_client, hashes) == 2 for hashes in prompts)  # L1 serves on
+        assert daemon.proc.poll() is None
+        assert "No space left on device" in daemon.log()
+    finally:
+        _stop(daemon)
+
+
+def test_a_full_write_queue_skips_chunks_without_blocking_store(short_tmp: Path, disk: Path,
+                                                                worker_for) -> None:
+    daemon = start_daemon(short_tmp, *disk_args(disk, 0.01, "--l2-queue-gb", str(CHUNK_BYTES / 2 / 2**30)))
+    try:
+        worker = worker_for(daemon.url)
+        hashes = block_hashes(list(range(2 * CHUNK)))[1::2]
+        assert store(worker.mq_client, worker.instance_id, hashes, "s") == [ChunkOutcome.STORED] * 2
+        t = tier(daemon.url)
+        assert (t.skipped_writes_total, t.objects, t.write_queue_chunks) == (2, 0, 0)
+        assert count_lookup(worker.mq_client, hashes) == 2
+    finally:
+        _stop(daemon)
+
+
+POOL_OBJECTS = 16
+
+
+def test_queued_chunks_are_never_evicted_before_written(short_tmp: Path, disk: Path, worker_for) -> None:
+    """A pool of 16 chunks, 60 stored as fast as they come: every chunk that STORE accepted is
+    written to disk or counted as skipped; none is lost to an L1 eviction."""
+    args = ("--chunk-size", str(CHUNK), "--l1-size-gb", str(POOL_OBJECTS * CHUNK_BYTES / 2**30),
+            "--l2", f"disk://{disk}?size_gb=0.01", "--l2-queue-gb", str(8 * CHUNK_BYTES / 2**30))
+    daemon = start_daemon(short_tmp, *args)
+    try:
+        worker = worker_for(daemon.url)
+        client = worker.mq_client
+        futures = []
+        for p in range(30):
+            keys = [IPCCacheEngineKey("m", 1, 0, chunk_hash=h, request_id=f"p{p}")
+                    for h in block_hashes([p * 1000 + t for t in range(2 * CHUNK)])[1::2]]
+            futures.append(client.submit(RequestType.STORE, [keys, worker.instance_id, list(range(4)), b""]))
+        outcomes = [o for f in futures for o in f.result(30).outcomes]
+        stored = outcomes.count(ChunkOutcome.STORED)
+        assert stored >= POOL_OBJECTS
+        deadline = time.monotonic() + 20
+        while (t := tier(daemon.url)).write_queue_chunks:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert t.objects + t.skipped_writes_total == stored, (t, outcomes)
+        assert t.write_errors_total == 0
+    finally:
+        _stop(daemon)
+
+
+def test_a_second_daemon_on_the_same_directory_is_refused(short_tmp: Path, disk: Path) -> None:
+    first = start_daemon(short_tmp, *disk_args(disk))
+    try:
+        with pytest.raises(RuntimeError, match="in use by another lmcache-mp daemon"):
+            start_daemon(short_tmp, *disk_args(disk), url=f"ipc://{short_tmp / 'second.sock'}")
+        assert first.proc.poll() is None
+    finally:
+        _stop(first)
+
+
+def test_an_unusable_tier_directory_is_a_clear_error_at_start(short_tmp: Path) -> None:
+    blocker = short_tmp / "file"
+    blocker.write_text("not a directory")
+    for url, message in [(f"disk://{blocker}/sub?size_gb=1", "cannot"),
+                         ("disk://relative?size_gb=1", "absolute"),
+                         (f"disk://{short_tmp}/d", "size_gb"),
+                         ("nfs://host/x", "unsupported storage tier")]:
+        out = subprocess.run([sys.executable, "-m", "lmcache_mp.cli", "serve", "--listen",
+                              f"ipc://{short_tmp / 'x.sock'}", "--l1-size-gb", "0.01", "--l2", url],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2, out.stderr
+        assert message in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+@pytest.mark.daemon_args("--chunk-size", str(CHUNK), "--l1-size-gb", str(POOL_OBJECTS * CHUNK_BYTES / 2**30))
+def test_eviction_keeps_every_prefix_usable(daemon: DaemonProcess, worker_for) -> None:
+    """Prompts of 4 chunks, each stored in two STOREs (chunked prefill), 24 chunks into a pool
+    of 16: what stays of each prompt is a prefix, so every resident chunk can still be hit."""
+    worker = worker_for(daemon.url)
+    scheduler = LMCacheMPSchedulerAdapter(daemon.url, None, "m", 1, 0, BLOCK)
+    try:
+        prompts = [block_hashes([p * 1000 + t for t in range(4 * CHUNK)]) for p in range(6)]
+        chunks = [hashes[1::2] for hashes in prompts]
+        for p in range(6):
+            if p == 4:  # a lookup of prompt 1 (then its end) makes it the most recently used
+                assert lookup(scheduler, "hot", block_hashes=prompts[1]) == 4 * CHUNK
+                scheduler.end_session("hot")
+            for half in (0, 1):
+                outcomes = store(worker.mq_client, worker.instance_id, chunks[p][2 * half:2 * half + 2],
+                                 f"p{p}", first_block=4 * half)
+                assert outcomes == [ChunkOutcome.STORED] * 2
+        resident = [[count_lookup(worker.mq_client, [h]) for h in hashes] for hashes in chunks]
+        assert sum(map(sum, resident)) == POOL_OBJECTS
+        for p, flags in enumerate(resident):
+            kept = sum(flags)
+            assert flags == [1] * kept + [0] * (4 - kept), (p, resident)
+            assert count_lookup(worker.mq_client, chunks[p]) == kept
+        assert resident[1] == [1, 1, 1, 1]  # looked up recently: kept whole
+    finally:
+        scheduler.shutdown()
+
+
+def test_sigkilled_daemon_leaves_no_damage(short_tmp: Path, disk: Path, worker_for) -> None:
+    """Killed mid-life: whatever reached the disk is served after a restart; nothing half-written is."""
+    daemon = start_daemon(short_tmp, *disk_args(disk))
+    worker = worker_for(daemon.url)
+    hashes = block_hashes(list(range(4 * CHUNK)))[1::2]
+    assert store(worker.mq_client, worker.instance_id, hashes, "s") == [ChunkOutcome.STORED] * 4
+    wait_written(daemon.url, 4)
+    daemon.stop(signal.SIGKILL)
+    (disk / "tmp" / "leftover.tmp").write_bytes(b"half a chunk")
+    daemon = start_daemon(short_tmp, *disk_args(disk))
+    try:
+        worker2 = worker_for(daemon.url)
+        assert count_lookup(worker2.mq_client, hashes) == 4
+        assert not (disk / "tmp" / "leftover.tmp").exists()
+    finally:
+        _stop(daemon)
