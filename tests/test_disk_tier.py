@@ -293,6 +293,8 @@ def test_one_daemon_per_directory(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=rf"in use by another lmcache-mp daemon \(pid {os.getpid()}\)"):
         DiskTier(root, MiB)
     first.close()
+    first.put(key(1), payload(KiB))  # a closed tier writes nothing: the directory is not its own
+    assert not first.contains(key(1)) and not kv_files(root)
     second = DiskTier(root, MiB)
     second.close()
 

@@ -140,7 +140,8 @@ class DiskTier(StorageTier):
     """Chunks as files in one directory; see the module docstring for the layout and invariants.
 
     `put` writes synchronously and ignores `blocking`: the storage manager calls it from its own
-    writer thread, which is where a write may take its time.
+    writer thread, which is where a write may take its time. It skips a key already stored (a key
+    names its bytes), and every put after `close`, when the directory may be another daemon's.
     """
 
     def __init__(self, root: Path, capacity_bytes: int) -> None:
@@ -226,15 +227,16 @@ class DiskTier(StorageTier):
                         st = entry.stat(follow_symlinks=False)
                         found.append((st.st_mtime_ns, entry.name[:-len(_SUFFIX)], st.st_size))
         found.sort()
-        for _, name, size in found:
-            self._index[name] = (size, next(self._seq))
-            self._bytes += size
         with self._lock:
+            for _, name, size in found:
+                self._index[name] = (size, next(self._seq))
+                self._bytes += size
+            found_bytes = self._bytes
             victims = self._evict_for(0)
         self._unlink_busy(victims)
         logger.info("disk tier %s: indexed %d objects (%.2f GiB) in %.3f s; evicted %d to fit %.2f GiB",
-                    self._root, len(found), sum(size for _, _, size in found) / _GiB,
-                    time.monotonic() - started, len(victims), self._capacity / _GiB)
+                    self._root, len(found), found_bytes / _GiB, time.monotonic() - started,
+                    len(victims), self._capacity / _GiB)
 
     # -- the tier -----------------------------------------------------------------------------
 
@@ -249,7 +251,7 @@ class DiskTier(StorageTier):
     def put(self, key: ChunkKey, kv_chunk: torch.Tensor, blocking: bool = True) -> None:
         name = object_name(key)
         with self._lock:
-            if name in self._index or name in self._busy:
+            if self._lock_fd is None or name in self._index or name in self._busy:
                 return
         payload = chunk_format.as_buffer(kv_chunk)
         header = chunk_format.encode_header(key, payload)
