@@ -43,6 +43,8 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -62,6 +64,10 @@ _TMP_DIR = "tmp"
 _FIRST_READ = 4096
 _WARN_INTERVAL_S = 10.0
 _GiB = 1 << 30
+# Batched reads run on this many threads. A read (preadv) releases the GIL, the checksum
+# (xxhash) holds it: with two threads one chunk's read overlaps another's checksum, which is
+# what keeps promotion near the speed of a plain read (measured: one thread ~60% of it).
+_READ_THREADS = 2
 _URL_HELP = "disk:///ABSOLUTE/PATH?size_gb=N"
 
 
@@ -164,6 +170,7 @@ class DiskTier(StorageTier):
         self._read_warnings = _ThrottledWarning()
         self._lock_fd: int | None = self._open_directory()
         self._reindex()
+        self._readers = ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="lmcache-mp-disk-read")
 
     @classmethod
     def from_url(cls, url: str) -> DiskTier:
@@ -434,7 +441,17 @@ class DiskTier(StorageTier):
         with self._lock:
             return dataclasses.replace(self._stats, objects=len(self._index), bytes=self._bytes)
 
+    def batched_get(self, keys: Iterable[ChunkKey],
+                    outs: Iterable[torch.Tensor] | None = None) -> list[torch.Tensor | None]:
+        """`get` of each key, on `_READ_THREADS` threads so reads overlap checksums."""
+        keys = list(keys)
+        out_list: list[torch.Tensor | None] = list(outs) if outs is not None else [None] * len(keys)
+        if len(keys) < 2:
+            return [self.get(k, o) for k, o in zip(keys, out_list, strict=True)]
+        return list(self._readers.map(self.get, keys, out_list))
+
     def close(self) -> None:
+        self._readers.shutdown(wait=True)
         with self._lock:
             fd, self._lock_fd = self._lock_fd, None
         if fd is not None:

@@ -50,6 +50,16 @@ MAX_PENDING_PROMOTIONS = 256
 SHUTDOWN_FLUSH_S = 10.0
 
 
+@dataclass(frozen=True, eq=False)
+class _Source:
+    """Where one rank's object of a chunk being promoted comes from: `obj` is pinned in L1
+    (tier None) or a reserved slot to read from lower tier number `tier`."""
+
+    key: ChunkKey
+    obj: PoolObject
+    tier: int | None
+
+
 @dataclass(frozen=True)
 class RankSpec:
     """How one rank stores a chunk: its format, and the chunk's size in bytes."""
@@ -136,11 +146,10 @@ class StorageManager:
         return best, best_combo
 
     def _promote(self, hashes: list[bytes], combo: tuple[RankSpec, ...], hits: Hits) -> Hits:
+        """Extend `hits` (pinned) over the chunks that follow, from L1 or a lower tier."""
         try:
-            for h in hashes[len(hits):]:
-                chunk = self._chunk_from_tiers(h, combo)
-                if chunk is None:
-                    break
+            plan = self._plan_promotion(hashes[len(hits):], combo)
+            for chunk in self._read_planned(plan):
                 hits.append(chunk)
             for spec in combo:
                 self.pool.link([(h, spec.fmt.fingerprint) for h in hashes[:len(hits)]])
@@ -152,40 +161,74 @@ class StorageManager:
             with self._lock:
                 self._pending -= 1
 
-    def _chunk_from_tiers(self, chunk_hash: bytes, combo: tuple[RankSpec, ...]) -> list[PoolObject] | None:
-        """Every rank's object of one chunk, pinned in L1 (read from a lower tier where L1 lacks
-        it), or None (nothing left pinned) when some rank's object can't be had."""
-        objects: list[PoolObject] = []
-        for spec in combo:
-            obj = self._promote_one(ChunkKey(chunk_hash, spec.fmt), spec.chunk_nbytes)
-            if obj is None:
-                self.pool.unpin(objects)
-                return None
-            objects.append(obj)
-        return objects
+    def _plan_promotion(self, hashes: list[bytes], combo: tuple[RankSpec, ...]) -> list[list[_Source]]:
+        """Per following chunk, where each rank's object comes from: pinned in L1 already, or a
+        reserved L1 slot to fill from a lower tier. Stops at the first chunk some rank has
+        nowhere, or for which L1 has no room (or a STORE is writing it right now)."""
+        plan: list[list[_Source]] = []
+        for h in hashes:
+            chunk: list[_Source] = []
+            for spec in combo:
+                source = self._source(ChunkKey(h, spec.fmt), spec.chunk_nbytes)
+                if source is None:
+                    self._release(chunk)
+                    return plan
+                chunk.append(source)
+            plan.append(chunk)
+        return plan
 
-    def _promote_one(self, key: ChunkKey, nbytes: int) -> PoolObject | None:
+    def _source(self, key: ChunkKey, nbytes: int) -> _Source | None:
         in_l1 = self.pool.pin([key.ident])
         if in_l1 is not None:
-            return in_l1[0]
-        index = next((i for i, tier in enumerate(self._tiers) if tier.contains(key)), None)
-        if index is None:
+            return _Source(key, in_l1[0], tier=None)
+        tier = next((i for i, t in enumerate(self._tiers) if t.contains(key)), None)
+        if tier is None:
             return None
         [slot] = self.pool.reserve([key.ident], nbytes)
-        if not isinstance(slot, PoolObject):
-            return None  # a STORE is writing it right now, or L1 is full of pinned objects
-        try:
-            got = self._tiers[index].get(key, out=slot.data)
-        except BaseException:
-            self.pool.abort([slot])
-            raise
-        if got is None:  # vanished, or failed verification (the tier removed and counted it)
-            self.pool.abort([slot])
-            return None
-        self.pool.commit([slot], pin=True)
+        return _Source(key, slot, tier) if isinstance(slot, PoolObject) else None
+
+    def _read_planned(self, plan: list[list[_Source]]) -> Hits:
+        """Fill the planned slots, each tier's in one batch (a tier overlaps or pipelines its
+        reads as it can); the chunks up to the first one with a failed read, pinned."""
+        reads = [src for chunk in plan for src in chunk if src.tier is not None]
+        ok: dict[int, bool] = {}
+        for tier_index, tier in enumerate(self._tiers):
+            mine = [src for src in reads if src.tier == tier_index]
+            if not mine:
+                continue
+            try:
+                got = tier.batched_get([src.key for src in mine], [src.obj.data for src in mine])
+            except Exception:
+                logger.exception("reading from %s failed; counted as misses", self._names[tier_index])
+                got = [None] * len(mine)
+            for src, data in zip(mine, got, strict=True):
+                ok[id(src)] = data is not None
+        done: Hits = []
+        for i, chunk in enumerate(plan):
+            if not all(ok.get(id(src), True) for src in chunk):
+                for rest in plan[i:]:
+                    self._release(rest, read_ok=ok)
+                break
+            self._publish(chunk)
+            done.append([src.obj for src in chunk])
+        return done
+
+    def _publish(self, chunk: list[_Source]) -> None:
+        """Commit a chunk's freshly read slots, pinned like its L1 objects already are."""
+        fresh = [src for src in chunk if src.tier is not None]
+        self.pool.commit([src.obj for src in fresh], pin=True)
         with self._lock:
-            self._promotions[index] += 1
-        return slot
+            for src in fresh:
+                self._promotions[src.tier] += 1  # type: ignore[index]
+
+    def _release(self, chunk: list[_Source], read_ok: dict[int, bool] | None = None) -> None:
+        """Give back what a planned chunk holds: pins on L1 objects; read slots are aborted,
+        or, when their read succeeded, kept as unpinned L1 objects (valid, just not leased)."""
+        self.pool.unpin([src.obj for src in chunk if src.tier is None])
+        reads = [src for src in chunk if src.tier is not None]
+        good = [src.obj for src in reads if read_ok is not None and read_ok.get(id(src), False)]
+        self.pool.abort([src.obj for src in reads if src.obj not in good])
+        self.pool.commit(good)
 
     # ---- RETRIEVE, CLEAR, status, lifecycle ---------------------------------------------------
 
