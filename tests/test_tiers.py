@@ -98,16 +98,32 @@ def worker_for(request: pytest.FixtureRequest) -> Iterator:
         worker.shutdown()
 
 
+@pytest.fixture
+def daemons(short_tmp: Path) -> Iterator:
+    """daemons(*args, **kw): start_daemon in short_tmp; any still running at the end is killed."""
+    started: list[DaemonProcess] = []
+
+    def start(*args: str, **kw) -> DaemonProcess:
+        started.append(start_daemon(short_tmp, *args, **kw))
+        return started[-1]
+
+    yield start
+    for daemon in started:
+        if daemon.proc.poll() is None:
+            daemon.stop(signal.SIGKILL)
+
+
 def _stop(daemon: DaemonProcess) -> None:
     assert daemon.stop() == 0
     assert "Traceback" not in daemon.log(), daemon.log()
 
 
-def test_chunks_survive_a_restart_on_disk_byte_for_byte(short_tmp: Path, disk: Path, worker_for) -> None:
+def test_chunks_survive_a_restart_on_disk_byte_for_byte(daemons, short_tmp: Path, disk: Path,
+                                                        worker_for) -> None:
     tokens = list(range(5 * CHUNK + 7))  # 5 full chunks and a tail
     hashes = block_hashes(tokens)
     ids = [9, 3, 40, 41, 7, 12, 60, 2, 33, 34]
-    daemon = start_daemon(short_tmp, *disk_args(disk))
+    daemon = daemons(*disk_args(disk))
     worker = worker_for(daemon.url)
     caches = make_caches(SHAPE, torch.bfloat16, LAYERS, seed=1)  # what worker_for filled
     worker.submit_store_request("s", LoadStoreOp(ids, block_hashes=hashes), None)
@@ -121,7 +137,7 @@ def test_chunks_survive_a_restart_on_disk_byte_for_byte(short_tmp: Path, disk: P
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    daemon = start_daemon(short_tmp, *disk_args(disk, 0.01, "--metrics-port", str(port)))
+    daemon = daemons(*disk_args(disk, 0.01, "--metrics-port", str(port)))
     try:
         before = status(daemon.url)
         assert before.objects == 0 and before.tiers[0].objects == 5
@@ -147,9 +163,9 @@ def test_chunks_survive_a_restart_on_disk_byte_for_byte(short_tmp: Path, disk: P
         _stop(daemon)
 
 
-def test_damaged_or_foreign_files_are_misses_and_deleted(short_tmp: Path, disk: Path, worker_for) -> None:
+def test_damaged_or_foreign_files_are_misses_and_deleted(daemons, disk: Path, worker_for) -> None:
     prompts = [block_hashes([p * 1000 + t for t in range(2 * CHUNK)])[1::2] for p in range(4)]
-    daemon = start_daemon(short_tmp, *disk_args(disk))
+    daemon = daemons(*disk_args(disk))
     cpu = worker_for(daemon.url)
     for p, hashes in enumerate(prompts):
         assert store(cpu.mq_client, cpu.instance_id, hashes, f"p{p}") == [ChunkOutcome.STORED] * 2
@@ -171,7 +187,7 @@ def test_damaged_or_foreign_files_are_misses_and_deleted(short_tmp: Path, disk: 
     foreign.write_bytes(path(3, 1).read_bytes())  # another chunk's object under this name
     wrong_format.write_bytes(path(3, 0, "FLASH_ATTN").read_bytes())  # same hash, other layout
 
-    daemon = start_daemon(short_tmp, *disk_args(disk))
+    daemon = daemons(*disk_args(disk))
     try:
         cpu = worker_for(daemon.url)
         assert [count_lookup(cpu.mq_client, hashes) for hashes in prompts] == [0, 1, 0, 0]
@@ -192,12 +208,12 @@ def _unshare_works() -> bool:
 
 
 @pytest.mark.skipif(not _unshare_works(), reason="needs unshare --user --mount to mount a small tmpfs")
-def test_full_disk_skips_writes_and_the_daemon_serves_on(short_tmp: Path, disk: Path, worker_for) -> None:
+def test_full_disk_skips_writes_and_the_daemon_serves_on(daemons, disk: Path, worker_for) -> None:
     """The tier directory is a 256 KiB tmpfs (in the daemon's own mount namespace): ENOSPC."""
     disk.mkdir()
     mount = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
              'mount -t tmpfs -o size=256k tmpfs "$0" && exec "$@"', str(disk)]
-    daemon = start_daemon(short_tmp, *disk_args(disk), command_prefix=mount)
+    daemon = daemons(*disk_args(disk), command_prefix=mount)
     try:
         worker = worker_for(daemon.url)
         prompts = [block_hashes([p * 1000 + t for t in range(2 * CHUNK)])[1::2] for p in range(20)]
@@ -216,9 +232,9 @@ def test_full_disk_skips_writes_and_the_daemon_serves_on(short_tmp: Path, disk: 
         _stop(daemon)
 
 
-def test_a_full_write_queue_skips_chunks_without_blocking_store(short_tmp: Path, disk: Path,
+def test_a_full_write_queue_skips_chunks_without_blocking_store(daemons, disk: Path,
                                                                 worker_for) -> None:
-    daemon = start_daemon(short_tmp, *disk_args(disk, 0.01, "--l2-queue-gb", str(CHUNK_BYTES / 2 / 2**30)))
+    daemon = daemons(*disk_args(disk, 0.01, "--l2-queue-gb", str(CHUNK_BYTES / 2 / 2**30)))
     try:
         worker = worker_for(daemon.url)
         hashes = block_hashes(list(range(2 * CHUNK)))[1::2]
@@ -233,12 +249,12 @@ def test_a_full_write_queue_skips_chunks_without_blocking_store(short_tmp: Path,
 POOL_OBJECTS = 16
 
 
-def test_queued_chunks_are_never_evicted_before_written(short_tmp: Path, disk: Path, worker_for) -> None:
+def test_queued_chunks_are_never_evicted_before_written(daemons, disk: Path, worker_for) -> None:
     """A pool of 16 chunks, 60 stored as fast as they come: every chunk that STORE accepted is
     written to disk or counted as skipped; none is lost to an L1 eviction."""
     args = ("--chunk-size", str(CHUNK), "--l1-size-gb", str(POOL_OBJECTS * CHUNK_BYTES / 2**30),
             "--l2", f"disk://{disk}?size_gb=0.01", "--l2-queue-gb", str(8 * CHUNK_BYTES / 2**30))
-    daemon = start_daemon(short_tmp, *args)
+    daemon = daemons(*args)
     try:
         worker = worker_for(daemon.url)
         client = worker.mq_client
@@ -260,11 +276,11 @@ def test_queued_chunks_are_never_evicted_before_written(short_tmp: Path, disk: P
         _stop(daemon)
 
 
-def test_a_second_daemon_on_the_same_directory_is_refused(short_tmp: Path, disk: Path) -> None:
-    first = start_daemon(short_tmp, *disk_args(disk))
+def test_a_second_daemon_on_the_same_directory_is_refused(daemons, short_tmp: Path, disk: Path) -> None:
+    first = daemons(*disk_args(disk))
     try:
         with pytest.raises(RuntimeError, match="in use by another lmcache-mp daemon"):
-            start_daemon(short_tmp, *disk_args(disk), url=f"ipc://{short_tmp / 'second.sock'}")
+            daemons(*disk_args(disk), url=f"ipc://{short_tmp / 'second.sock'}")
         assert first.proc.poll() is None
     finally:
         _stop(first)
@@ -312,16 +328,16 @@ def test_eviction_keeps_every_prefix_usable(daemon: DaemonProcess, worker_for) -
         scheduler.shutdown()
 
 
-def test_sigkilled_daemon_leaves_no_damage(short_tmp: Path, disk: Path, worker_for) -> None:
+def test_sigkilled_daemon_leaves_no_damage(daemons, disk: Path, worker_for) -> None:
     """Killed mid-life: whatever reached the disk is served after a restart; nothing half-written is."""
-    daemon = start_daemon(short_tmp, *disk_args(disk))
+    daemon = daemons(*disk_args(disk))
     worker = worker_for(daemon.url)
     hashes = block_hashes(list(range(4 * CHUNK)))[1::2]
     assert store(worker.mq_client, worker.instance_id, hashes, "s") == [ChunkOutcome.STORED] * 4
     wait_written(daemon.url, 4)
     daemon.stop(signal.SIGKILL)
     (disk / "tmp" / "leftover.tmp").write_bytes(b"half a chunk")
-    daemon = start_daemon(short_tmp, *disk_args(disk))
+    daemon = daemons(*disk_args(disk))
     try:
         worker2 = worker_for(daemon.url)
         assert count_lookup(worker2.mq_client, hashes) == 4

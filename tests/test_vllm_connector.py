@@ -328,3 +328,30 @@ def test_openai_server_answers_completions_with_hits(engine1: list[list[int]], t
     assert choice["token_ids"] == baseline[0]
     assert reply["usage"]["completion_tokens"] == MAX_TOKENS
     assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == HITS[0]  # from the daemon
+
+
+def test_fresh_engine_after_a_daemon_restart_loads_from_disk(tiny_model: Path, work_dir: Path,
+                                                             baseline: list[list[int]]) -> None:
+    """Issue 8: with a disk tier, engine A's chunks survive the daemon's restart: a fresh engine
+    B gets every hit from disk (promoted at LOOKUP), with outputs identical to the baseline."""
+    disk = work_dir / "disk"
+    tier = ("--l2", f"disk://{disk}?size_gb=0.5")
+    url = f"ipc://{work_dir / 'disk-daemon.sock'}"
+    first = start_daemon(work_dir, *Daemon.ARGS, *tier, url=url)
+    try:
+        (stored,) = run_engine(engine_spec(tiny_model, first, [PROMPTS]), work_dir / "engine-disk-a.log")
+    finally:
+        assert first.stop() == 0  # SIGTERM: queued writes finish first
+    assert tokens(stored) == baseline[: len(PROMPTS)]
+    second = start_daemon(work_dir, *Daemon.ARGS, *tier, url=url)
+    try:
+        before = status(url)
+        assert before.objects == 0 and before.tiers[0].objects == STORED_CHUNKS
+        (loaded,) = run_engine(engine_spec(tiny_model, second, [PROMPTS]), work_dir / "engine-disk-b.log")
+        after = status(url).tiers[0]
+    finally:
+        assert second.stop() == 0
+    assert cached(loaded) == HITS
+    assert tokens(loaded) == baseline[: len(PROMPTS)]
+    assert after.promotions_total == STORED_CHUNKS and after.corrupt_total == 0
+    assert "Traceback" not in first.log() + second.log()

@@ -1,1 +1,1 @@
-"""The daemon's storage: the CPU memory pool that holds stored KV chunks."""
+"""The daemon's storage: the CPU memory pool (L1), the tiers below it, and the manager over both."""
