@@ -28,7 +28,6 @@ from lmcache_mp.protocol import (
     RegisterReply,
     RetrieveResult,
     StoreResult,
-    TierStatus,
 )
 from lmcache_mp.registry import Registry
 from lmcache_mp.storage.manager import Hits, RankSpec, StorageManager
@@ -259,5 +258,5 @@ class Engine:
             "registered_instances": self.registry.instance_ids(),
             "sessions": gauges["lease_sessions"],
             "leases": gauges["leases"],
-            "tiers": [TierStatus(**vars(t)) for t in tiers],
+            "tiers": tiers,
         }

@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 
 from lmcache_mp.custom_types import IPCCacheEngineKey, KVCache
+from lmcache_mp.storage.base import TierStats
 
 # Bump on any incompatible change to a schema below. Clients refuse a server whose
 # protocol version differs from theirs (see HELLO).
@@ -121,25 +122,6 @@ class RetrieveResult(msgspec.Struct, array_like=True, gc=False):
         return self.ok
 
 
-class TierStatus(msgspec.Struct, gc=False):
-    """One storage tier below the CPU pool (see `storage.base.TierStats` for each field)."""
-
-    name: str
-    objects: int = 0
-    bytes: int = 0
-    capacity_bytes: int = 0
-    hits_total: int = 0
-    misses_total: int = 0
-    corrupt_total: int = 0
-    writes_total: int = 0
-    write_errors_total: int = 0
-    evictions_total: int = 0
-    promotions_total: int = 0
-    write_queue_chunks: int = 0
-    write_queue_bytes: int = 0
-    skipped_writes_total: int = 0
-
-
 class StatusReport(msgspec.Struct, gc=False):
     server_version: str
     protocol_version: int
@@ -153,7 +135,7 @@ class StatusReport(msgspec.Struct, gc=False):
     sessions: int = 0
     leases: int = 0
     requests_in_flight: int = 0
-    tiers: list[TierStatus] = []
+    tiers: list[TierStats] = []  # the tiers below the pool, in order
 
 
 class HandlerKind(enum.Enum):

@@ -5,16 +5,23 @@
 
 Workload (issue 5): a random-weight Llama big enough that prefill dominates (8 layers,
 hidden 1024, 4 KV heads of 64, bf16, ~96 M parameters), 8 prompts of 2,049 tokens, one at a
-time, VLLM_CPU_NUM_OF_RESERVED_CPU=1 for every engine. Each engine is a fresh process:
+time, VLLM_CPU_NUM_OF_RESERVED_CPU=1 for every engine. The daemon runs with a disk tier
+(`--l2 disk://TMP/disk?size_gb=4`). Each engine is a fresh process:
   baseline  no connector: full prefill; then the same prompts again, served by vLLM's own
             prefix cache -- the floor for any external cache;
-  engine 1  with the connector, against a cold daemon (it stores);
+  engine 1  with the connector, against a cold daemon (it stores; the daemon writes the
+            chunks to disk behind the STOREs);
   engine 2  with the connector, against the now warm daemon (it loads 2,048 tokens), once
             with asynchronous loads (the default) and once, fresh again, with
-            `lmcache.mp.load_mode` "sync".
-Targets: engine 2 caches 2,048 tokens of every prompt, with outputs identical to the baseline;
-its TTFT within 10 ms of the floor; engine 1's TTFT within +-4% of no connector.
-Prints a table, writes e2e.png and e2e.json to --out. Takes about 4 minutes on 2 cores.
+            `lmcache.mp.load_mode` "sync";
+  engine 3  the daemon stopped (SIGTERM: it finishes its queued writes) and a new one
+            started on the same directory, its CPU pool empty: a fresh engine with the same
+            prompts, whose lookups promote the chunks from disk (async loads).
+Targets: engines 2 and 3 cache 2,048 tokens of every prompt, with outputs identical to the
+baseline; engine 2's TTFT within 10 ms of the floor; engine 1's TTFT within +-4% of no
+connector; the restarted daemon's STATUS shows promotions from disk (promotions_total > 0).
+Engine 3's TTFT is reported, without a target. Prints a table, writes e2e.png and e2e.json to
+--out. Takes about 5 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -96,7 +103,8 @@ def plot(series: dict[str, list[float]], path: Path) -> None:
     for name in ("no connector", "engine 1 (cold daemon)"):
         ax1.plot(series[name], marker="o", label=name)
     ax1.set_title("full prefill", fontsize=9)
-    for name in ("vLLM prefix hit (floor)", "engine 2 (warm daemon)", "engine 2, sync loads"):
+    for name in ("vLLM prefix hit (floor)", "engine 2 (warm daemon)", "engine 2, sync loads",
+                 "engine 3 (from disk)"):
         ax2.plot(series[name], marker="o", label=name)
     ax2.set_title("2,048 cached tokens", fontsize=9)
     for ax in (ax1, ax2):
@@ -116,7 +124,18 @@ def main() -> int:
         run_engine(json.loads(args.engine))
         return 0
     sys.path.insert(0, str(REPO))
+    import msgspec
+
     from lmcache_mp.launcher import start_daemon
+    from lmcache_mp.mq import MessageQueueClient
+    from lmcache_mp.protocol import RequestType
+
+    def status(url: str):
+        client = MessageQueueClient(url)
+        try:
+            return client.submit(RequestType.STATUS, []).result(10)
+        finally:
+            client.close()
 
     args.out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="lmc-e2e-", dir="/tmp"))
@@ -128,7 +147,9 @@ def main() -> int:
     prompts = [[rng.randrange(3, 1000) for _ in range(PROMPT_TOKENS)] for _ in range(PROMPTS)]
     print("baseline engine (no connector, then vLLM's own prefix hits)...", flush=True)
     full, floor = engine(model, prompts, None, 2, args.out / "e2e-baseline.log")
-    daemon = start_daemon(tmp, "--chunk-size", str(CHUNK), "--l1-size-gb", "1")
+    daemon_args = ("--chunk-size", str(CHUNK), "--l1-size-gb", "1", "--l2", f"disk://{tmp / 'disk'}?size_gb=4")
+    (tmp / "first").mkdir()
+    daemon = start_daemon(tmp / "first", *daemon_args)
     try:
         print("engine 1 against a cold daemon...", flush=True)
         (cold,) = engine(model, prompts, daemon.url, 1, args.out / "e2e-engine1.log")
@@ -136,12 +157,22 @@ def main() -> int:
         (warm,) = engine(model, prompts, daemon.url, 1, args.out / "e2e-engine2.log")
         print("engine 2 again (fresh process), synchronous loads...", flush=True)
         (warm_sync,) = engine(model, prompts, daemon.url, 1, args.out / "e2e-engine2-sync.log", "sync")
+        (before_restart,) = status(daemon.url).tiers
     finally:
-        daemon.stop()
+        stop_code = daemon.stop(timeout=60)  # SIGTERM: queued writes are finished first
+    print("daemon restarted on the same directory; engine 3 (fresh process)...", flush=True)
+    (tmp / "second").mkdir()
+    daemon = start_daemon(tmp / "second", *daemon_args)
+    try:
+        (after_restart,) = status(daemon.url).tiers
+        (from_disk,) = engine(model, prompts, daemon.url, 1, args.out / "e2e-engine3.log")
+        (after_engine3,) = status(daemon.url).tiers
+    finally:
+        daemon.stop(timeout=60)
     expected_hit = (PROMPT_TOKENS - 1) // CHUNK * CHUNK
     rows = {"no connector": full, "engine 1 (cold daemon)": cold,
             "vLLM prefix hit (floor)": floor, "engine 2 (warm daemon)": warm,
-            "engine 2, sync loads": warm_sync}
+            "engine 2, sync loads": warm_sync, "engine 3 (from disk)": from_disk}
     medians = {name: median_ms(r) for name, r in rows.items()}
     print(f"\n{'setup':<26}{'TTFT median ms':>16}{'cached tokens':>16}")
     for name, r in rows.items():
@@ -149,20 +180,36 @@ def main() -> int:
         print(f"{name:<26}{medians[name]:>16.1f}{','.join(map(str, cached)):>16}")
     cold_ratio = medians["engine 1 (cold daemon)"] / medians["no connector"]
     checks = {f"engine 1 TTFT within 4% of no connector ({cold_ratio - 1:+.1%})": abs(cold_ratio - 1) <= 0.04}
-    for name in ("engine 2 (warm daemon)", "engine 2, sync loads"):
+    for name in ("engine 2 (warm daemon)", "engine 2, sync loads", "engine 3 (from disk)"):
         above_floor = medians[name] - medians["vLLM prefix hit (floor)"]
         checks.update({
             f"{name}: caches {expected_hit} tokens of every prompt":
                 all(w["num_cached_tokens"] == expected_hit for w in rows[name]),
             f"{name}: outputs identical to the baseline":
                 all(w["token_ids"] == f["token_ids"] for w, f in zip(rows[name], full, strict=True)),
-            f"{name}: TTFT within 10 ms of the floor ({above_floor:+.1f} ms)": above_floor <= 10,
         })
+        if name != "engine 3 (from disk)":
+            checks[f"{name}: TTFT within 10 ms of the floor ({above_floor:+.1f} ms)"] = above_floor <= 10
+    chunks = PROMPTS * expected_hit // CHUNK
+    checks.update({
+        f"daemon stopped cleanly by SIGTERM (exit {stop_code})": stop_code == 0,
+        f"the restarted daemon found every chunk on disk ({after_restart.objects} of {chunks} objects; "
+        f"before the stop {before_restart.objects} written, {before_restart.write_queue_chunks} queued, "
+        f"{before_restart.skipped_writes_total} skipped)":
+            after_restart.objects >= chunks and before_restart.skipped_writes_total == 0,
+        f"engine 3's chunks were promoted from disk (promotions_total {after_engine3.promotions_total})":
+            after_engine3.promotions_total > 0,
+    })
+    print(f"engine 3, TTFT above the floor: {medians['engine 3 (from disk)'] - medians['vLLM prefix hit (floor)']:+.1f} ms,"
+          f" above engine 2: {medians['engine 3 (from disk)'] - medians['engine 2 (warm daemon)']:+.1f} ms")
     print()
     for name, ok in checks.items():
         print(f"{'MET ' if ok else 'MISS'} {name}")
     (args.out / "e2e.json").write_text(json.dumps(
         {"median_ttft_ms": medians, "checks": checks,
+         "disk_tier": {"before_restart": msgspec.to_builtins(before_restart),
+                       "after_restart": msgspec.to_builtins(after_restart),
+                       "after_engine3": msgspec.to_builtins(after_engine3)},
          "ttft_ms": {n: [x["ttft_s"] * 1e3 for x in r] for n, r in rows.items()}}, indent=2))
     plot({n: [x["ttft_s"] * 1e3 for x in r] for n, r in rows.items()}, args.out / "e2e.png")
     print(f"\nwrote {args.out / 'e2e.png'} and {args.out / 'e2e.json'}")

@@ -18,8 +18,8 @@ import torch
 from lmcache_mp.custom_types import IPCCacheEngineKey
 from lmcache_mp.launcher import DaemonProcess, start_daemon
 from lmcache_mp.mq import MessageQueueClient
-from lmcache_mp.protocol import ChunkOutcome, RequestType, TierStatus
-from lmcache_mp.storage.base import ChunkFormat, ChunkKey
+from lmcache_mp.protocol import ChunkOutcome, RequestType
+from lmcache_mp.storage.base import ChunkFormat, ChunkKey, TierStats
 from lmcache_mp.storage.disk import object_name
 from tests.helpers import BLOCK, CHUNK, LAYERS, NUM_BLOCKS, block_hashes, lookup, run_worker, status
 from tests.kv_worker import make_caches, pages, wait_done
@@ -40,12 +40,12 @@ def disk_args(disk: Path, size_gb: float = 0.01, *extra: str) -> tuple[str, ...]
             *extra)
 
 
-def tier(url: str) -> TierStatus:
+def tier(url: str) -> TierStats:
     (only,) = status(url).tiers
     return only
 
 
-def wait_written(url: str, objects: int, timeout: float = 20) -> TierStatus:
+def wait_written(url: str, objects: int, timeout: float = 20) -> TierStats:
     """Until the write-behind queue is empty and the tier holds `objects` chunks."""
     deadline = time.monotonic() + timeout
     while True:
