@@ -311,9 +311,15 @@ def test_requests_queued_past_their_deadline_are_refused_not_run(daemon: DaemonP
         hashes = block_hashes(list(range(1024 * BLOCK)))
         keys = [IPCCacheEngineKey("m", 1, 0, chunk_hash=h) for h in hashes[1::2]]
         c = worker.mq_client
-        slow = c.submit(RequestType.STORE, [keys, worker.instance_id, list(range(1024)), b""])
-        queued = [c.submit(RequestType.UNREGISTER_KV_CACHE, [10**6 + i]) for i in range(20)]
-        slow.wait(30)
+        for _ in range(5):  # the deadline is 1 ms: on a busy machine the STORE itself may miss it
+            slow = c.submit(RequestType.STORE, [keys, worker.instance_id, list(range(1024)), b""])
+            queued = [c.submit(RequestType.UNREGISTER_KV_CACHE, [10**6 + i]) for i in range(20)]
+            slow.wait(30)
+            if slow.exception() is None:
+                break
+            for f in queued:
+                f.wait(30)
+        assert slow.exception() is None, slow.exception()
         refused = 0
         for f in queued:
             assert f.wait(30)
