@@ -36,6 +36,7 @@ import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import msgspec
 import torch
@@ -134,6 +135,10 @@ class StorageTier(ABC):
     Thread safety: the manager calls a tier from its writer thread and its reader threads at
     once; every method must be safe to call concurrently.
     """
+
+    # True when `contains` answers from memory without I/O (a local index): the manager may
+    # then call it on the socket thread, to answer a LOOKUP that can't be extended at once.
+    contains_is_cheap: ClassVar[bool] = False
 
     @abstractmethod
     def contains(self, key: ChunkKey) -> bool:

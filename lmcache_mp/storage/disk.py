@@ -150,6 +150,8 @@ class DiskTier(StorageTier):
     names its bytes), and every put after `close`, when the directory may be another daemon's.
     """
 
+    contains_is_cheap = True  # an in-memory index
+
     def __init__(self, root: Path, capacity_bytes: int) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"disk tier capacity must be positive, got {capacity_bytes} bytes")

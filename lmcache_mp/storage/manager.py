@@ -20,12 +20,15 @@ Write-behind: a committed chunk is pinned and offered to each lower tier's `Tier
 which writes it off the request path and unpins it; a full queue skips the chunk (counted).
 
 Read-through: a LOOKUP pins what L1 has at once, on the socket thread. If the prefix stops
-short and there are lower tiers, the rest is looked for on a reader thread: per chunk, every
-rank's object is taken from L1 or read (and verified, by the tier) from the first tier that
-has it into a fresh L1 slot, committed pinned, so the RETRIEVE that follows is a plain L1
-copy. The prefix stops at the first chunk some rank has nowhere, or that fails to read.
-Promotions run on one thread, so two lookups never promote the same chunk twice; their
-number in flight is bounded, and past the bound a LOOKUP answers with what L1 has.
+short and the next chunk may be in a lower tier (tiers with an in-memory index are asked
+right there, so a LOOKUP that surely ends is answered at once), the rest is found on a
+reader thread: per chunk, every rank's object is taken from L1 or planned to be read from
+the first tier that has it into a fresh L1 slot; then each tier reads its share in one
+batch and verifies it, and the chunks are committed pinned, so the RETRIEVE that follows is
+a plain L1 copy. The prefix stops at the first chunk some rank has nowhere, that finds no
+room in L1, or whose read fails. Promotions run on one thread, so two lookups never promote
+the same chunk twice; their number in flight is bounded, and past the bound a LOOKUP
+answers with what L1 has.
 """
 
 from __future__ import annotations
@@ -123,13 +126,28 @@ class StorageManager:
     def lookup(self, hashes: list[bytes], ranks: list[list[RankSpec]]) -> Hits | Future[Hits]:
         """See the module docstring. `ranks` holds, per rank, its registered formats."""
         hits, combo = self._l1_prefix(hashes, ranks)
-        if len(hits) == len(hashes) or not self._tiers:
+        if len(hits) == len(hashes) or not self._tiers or self._surely_missing(hashes[len(hits)], combo):
             return hits
         with self._lock:
             if self._pending >= MAX_PENDING_PROMOTIONS:
                 return hits  # overloaded: answer with L1's part rather than queue without bound
             self._pending += 1
         return self._readers.submit(self._promote, hashes, combo, hits)
+
+    def _surely_missing(self, chunk_hash: bytes, combo: tuple[RankSpec, ...]) -> bool:
+        """Whether some rank's object of the chunk after L1's prefix is in no tier, asking only
+        tiers that answer from memory: then the LOOKUP is answered at once, without a thread hop."""
+        if not all(tier.contains_is_cheap for tier in self._tiers):
+            return False
+        for spec in combo:
+            key = ChunkKey(chunk_hash, spec.fmt)
+            if any(tier.contains(key) for tier in self._tiers):
+                continue
+            in_l1 = self.pool.pin([key.ident])
+            if in_l1 is None:
+                return True
+            self.pool.unpin(in_l1)
+        return False
 
     def _l1_prefix(self, hashes: list[bytes],
                    ranks: list[list[RankSpec]]) -> tuple[Hits, tuple[RankSpec, ...]]:
