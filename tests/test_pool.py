@@ -737,3 +737,13 @@ class PoolMachine(RuleBasedStateMachine):
 
 PoolMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=50, deadline=None)
 test_pool_state_machine = PoolMachine.TestCase
+
+
+def test_link_refuses_a_parent_that_would_close_a_cycle() -> None:
+    """A request that stores its chain again from chunk 0 (after a failed load) may name its last
+    chunk as the parent: the pool must not make chunk 0 a descendant of its own descendant."""
+    pool = MemoryPool(8 * KiB, slab_bytes=KiB)
+    chain = reserve_ready(pool, ["c0", "c1", "c2"], 256)
+    pool.link(["c0", "c1", "c2"])
+    pool.link(["c0", "c1"], parent="c2")
+    assert chain[0].parent is None and chain[1].parent is chain[0] and chain[2].parent is chain[1]

@@ -269,6 +269,8 @@ class MemoryPool:
         and the parent, the most recent, so the reserve doesn't evict the prefix it extends."""
         with self._lock:
             prev = None if parent is None else self._index.get(parent)
+            if prev is not None and self._descends_from(prev, {self._index.get(k) for k in keys}):
+                prev = None  # a stale guess of the caller's (a chain stored again from its start)
             linked: list[PoolObject] = [] if prev is None else [prev]
             for key in keys:
                 obj = self._index.get(key)
@@ -519,6 +521,18 @@ class MemoryPool:
         for obj in reversed(order):
             if obj.state is ObjectState.READY and obj.pins == 0:
                 obj.slab.size_class.evictable.move_to_end(obj)
+
+    def _descends_from(self, obj: PoolObject, others: set[PoolObject | None]) -> bool:
+        """Whether `obj` or one of its ancestors is in `others`: linking it as their parent would
+        close a cycle. O(ancestors)."""
+        seen: set[PoolObject] = set()
+        node: PoolObject | None = obj
+        while node is not None and node not in seen:
+            if node in others:
+                return True
+            seen.add(node)
+            node = self._parent(node)
+        return False
 
     @staticmethod
     def _parent(obj: PoolObject) -> PoolObject | None:
