@@ -60,7 +60,10 @@ class Engine:
         self.leases = LeaseTable(pool, config.lease_ttl_s)
         self.keys = ChunkMapper(config.chunk_size)
         self._last_chunk: OrderedDict[str, bytes] = OrderedDict()  # request id -> chunk hash
-        self._last_chunk_lock = threading.Lock()
+        # Requests with a LOOKUP in promotion -> whether END_SESSION came meanwhile (bounded by
+        # the manager's bound on promotions in flight).
+        self._deferred: dict[str, bool] = {}
+        self._lock = threading.Lock()
         try:
             self.registry = Registry(config.attach_socket, config.chunk_size, pool.capacity_bytes)
         except BaseException:
@@ -94,11 +97,19 @@ class Engine:
         hits = self.storage.lookup(hashes, ranks)
         if isinstance(hits, list):
             return self._lease(request_id, hashes, hits)
+        if request_id is not None:
+            with self._lock:
+                self._deferred[request_id] = False
         answer: Future[int] = Future()
 
         def finish(done: Future[Hits]) -> None:
+            ended = False
+            if request_id is not None:
+                with self._lock:
+                    ended = self._deferred.pop(request_id, False)
             try:
-                answer.set_result(self._lease(request_id, hashes, done.result()))
+                # A request ended while its hits were read has no one left to retrieve them.
+                answer.set_result(self._lease(None if ended else request_id, hashes, done.result()))
             except BaseException as err:
                 answer.set_exception(err)
 
@@ -181,8 +192,10 @@ class Engine:
 
     def end_session(self, request_id: str) -> None:
         self.leases.end(request_id)
-        with self._last_chunk_lock:
+        with self._lock:
             self._last_chunk.pop(request_id, None)
+            if request_id in self._deferred:
+                self._deferred[request_id] = True
 
     def clear(self) -> int:
         return self.storage.clear()
@@ -193,14 +206,14 @@ class Engine:
     # ---- helpers -----------------------------------------------------------------------------
 
     def _remember(self, request_id: str, chunk_hash: bytes) -> None:
-        with self._last_chunk_lock:
+        with self._lock:
             self._last_chunk[request_id] = chunk_hash
             self._last_chunk.move_to_end(request_id)
             if len(self._last_chunk) > _MAX_REMEMBERED_REQUESTS:
                 self._last_chunk.popitem(last=False)
 
     def _recall(self, request_id: str) -> bytes | None:
-        with self._last_chunk_lock:
+        with self._lock:
             return self._last_chunk.get(request_id)
 
     @staticmethod
