@@ -344,3 +344,31 @@ def test_sigkilled_daemon_leaves_no_damage(daemons, disk: Path, worker_for) -> N
         assert not (disk / "tmp" / "leftover.tmp").exists()
     finally:
         _stop(daemon)
+
+
+def test_tiers_in_order_write_to_all_and_read_from_the_first_that_has_it(daemons, short_tmp: Path,
+                                                                         worker_for) -> None:
+    near, far = short_tmp / "near", short_tmp / "far"
+    args = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05",
+            "--l2", f"disk://{near}?size_gb=0.01", "--l2", f"disk://{far}?size_gb=0.01")
+    daemon = daemons(*args)
+    worker = worker_for(daemon.url)
+    hashes = block_hashes(list(range(3 * CHUNK)))[1::2]
+    assert store(worker.mq_client, worker.instance_id, hashes, "s") == [ChunkOutcome.STORED] * 3
+    deadline = time.monotonic() + 20
+    while [(t.objects, t.write_queue_chunks) for t in status(daemon.url).tiers] != [(3, 0), (3, 0)]:
+        assert time.monotonic() < deadline, status(daemon.url).tiers
+        time.sleep(0.02)
+    worker.shutdown()
+    _stop(daemon)
+    object_path(near, hashes[1], fmt()).unlink()  # the near tier lost chunk 1: the far one has it
+
+    daemon = daemons(*args)
+    try:
+        worker = worker_for(daemon.url)
+        assert count_lookup(worker.mq_client, hashes) == 3
+        near_stats, far_stats = status(daemon.url).tiers
+        assert (near_stats.promotions_total, far_stats.promotions_total) == (2, 1)
+        assert near_stats.name == f"disk://{near}" and far_stats.name == f"disk://{far}"
+    finally:
+        _stop(daemon)
