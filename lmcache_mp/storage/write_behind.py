@@ -9,7 +9,9 @@ skipped) and the STORE that produced it never waits.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -19,6 +21,8 @@ from lmcache_mp.storage.base import ChunkKey, StorageTier
 from lmcache_mp.storage.pool import PoolObject
 
 logger = logging.getLogger(__name__)
+
+WRITER_NICE = 10
 
 
 class TierWriter:
@@ -80,6 +84,10 @@ class TierWriter:
         self._release([obj for _, obj in dropped])
 
     def _run(self) -> None:
+        # Background work: let the request path (copies, replies) have the cores first. On
+        # Linux, PRIO_PROCESS with a thread id renices that thread alone.
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
         while True:
             with self._cond:
                 while not self._queue and not self._closed:
