@@ -768,7 +768,7 @@ def test_concurrent_stores_and_lookups_never_return_wrong_bytes_or_leak(make, di
     assert mgr.stats()[0].num_pinned == 0
 
 
-# ---- bugs found (strict xfail: each fails today for the reason given) -----------------------------
+# ---- races and failures found in review (each failed before its fix) ------------------------------
 
 
 def _clear_until(mgr: StorageManager, stop: threading.Event) -> threading.Thread:
@@ -786,11 +786,6 @@ def _clear_until(mgr: StorageManager, stop: threading.Event) -> threading.Thread
 RACE_S = 5.0  # the race below is hit within ~0.1 s on a 2-core machine; 5 s is a wide margin
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "commit_store with two lower tiers unpins a chunk the first writer skipped (0 pins, evictable) "
-    "and only then pins all chunks again for the second writer with all-or-nothing pool.pin; a "
-    "CLEAR (or eviction) in between makes that pin return None, pinning nothing, and the second "
-    "writer's own skip then unpins a chunk with 0 pins: ValueError out of commit_store"))
 def test_store_with_two_tiers_racing_clear_never_fails(make, disk) -> None:
     mgr = make(disk("first"), disk("second"), write_queue_bytes=0)  # both queues always full
     stop = threading.Event()
@@ -811,11 +806,6 @@ def test_store_with_two_tiers_racing_clear_never_fails(make, disk) -> None:
     assert failures == [], f"after {ns} stores: {failures[0]}"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "same root cause: when the first tier's queue is full and the second's is not, a CLEAR between "
-    "commit_store's unpin (first writer skipped) and its re-pin for the second writer leaves the "
-    "chunk queued for the second writer without a pin; that writer's thread then dies on "
-    "ValueError in pool.unpin, its queue never drains and flush() never succeeds again"))
 def test_second_tier_writer_survives_a_racing_clear(monkeypatch: pytest.MonkeyPatch, make, disk) -> None:
     # A dead writer never drains: keep every close() short (monkeypatch is undone after `make`).
     monkeypatch.setattr(manager_module, "SHUTDOWN_FLUSH_S", 0.5)
@@ -861,10 +851,6 @@ def test_second_tier_writer_survives_a_racing_clear(monkeypatch: pytest.MonkeyPa
     assert mgr.stats()[0].num_pinned == 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "read-through only extends the format combination whose L1 prefix is longest (the first one on "
-    "a tie, e.g. when L1 is empty); chunks stored on disk under a rank's other registered format "
-    "are never looked for, so the lookup misses a prefix that every rank has in a lower tier"))
 def test_read_through_finds_chunks_of_any_registered_format(make, disk) -> None:
     mgr = make(disk())
     other0, other1 = replace(RANK0, layout="other_layout"), replace(RANK1, layout="other_layout")
@@ -885,11 +871,6 @@ def test_read_through_finds_chunks_of_any_registered_format(make, disk) -> None:
     assert len(hits) == 4
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "an exception from a tier's contains() while planning a promotion propagates out of "
-    "_plan_promotion without releasing what the plan already holds: the L1 slots reserved for "
-    "the earlier chunks stay WRITING forever (never evicted, ALREADY_PRESENT to every later "
-    "STORE and promotion), so those chunks can never be hit again"))
 def test_a_failing_tier_index_leaves_no_writing_slots(make, disk) -> None:
     tier = disk(cls=FailingIndexTier)
     mgr = make(tier)
@@ -916,10 +897,6 @@ def test_a_failing_tier_index_leaves_no_writing_slots(make, disk) -> None:
     assert len(hits) == 4
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "close() shuts the reader pool down with cancel_futures=True; a LOOKUP whose promotion was "
-    "still queued gets a cancelled Future, but the L1 hits it had already pinned (passed to "
-    "_promote, which never runs) are never unpinned: their pins leak"))
 def test_close_with_a_queued_promotion_leaves_nothing_pinned(make, disk) -> None:
     tier = disk(cls=GatedDiskTier, gate_reads=True)
     mgr = make(tier)

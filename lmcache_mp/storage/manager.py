@@ -107,10 +107,12 @@ class StorageManager:
         objects = [obj for _, obj in fresh]
         keys, parent_key = self._chain(fmt, hashes, parent)
         self.pool.link(keys, parent=parent_key)  # now with the new chunks in the chain
-        self.pool.commit(objects, pin=bool(self._writers))  # a queued chunk stays pinned
-        for i, writer in enumerate(self._writers):
-            if i:
-                self.pool.pin([obj.key for obj in objects])  # one pin per writer
+        # A queued chunk stays pinned, one pin per tier's queue, all taken before any is given
+        # back: a chunk left with no pin could be evicted before the next queue takes it.
+        self.pool.commit(objects, pin=bool(self._writers))
+        for _ in self._writers[1:]:
+            self.pool.repin(objects)
+        for writer in self._writers:
             for h, obj in fresh:
                 if not writer.offer(ChunkKey(h, fmt), obj):
                     self.pool.unpin([obj])
@@ -124,15 +126,34 @@ class StorageManager:
     # ---- LOOKUP -------------------------------------------------------------------------------
 
     def lookup(self, hashes: list[bytes], ranks: list[list[RankSpec]]) -> Hits | Future[Hits]:
-        """See the module docstring. `ranks` holds, per rank, its registered formats."""
-        hits, combo = self._l1_prefix(hashes, ranks)
-        if len(hits) == len(hashes) or not self._tiers or self._surely_missing(hashes[len(hits)], combo):
+        """See the module docstring. `ranks` holds, per rank, its registered formats; every
+        combination of them (one, unless a rank registered several layouts) is tried."""
+        combos = list(itertools.product(*ranks))
+        hits, best, lengths = self._l1_prefix(hashes, combos)
+        if len(hits) == len(hashes) or not self._tiers:
+            return hits
+        extendable = [i for i, n in enumerate(lengths) if not self._surely_missing(hashes[n], combos[i])]
+        if not extendable:
             return hits
         with self._lock:
             if self._pending >= MAX_PENDING_PROMOTIONS:
                 return hits  # overloaded: answer with L1's part rather than queue without bound
             self._pending += 1
-        return self._readers.submit(self._promote, hashes, combo, hits)
+        if best not in extendable:
+            self.pool.unpin([o for chunk in hits for o in chunk])
+            hits = []
+        handed = hits
+        future = self._readers.submit(self._promote, hashes, [combos[i] for i in extendable], handed,
+                                      extendable.index(best) if handed else None)
+        future.add_done_callback(lambda done: self._if_cancelled(done, handed))
+        return future
+
+    def _if_cancelled(self, done: Future[Hits], handed: Hits) -> None:
+        """A promotion cancelled at shutdown never ran: give back the hits it was handed."""
+        if done.cancelled():
+            self.pool.unpin([o for chunk in handed for o in chunk])
+            with self._lock:
+                self._pending -= 1
 
     def _surely_missing(self, chunk_hash: bytes, combo: tuple[RankSpec, ...]) -> bool:
         """Whether some rank's object of the chunk after L1's prefix is in no tier, asking only
@@ -150,30 +171,48 @@ class StorageManager:
         return False
 
     def _l1_prefix(self, hashes: list[bytes],
-                   ranks: list[list[RankSpec]]) -> tuple[Hits, tuple[RankSpec, ...]]:
-        """The longest pinned L1 prefix over the ranks' format combinations (one, unless ranks
-        registered several layouts), and that combination."""
+                   combos: list[tuple[RankSpec, ...]]) -> tuple[Hits, int, list[int]]:
+        """The longest pinned L1 prefix over the format combinations, the index of its
+        combination, and every combination's L1 prefix length."""
         best: Hits = []
-        best_combo: tuple[RankSpec, ...] = ()
-        for combo in itertools.product(*ranks):
-            fps = [spec.fmt.fingerprint for spec in combo]
-            pinned = self.pool.pin_prefix([[(h, fp) for fp in fps] for h in hashes])  # chunk-major
-            if not best_combo or len(pinned) > len(best):
-                best, pinned, best_combo = pinned, best, combo
+        best_index = 0
+        lengths = []
+        for i, combo in enumerate(combos):
+            pinned = self._pin_l1_prefix(hashes, combo)
+            lengths.append(len(pinned))
+            if len(pinned) > len(best) or not i:
+                best, pinned, best_index = pinned, best, i
             self.pool.unpin([o for chunk in pinned for o in chunk])
-        return best, best_combo
+        return best, best_index, lengths
 
-    def _promote(self, hashes: list[bytes], combo: tuple[RankSpec, ...], hits: Hits) -> Hits:
-        """Extend `hits` (pinned) over the chunks that follow, from L1 or a lower tier."""
+    def _pin_l1_prefix(self, hashes: list[bytes], combo: tuple[RankSpec, ...]) -> Hits:
+        fps = [spec.fmt.fingerprint for spec in combo]
+        return self.pool.pin_prefix([[(h, fp) for fp in fps] for h in hashes])  # chunk-major
+
+    def _promote(self, hashes: list[bytes], combos: list[tuple[RankSpec, ...]], pinned: Hits,
+                 pinned_combo: int | None) -> Hits:
+        """The longest prefix over `combos`, each extended from L1 or a lower tier; `pinned` is
+        combination `pinned_combo`'s L1 prefix, pinned already."""
+        best: Hits = []
+        best_combo = combos[0]
         try:
-            plan = self._plan_promotion(hashes[len(hits):], combo)
-            for chunk in self._read_planned(plan):
-                hits.append(chunk)
-            for spec in combo:
-                self.pool.link([(h, spec.fmt.fingerprint) for h in hashes[:len(hits)]])
-            return hits
+            for i, combo in enumerate(combos):
+                hits = pinned if i == pinned_combo else self._pin_l1_prefix(hashes, combo)
+                if i == pinned_combo:
+                    pinned = []  # ours now: released below like the others
+                try:
+                    hits.extend(self._read_planned(self._plan_promotion(hashes[len(hits):], combo)))
+                except BaseException:
+                    self.pool.unpin([o for chunk in hits for o in chunk])
+                    raise
+                if len(hits) > len(best) or not i:
+                    best, hits, best_combo = hits, best, combo
+                self.pool.unpin([o for chunk in hits for o in chunk])
+            for spec in best_combo:
+                self.pool.link([(h, spec.fmt.fingerprint) for h in hashes[:len(best)]])
+            return best
         except BaseException:
-            self.pool.unpin([o for chunk in hits for o in chunk])
+            self.pool.unpin([o for chunk in best + pinned for o in chunk])
             raise
         finally:
             with self._lock:
@@ -184,15 +223,21 @@ class StorageManager:
         reserved L1 slot to fill from a lower tier. Stops at the first chunk some rank has
         nowhere, or for which L1 has no room (or a STORE is writing it right now)."""
         plan: list[list[_Source]] = []
-        for h in hashes:
-            chunk: list[_Source] = []
-            for spec in combo:
-                source = self._source(ChunkKey(h, spec.fmt), spec.chunk_nbytes)
-                if source is None:
-                    self._release(chunk)
-                    return plan
-                chunk.append(source)
-            plan.append(chunk)
+        chunk: list[_Source] = []
+        try:
+            for h in hashes:
+                chunk = []
+                for spec in combo:
+                    source = self._source(ChunkKey(h, spec.fmt), spec.chunk_nbytes)
+                    if source is None:
+                        self._release(chunk)
+                        return plan
+                    chunk.append(source)
+                plan.append(chunk)
+        except BaseException:  # a tier's index failed: give back every pin and slot planned
+            for planned in [*plan, chunk]:  # `chunk` is the one being planned, not yet in `plan`
+                self._release(planned)
+            raise
         return plan
 
     def _source(self, key: ChunkKey, nbytes: int) -> _Source | None:

@@ -313,6 +313,16 @@ class MemoryPool:
                 self._pin_one(obj)
             return objects
 
+    def repin(self, objects: list[PoolObject]) -> None:
+        """One more pin on each object, which the caller holds pinned already (so it can't have
+        been evicted meanwhile). Raises ValueError, changing nothing, on an unpinned object."""
+        with self._lock:
+            for obj in objects:
+                if obj.pins == 0 or obj.state is not ObjectState.READY:
+                    raise ValueError(f"repin of {obj.key!r}: {obj.state.name} with {obj.pins} pin(s)")
+            for obj in objects:
+                obj.pins += 1
+
     def unpin(self, objects: list[PoolObject]) -> None:
         """Release one pin per occurrence; objects left with none become the most recently used, in
         chunk order like a commit (the first the most recent, its ancestors more recent still).
