@@ -82,10 +82,6 @@ class StorageManager:
         self._pending = 0
         self._lock = threading.Lock()
 
-    @property
-    def has_lower_tiers(self) -> bool:
-        return bool(self._tiers)
-
     # ---- STORE --------------------------------------------------------------------------------
 
     def reserve(self, fmt: ChunkFormat, hashes: list[bytes], nbytes: int,
