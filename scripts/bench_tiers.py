@@ -28,7 +28,7 @@ registered worker, 8 chunks (256 MiB) per request. Three measurements:
      re-index from the listing) and a daemon's time to answer HELLO with that directory vs
      with an empty one. No target: reported.
 
-Prints a table, writes tiers.png and tiers.json to --out. About 2-3 minutes on 2 cores;
+Prints a table, writes tiers.png and tiers.json to --out. About 2 minutes on 2 cores;
 --quick is a smoke run with small sizes.
 """
 
