@@ -11,6 +11,7 @@ outside every lock, on the server's worker threads.
 
 from __future__ import annotations
 
+import mmap
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
@@ -47,7 +48,9 @@ class Engine:
     def __init__(self, config: ServerConfig, metrics: Metrics):
         self.chunk_size = config.chunk_size
         self.metrics = metrics
-        pool = MemoryPool(int(config.l1_size_gb * 2**30), pin_memory=torch.cuda.is_available())
+        # Page-aligned objects: the disk tier writes them with direct I/O, straight from the pool.
+        pool = MemoryPool(int(config.l1_size_gb * 2**30), pin_memory=torch.cuda.is_available(),
+                          align=mmap.PAGESIZE)
         tiers = []
         try:
             for url in config.l2:

@@ -21,6 +21,7 @@ from lmcache_mp.storage import chunk_format
 from lmcache_mp.storage.base import ChunkFormat, ChunkKey
 from lmcache_mp.storage.chunk_format import PREFIX_SIZE, CorruptChunk
 from lmcache_mp.storage.disk import DiskTier, object_name
+from lmcache_mp.storage.pool import MemoryPool
 from lmcache_mp.storage.tiers import open_tier, redact_url
 
 FMT = ChunkFormat("test-model", 2, 0, "vllm_flash", "bfloat16", 4, (2, 16, 8, 64), 256)
@@ -245,7 +246,7 @@ def test_wrong_size_out_is_a_miss_not_corrupt(tier: DiskTier) -> None:
 
 def test_lru_eviction_keeps_within_capacity(tmp_path: Path) -> None:
     chunk = 100 * KiB
-    file_size = chunk + len(chunk_format.encode_header(key(0), payload(chunk)))
+    file_size = chunk + 4096  # the header, padded to a 4 KiB block
     tier = DiskTier(tmp_path / "cache", 3 * file_size + file_size // 2)
     for i in range(3):
         tier.put(key(i), payload(chunk, seed=i))
@@ -443,3 +444,30 @@ def test_unsupported_url_error_hides_password() -> None:
     with pytest.raises(ValueError) as info:
         open_tier("memcached://:s3cret@host")
     assert "s3cret" not in str(info.value)
+
+
+@pytest.mark.parametrize("nbytes", [64 * KiB, 64 * KiB + 100, 4 * MiB + 4096 + 7])
+def test_page_aligned_payloads_go_by_direct_io_and_read_back(tier: DiskTier, nbytes: int) -> None:
+    """Pool objects are page-aligned: their whole blocks are written with O_DIRECT (on a
+    filesystem that has it), the tail buffered; either way the bytes read back exactly."""
+    pool = MemoryPool(16 * MiB, align=4096)
+    [slot] = pool.reserve(["k"], nbytes)
+    assert slot.data.data_ptr() % 4096 == 0
+    slot.data.copy_(payload(nbytes, seed=nbytes))
+    tier.put(key(nbytes), slot.data)
+    got = tier.get(key(nbytes), out=torch.empty(nbytes, dtype=torch.uint8))
+    assert got is not None and torch.equal(got, slot.data)
+    path = file_of(tier.root, key(nbytes))
+    assert path.stat().st_size == 4096 + nbytes  # the header padded to one block
+    if _supports_direct_io(path.parent):
+        assert tier._direct  # never fell back to buffered writes
+
+
+def _supports_direct_io(directory: Path) -> bool:
+    try:
+        fd = os.open(directory / "direct-probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(directory / "direct-probe")
+    return True

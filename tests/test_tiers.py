@@ -247,12 +247,13 @@ def test_a_full_write_queue_skips_chunks_without_blocking_store(daemons, disk: P
 
 
 POOL_OBJECTS = 16
+POOL_GB = str(POOL_OBJECTS * CHUNK_BYTES / 2**30)
 
 
 def test_queued_chunks_are_never_evicted_before_written(daemons, disk: Path, worker_for) -> None:
     """A pool of 16 chunks, 60 stored as fast as they come: every chunk that STORE accepted is
     written to disk or counted as skipped; none is lost to an L1 eviction."""
-    args = ("--chunk-size", str(CHUNK), "--l1-size-gb", str(POOL_OBJECTS * CHUNK_BYTES / 2**30),
+    args = ("--chunk-size", str(CHUNK), "--l1-size-gb", POOL_GB,
             "--l2", f"disk://{disk}?size_gb=0.01", "--l2-queue-gb", str(8 * CHUNK_BYTES / 2**30))
     daemon = daemons(*args)
     try:
@@ -300,7 +301,7 @@ def test_an_unusable_tier_directory_is_a_clear_error_at_start(short_tmp: Path) -
         assert message in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
-@pytest.mark.daemon_args("--chunk-size", str(CHUNK), "--l1-size-gb", str(POOL_OBJECTS * CHUNK_BYTES / 2**30))
+@pytest.mark.daemon_args("--chunk-size", str(CHUNK), "--l1-size-gb", POOL_GB)
 def test_eviction_keeps_every_prefix_usable(daemon: DaemonProcess, worker_for) -> None:
     """Prompts of 4 chunks, each stored in two STOREs (chunked prefill), 24 chunks into a pool
     of 16: what stays of each prompt is a prefix, so every resident chunk can still be hit."""

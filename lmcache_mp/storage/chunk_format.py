@@ -124,12 +124,28 @@ def check_header(key: ChunkKey, header: bytes | memoryview) -> int:
     return payload_len
 
 
+class PayloadCheck:
+    """The checksum of a header that passed `check_header`, checked over the payload as it
+    arrives: `update` each piece in order (while it is still in the CPU's cache), then `done`."""
+
+    def __init__(self, header: bytes | memoryview) -> None:
+        (self._stored,) = _CHECKSUM.unpack_from(header, len(header) - _CHECKSUM.size)
+        self._hash = xxhash.xxh3_64()
+        self._hash.update(memoryview(header)[:-_CHECKSUM.size])
+
+    def update(self, piece: memoryview) -> None:
+        self._hash.update(piece)
+
+    def done(self) -> None:
+        if self._hash.intdigest() != self._stored:
+            raise CorruptChunk("checksum mismatch")
+
+
 def check_payload(header: bytes | memoryview, payload: Payload) -> None:
-    """Check the checksum of a header that passed `check_header` over `payload`."""
-    data = as_buffer(payload)
-    (stored,) = _CHECKSUM.unpack_from(header, len(header) - _CHECKSUM.size)
-    if _checksum(memoryview(header)[:-_CHECKSUM.size], data) != stored:
-        raise CorruptChunk("checksum mismatch")
+    """Check the checksum of a header that passed `check_header` over all of `payload`."""
+    check = PayloadCheck(header)
+    check.update(as_buffer(payload))
+    check.done()
 
 
 def verify(key: ChunkKey, header: bytes | memoryview, payload: Payload) -> None:

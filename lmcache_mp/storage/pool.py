@@ -52,6 +52,7 @@ One lock guards all bookkeeping; no method ever copies object bytes, so it is he
 from __future__ import annotations
 
 import enum
+import mmap
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Hashable
@@ -76,6 +77,15 @@ def default_slab_bytes(slot_bytes: int, usable_bytes: int) -> int:
     return slot_bytes * max(1, -(-target // slot_bytes))
 
 
+def _allocate(nbytes: int, pin_memory: bool) -> torch.Tensor:
+    """The pool's memory, page-aligned either way: pinned host memory from CUDA, or a private
+    anonymous mapping (rather than the heap, whose large blocks start just past a page)."""
+    if pin_memory:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapping, dtype=torch.uint8)  # the tensor keeps the mapping alive
+
+
 class ObjectState(enum.Enum):
     WRITING = enum.auto()  # reserved and being filled: invisible to readers, never evicted
     READY = enum.auto()  # committed: visible, evictable while unpinned
@@ -95,7 +105,7 @@ class PoolObject:
 
     key: Hashable
     nbytes: int
-    data: torch.Tensor  # uint8 view of exactly `nbytes` of pool memory, ALIGN-aligned
+    data: torch.Tensor  # uint8 view of exactly `nbytes` of pool memory, `align`-aligned
     slab: _Slab = field(repr=False)
     slot: int = field(repr=False)
     state: ObjectState = ObjectState.WRITING
@@ -118,7 +128,7 @@ class PoolStats:
 @dataclass(eq=False)
 class _SizeClass:
     nbytes: int
-    slot_bytes: int  # nbytes rounded up to ALIGN
+    slot_bytes: int  # nbytes rounded up to the pool's alignment
     span: int  # base slabs per slab
     slots_per_slab: int
     # Slabs with at least one free slot, and READY unpinned objects, least recently used first.
@@ -185,25 +195,31 @@ class _FreeRuns:
 class MemoryPool:
     """Fixed-capacity, thread-safe store of KV chunk objects; see the module docstring."""
 
-    def __init__(self, capacity_bytes: int, *, pin_memory: bool = False, slab_bytes: int | None = None):
+    def __init__(self, capacity_bytes: int, *, pin_memory: bool = False, slab_bytes: int | None = None,
+                 align: int = ALIGN):
+        """`align`: every object's data starts on a multiple of it (a power of two, >= ALIGN);
+        the daemon asks for whole pages, which direct I/O (disk tier) needs."""
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        if align < ALIGN or align & (align - 1):
+            raise ValueError(f"align must be a power of two of at least {ALIGN}, got {align}")
         self.capacity_bytes = capacity_bytes
+        self.align = align
         # The only KV allocation this pool ever makes. Touch every page now, at start: a
         # missing page fault later would cost a STORE ~3x its copy time, and a pool larger
         # than the machine's memory should fail here, not at some STORE hours later.
-        self._buffer = torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=pin_memory)
+        self._buffer = _allocate(capacity_bytes, pin_memory)
         self._buffer.zero_()
-        self._base = -self._buffer.data_ptr() % ALIGN
+        self._base = -self._buffer.data_ptr() % align
         self._usable = max(0, capacity_bytes - self._base)
         self._lock = threading.Lock()
         self._slab_bytes: int | None = None
         self._owner: list[_Slab | None] = []  # by base slab
         self._free = _FreeRuns(0)
         if slab_bytes is not None:
-            if slab_bytes <= 0 or slab_bytes % ALIGN or slab_bytes > self._usable:
+            if slab_bytes <= 0 or slab_bytes % align or slab_bytes > self._usable:
                 raise ValueError(
-                    f"slab_bytes must be a positive multiple of {ALIGN} of at most {self._usable}, "
+                    f"slab_bytes must be a positive multiple of {align} of at most {self._usable}, "
                     f"got {slab_bytes}"
                 )
             self._set_slab_bytes(slab_bytes)
@@ -371,7 +387,7 @@ class MemoryPool:
         size_class = self._classes.get(nbytes)
         if size_class is not None:
             return size_class
-        slot_bytes = _round_up(nbytes, ALIGN)
+        slot_bytes = _round_up(nbytes, self.align)
         if nbytes <= 0 or slot_bytes > self._usable:
             raise ValueError(
                 f"cannot store objects of {nbytes} bytes in a pool of {self.capacity_bytes} bytes"
