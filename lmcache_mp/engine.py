@@ -148,10 +148,11 @@ class Engine:
         try:
             self._wait_for_producer(event_handle, context.device)
             bpc = context.blocks_per_chunk
-            for i, slot in enumerate(slots):
-                if isinstance(slot, PoolObject):
-                    context.gather(block_ids[i * bpc:(i + 1) * bpc], context.chunk_view(slot.data))
-            self._finish_copies(context.device)
+            with self.storage.copying():
+                for i, slot in enumerate(slots):
+                    if isinstance(slot, PoolObject):
+                        context.gather(block_ids[i * bpc:(i + 1) * bpc], context.chunk_view(slot.data))
+                self._finish_copies(context.device)
         except BaseException:
             self.storage.abort(fresh)
             raise
@@ -180,9 +181,10 @@ class Engine:
             try:
                 self._wait_for_producer(event_handle, context.device)
                 bpc = context.blocks_per_chunk
-                for i, obj in enumerate(objects):
-                    context.scatter(context.chunk_view(obj.data), block_ids[i * bpc:(i + 1) * bpc])
-                self._finish_copies(context.device)
+                with self.storage.copying():
+                    for i, obj in enumerate(objects):
+                        context.scatter(context.chunk_view(obj.data), block_ids[i * bpc:(i + 1) * bpc])
+                    self._finish_copies(context.device)
             finally:
                 self.storage.unpin(objects)
         finally:

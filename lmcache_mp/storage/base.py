@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -139,6 +139,9 @@ class StorageTier(ABC):
     # True when `contains` answers from memory without I/O (a local index): the manager may
     # then call it on the socket thread, to answer a LOOKUP that can't be extended at once.
     contains_is_cheap: ClassVar[bool] = False
+    # Set by the storage manager: a tier calls it between slices of a long write (write-behind
+    # is background work), and it waits, briefly, while the request path copies KV.
+    pacer: Callable[[], None] | None = None
 
     @abstractmethod
     def contains(self, key: ChunkKey) -> bool:

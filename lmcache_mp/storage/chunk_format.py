@@ -35,6 +35,7 @@ fingerprint) and carries format fields that hash to that fingerprint; an object 
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 
 import msgspec
 import numpy as np
@@ -68,15 +69,11 @@ def as_buffer(payload: Payload) -> memoryview:
     return memoryview(payload).cast("B")
 
 
-def _checksum(header_fields: bytes | memoryview, payload: memoryview) -> int:
-    h = xxhash.xxh3_64()
-    h.update(header_fields)
-    h.update(payload)
-    return h.intdigest()
-
-
-def encode_header(key: ChunkKey, payload: Payload) -> bytes:
-    """The header of the object that stores `payload` under `key`."""
+def encode_header(key: ChunkKey, payload: Payload, slice_bytes: int = 0,
+                  between_slices: Callable[[], None] | None = None) -> bytes:
+    """The header of the object that stores `payload` under `key`. With `slice_bytes`, the
+    payload is checksummed in slices of that size, calling `between_slices` before each (a
+    background writer uses it to give way to the request path)."""
     data = as_buffer(payload)
     fields = key.fmt.encode()
     if max(len(key.chunk_hash), len(key.fingerprint), len(fields)) > _MAX_FIELD:
@@ -85,7 +82,14 @@ def encode_header(key: ChunkKey, payload: Payload) -> bytes:
         _PREFIX.pack(MAGIC, VERSION, len(key.chunk_hash), len(key.fingerprint), len(fields),
                      data.nbytes),
         key.chunk_hash, key.fingerprint, fields))
-    return head + _CHECKSUM.pack(_checksum(head, data))
+    checksum = xxhash.xxh3_64()
+    checksum.update(head)
+    step = slice_bytes or max(data.nbytes, 1)
+    for start in range(0, data.nbytes, step):
+        if between_slices is not None:
+            between_slices()
+        checksum.update(data[start:start + step])
+    return head + _CHECKSUM.pack(checksum.intdigest())
 
 
 def header_size(prefix: bytes | memoryview) -> int:

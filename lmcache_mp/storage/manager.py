@@ -42,7 +42,7 @@ from dataclasses import dataclass, replace
 
 from lmcache_mp.storage.base import ChunkFormat, ChunkKey, StorageTier, TierStats
 from lmcache_mp.storage.pool import MemoryPool, PoolObject, PoolStats, ReserveFailure
-from lmcache_mp.storage.write_behind import TierWriter
+from lmcache_mp.storage.write_behind import CopyGate, TierWriter
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,11 @@ class StorageManager:
         self._tiers = [tier for _, tier in tiers]
         self._names = [name for name, _ in tiers]
         self._writers = [TierWriter(tier, name, write_queue_bytes, pool.unpin) for name, tier in tiers]
+        self._gate = CopyGate()
+        for tier in self._tiers:
+            tier.pacer = self._gate.wait_for_gap
+        # The engine wraps its copies in this, so that background writes give way to them.
+        self.copying = self._gate.copying
         self._promotions = [0] * len(tiers)
         self._readers = ThreadPoolExecutor(1, thread_name_prefix="lmcache-mp-read")
         self._pending = 0

@@ -1,5 +1,10 @@
 """Write-behind: chunks committed to L1 are copied to a lower tier off the request path.
 
+Off the critical path in time and in resources: writer threads run at a lower priority, and a
+tier that writes in slices (`StorageTier.pacer`) waits between them, up to a bound, while a
+STORE or RETRIEVE copies (`CopyGate`): on a small machine the copies and the writes would
+otherwise share the cores and the memory bandwidth.
+
 One `TierWriter` per lower tier: a bounded queue and the thread that drains it, so a slow
 tier (a remote server) never holds up a fast one (a local disk). A queued chunk stays pinned
 in L1 until its write is done, so an eviction never loses a chunk that is still queued. The
@@ -15,7 +20,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from lmcache_mp.storage.base import ChunkKey, StorageTier
 from lmcache_mp.storage.pool import PoolObject
@@ -23,6 +28,35 @@ from lmcache_mp.storage.pool import PoolObject
 logger = logging.getLogger(__name__)
 
 WRITER_NICE = 10
+# The longest a writer waits for the request path's copies to pause, per slice of its work.
+GATE_MAX_WAIT_S = 0.05
+
+
+class CopyGate:
+    """Copies in flight on the request path (STORE, RETRIEVE). Background writers wait for a gap
+    between their slices, so that on a machine with few cores and little memory bandwidth they
+    take what the request path leaves; the wait is bounded, so they never starve."""
+
+    def __init__(self, max_wait_s: float = GATE_MAX_WAIT_S):
+        self._max_wait_s = max_wait_s
+        self._copying = 0
+        self._cond = threading.Condition()
+
+    @contextlib.contextmanager
+    def copying(self) -> Iterator[None]:
+        with self._cond:
+            self._copying += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._copying -= 1
+                if not self._copying:
+                    self._cond.notify_all()
+
+    def wait_for_gap(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._copying, timeout=self._max_wait_s)
 
 
 class TierWriter:
