@@ -110,6 +110,9 @@ class Engine:
             if request_id is not None:
                 with self._lock:
                     ended = self._deferred.pop(request_id, False)
+            if done.cancelled():  # the daemon is stopping: the server answers SHUTTING_DOWN
+                answer.cancel()
+                return
             try:
                 # A request ended while its hits were read has no one left to retrieve them.
                 answer.set_result(self._lease(None if ended else request_id, hashes, done.result()))
@@ -188,9 +191,13 @@ class Engine:
             finally:
                 self.storage.unpin(objects)
         finally:
-            # Whatever happened, the leases this retrieve was for are spent.
+            # Whatever happened, the leases this retrieve was for are spent: one release per
+            # request (each unpin refreshes the chain's recency, so not one per chunk).
+            by_request: dict[str | None, list[tuple[bytes, bytes]]] = {}
             for request_id, pool_key in zip(chunks.request_ids, pool_keys, strict=True):
-                self.leases.release(request_id, [pool_key])
+                by_request.setdefault(request_id, []).append(pool_key)
+            for request_id, request_keys in by_request.items():
+                self.leases.release(request_id, request_keys)
         return RetrieveResult(b"", True)
 
     # ---- END_SESSION, CLEAR, maintenance -----------------------------------------------------
@@ -245,7 +252,7 @@ class Engine:
     # ---- status ------------------------------------------------------------------------------
 
     def gauges(self) -> dict[str, float]:
-        stats, _ = self.storage.stats()
+        stats = self.storage.pool.stats()
         sessions, leases = self.leases.counts()
         return {
             "pool_capacity_bytes": stats.capacity_bytes,

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from lmcache_mp.errors import LMCacheMPError
 from lmcache_mp.mq import MessageQueueClient
+from lmcache_mp.protocol import RequestType, StatusReport
 
 
 @dataclass
@@ -62,5 +63,14 @@ def start_daemon(tmp_dir: Path, *args: str, url: str | None = None, ready_timeou
                 if time.monotonic() > deadline:
                     daemon.stop(signal.SIGKILL)
                     raise RuntimeError(f"daemon not ready in {ready_timeout} s:\n{daemon.log()}") from None
+    finally:
+        client.close()
+
+
+def daemon_status(url: str, timeout_s: float = 10.0) -> StatusReport:
+    """One STATUS request to the daemon at `url`."""
+    client = MessageQueueClient(url)
+    try:
+        return client.submit(RequestType.STATUS, []).result(timeout_s)
     finally:
         client.close()

@@ -16,7 +16,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -196,7 +196,7 @@ class Server:
         except ServerError as err:
             status = err.code if isinstance(err.code, ErrorCode) else ErrorCode.INTERNAL
             body = self.codec.encode_error(status, err.message)
-        except (Exception, CancelledError) as err:
+        except Exception as err:
             logger.error("%s failed:\n%s", request_type.name, "".join(traceback.format_exception(err)))
             status = ErrorCode.INTERNAL
             body = self.codec.encode_error(status, f"{request_type.name} failed: {type(err).__name__}: {err}")

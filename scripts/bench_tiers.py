@@ -65,8 +65,9 @@ from bench_data_plane import (
 )
 
 from lmcache_mp.launcher import DaemonProcess, start_daemon
+from lmcache_mp.launcher import daemon_status as status
 from lmcache_mp.mq import MessageQueueClient
-from lmcache_mp.protocol import RequestType, StatusReport
+from lmcache_mp.protocol import RequestType
 from lmcache_mp.storage.base import ChunkFormat, ChunkKey
 from lmcache_mp.storage.disk import DiskTier, object_name
 from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp
@@ -78,14 +79,6 @@ FMT = ChunkFormat("bench", 1, 0, "CPU_ATTN", "bfloat16", LAYERS, (KV_HEADS, BLOC
 
 
 # ---- helpers -----------------------------------------------------------------------------------
-
-def status(url: str) -> StatusReport:
-    client = MessageQueueClient(url)
-    try:
-        return client.submit(RequestType.STATUS, []).result(10)
-    finally:
-        client.close()
-
 
 def tier(url: str) -> Any:
     """The daemon's one lower tier in STATUS (fields of `storage.base.TierStats`)."""

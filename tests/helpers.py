@@ -10,12 +10,13 @@ import sys
 import time
 from pathlib import Path
 
-from lmcache_mp.mq import MessageQueueClient
-from lmcache_mp.protocol import RequestType, StatusReport
+from lmcache_mp.launcher import daemon_status
 from vllm_adapter import LMCacheMPSchedulerAdapter
 
 BLOCK, CHUNK = 16, 32  # vLLM block and daemon chunk sizes of the data-path tests
 NUM_BLOCKS, LAYERS = 64, 2
+
+status = daemon_status  # the tests' short name for one STATUS request
 
 
 def block_hashes(tokens: list[int]) -> list[bytes]:
@@ -25,14 +26,6 @@ def block_hashes(tokens: list[int]) -> list[bytes]:
         prev = hashlib.sha256(prev + repr(tokens[i * BLOCK:(i + 1) * BLOCK]).encode()).digest()
         out.append(prev)
     return out
-
-
-def status(url: str) -> StatusReport:
-    c = MessageQueueClient(url)
-    try:
-        return c.submit(RequestType.STATUS, []).result(10)
-    finally:
-        c.close()
 
 
 def lookup(scheduler: LMCacheMPSchedulerAdapter, request_id: str, **kw) -> int:

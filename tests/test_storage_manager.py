@@ -76,6 +76,19 @@ def flat(hits: Hits) -> list[PoolObject]:
     return [obj for chunk in hits for obj in chunk]
 
 
+def release(mgr: StorageManager, hits: Hits) -> None:
+    """Unpin every hit of a lookup; then nothing in the pool may stay pinned."""
+    mgr.unpin(flat(hits))
+    assert mgr.stats()[0].num_pinned == 0
+
+
+def only_on_disk(mgr: StorageManager) -> int:
+    """Wait until every queued write is done, then drop L1: the chunks live on disk only.
+    Returns how many objects L1 dropped."""
+    assert mgr.flush(WAIT_S)
+    return mgr.clear()
+
+
 def assert_hits(hits: Hits, chain: list[bytes], fmts: list[ChunkFormat]) -> None:
     """Every hit is READY, pinned, and holds the bytes stored for its chunk and rank."""
     assert len(hits) <= len(chain)
@@ -342,8 +355,7 @@ def test_two_tiers_each_get_every_chunk_and_promote_from_the_first_that_has_it(m
     assert len(hits) == 6
     assert_hits(hits, chain, [SOLO])
     assert [s.promotions_total for s in mgr.stats()[1]] == [2, 4]
-    mgr.unpin(flat(hits))
-    assert mgr.stats()[0].num_pinned == 0
+    release(mgr, hits)
 
 
 # ---- read-through ---------------------------------------------------------------------------------
@@ -354,8 +366,7 @@ def test_read_through_promotes_from_disk_then_answers_from_l1(make, disk) -> Non
     mgr = make(tier)
     chain = hashes(8)
     store(mgr, SOLO, chain)
-    assert mgr.flush(WAIT_S)
-    assert mgr.clear() == 8
+    assert only_on_disk(mgr) == 8
     assert mgr.stats()[0].num_objects == 0
 
     result = mgr.lookup(chain, specs(SOLO))
@@ -367,16 +378,14 @@ def test_read_through_promotes_from_disk_then_answers_from_l1(make, disk) -> Non
     pool_stats, [stats] = mgr.stats()
     assert pool_stats.num_pinned == 8 and pool_stats.num_writing == 0
     assert stats.promotions_total == 8 and stats.hits_total == 8
-    mgr.unpin(flat(hits))
-    assert mgr.stats()[0].num_pinned == 0
+    release(mgr, hits)
 
     again = mgr.lookup(chain, specs(SOLO))
     assert isinstance(again, list)  # all in L1 now: answered at once
     assert [c[0] for c in again] == [c[0] for c in hits]  # the very objects promoted
     assert_hits(again, chain, [SOLO])
     assert tier_stats(mgr).promotions_total == 8
-    mgr.unpin(flat(again))
-    assert mgr.stats()[0].num_pinned == 0
+    release(mgr, again)
 
 
 def test_read_through_extends_the_l1_prefix(make, disk) -> None:
@@ -384,8 +393,7 @@ def test_read_through_extends_the_l1_prefix(make, disk) -> None:
     mgr = make(tier)
     chain = hashes(6)
     store(mgr, SOLO, chain)
-    assert mgr.flush(WAIT_S)
-    mgr.clear()
+    only_on_disk(mgr)
     head = resolve(mgr.lookup(chain[:2], specs(SOLO)))  # chunks 0-1 back in L1
     mgr.unpin(flat(head))
 
@@ -397,8 +405,7 @@ def test_read_through_extends_the_l1_prefix(make, disk) -> None:
     assert_hits(hits, chain, [SOLO])
     assert all(obj.pins == 1 for obj in flat(hits))
     assert tier_stats(mgr).promotions_total == 6  # 2 + 4: none read twice
-    mgr.unpin(flat(hits))
-    assert mgr.stats()[0].num_pinned == 0
+    release(mgr, hits)
 
 
 def test_read_through_stops_at_a_chunk_that_is_nowhere(make, disk) -> None:
@@ -407,8 +414,7 @@ def test_read_through_stops_at_a_chunk_that_is_nowhere(make, disk) -> None:
     chain = hashes(6)
     store(mgr, SOLO, chain[:3])
     store(mgr, SOLO, chain[4:], parent=chain[3])
-    assert mgr.flush(WAIT_S)
-    mgr.clear()
+    only_on_disk(mgr)
     hits = resolve(mgr.lookup(chain, specs(SOLO)))
     assert len(hits) == 3
     assert_hits(hits, chain, [SOLO])
@@ -425,8 +431,7 @@ def test_two_ranks_prefix_stops_where_one_rank_is_missing(make, disk) -> None:
     store(mgr, RANK0, chain)
     store(mgr, RANK1, chain[:3])
     store(mgr, RANK1, chain[4:], parent=chain[3])  # rank 1 lacks chunk 3 only
-    assert mgr.flush(WAIT_S)
-    assert mgr.clear() == 11
+    assert only_on_disk(mgr) == 11
 
     result = mgr.lookup(chain, specs(RANK0, RANK1))
     assert isinstance(result, Future)
@@ -439,8 +444,7 @@ def test_two_ranks_prefix_stops_where_one_rank_is_missing(make, disk) -> None:
     assert pool_stats.num_objects == 6  # rank 0's slot for chunk 3 was given back
     assert mgr.pin([ident(chain[3], RANK0)]) is None
     assert tier_stats(mgr).promotions_total == 6
-    mgr.unpin(flat(hits))
-    assert mgr.stats()[0].num_pinned == 0
+    release(mgr, hits)
 
 
 def test_l1_for_one_rank_and_disk_for_the_other_are_combined(make, disk) -> None:
@@ -449,8 +453,7 @@ def test_l1_for_one_rank_and_disk_for_the_other_are_combined(make, disk) -> None
     chain = hashes(5)
     store(mgr, RANK0, chain)
     store(mgr, RANK1, chain)
-    assert mgr.flush(WAIT_S)
-    mgr.clear()
+    only_on_disk(mgr)
     # L1: chunk 0 of both ranks, chunks 1-4 of rank 0 only; rank 1's 1-4 are on disk only.
     both = resolve(mgr.lookup(chain[:1], specs(RANK0, RANK1)))
     rank0 = resolve(mgr.lookup(chain, specs(RANK0)))
@@ -477,8 +480,7 @@ def test_corrupt_object_mid_prefix_stops_it_and_is_removed(make, disk) -> None:
     mgr = make(tier)
     chain = hashes(6)
     store(mgr, SOLO, chain)
-    assert mgr.flush(WAIT_S)
-    mgr.clear()
+    only_on_disk(mgr)
     bad = ChunkKey(chain[2], SOLO)
     path = file_of(tier, bad)
     raw = bytearray(path.read_bytes())
@@ -499,8 +501,7 @@ def test_corrupt_object_mid_prefix_stops_it_and_is_removed(make, disk) -> None:
         assert obj is not None and obj.pins == 1 and obj.state is ObjectState.READY
         assert torch.equal(obj.data, expected(x, SOLO))
         mgr.unpin([obj])
-    mgr.unpin(flat(hits))
-    assert mgr.stats()[0].num_pinned == 0
+    release(mgr, hits)
 
 
 def test_a_deleted_file_is_a_miss_and_frees_its_slot(make, disk) -> None:
@@ -508,8 +509,7 @@ def test_a_deleted_file_is_a_miss_and_frees_its_slot(make, disk) -> None:
     mgr = make(tier)
     chain = hashes(4)
     store(mgr, SOLO, chain)
-    assert mgr.flush(WAIT_S)
-    mgr.clear()
+    only_on_disk(mgr)
     file_of(tier, ChunkKey(chain[1], SOLO)).unlink()  # still indexed, gone from the disk
     hits = resolve(mgr.lookup(chain, specs(SOLO)))
     assert len(hits) == 1
@@ -525,8 +525,7 @@ def test_failed_reads_stop_the_prefix_and_free_the_slots(make, disk) -> None:
     mgr = make(tier)
     chain = hashes(4)
     store(mgr, SOLO, chain)
-    assert mgr.flush(WAIT_S)
-    mgr.clear()
+    only_on_disk(mgr)
     head = resolve(mgr.lookup(chain[:1], specs(SOLO)))  # nothing can be read
     assert head == []
     store(mgr, SOLO, chain[:1])  # chunk 0 back in L1 by a STORE
@@ -545,8 +544,7 @@ def test_a_chunk_of_another_size_is_a_miss(make, disk) -> None:
     mgr = make(tier)
     chain = hashes(3)
     store(mgr, SOLO, chain)
-    assert mgr.flush(WAIT_S)
-    mgr.clear()
+    only_on_disk(mgr)
     hits = resolve(mgr.lookup(chain, specs(SOLO, nbytes=2 * NBYTES)))
     assert hits == []
     pool_stats = mgr.stats()[0]
@@ -615,8 +613,7 @@ def test_a_tier_without_an_in_memory_index_is_asked_on_the_reader_thread(make, d
     hits = result.result(timeout=WAIT_S)
     assert len(hits) == 2
     assert_hits(hits, chain, [SOLO])
-    mgr.unpin(flat(hits))
-    assert mgr.stats()[0].num_pinned == 0
+    release(mgr, hits)
 
 
 def test_pending_promotions_are_bounded(make, disk, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -625,8 +622,7 @@ def test_pending_promotions_are_bounded(make, disk, monkeypatch: pytest.MonkeyPa
     mgr = make(tier)
     chain = hashes(4)
     store(mgr, SOLO, chain)
-    assert mgr.flush(WAIT_S)
-    mgr.clear()
+    only_on_disk(mgr)
     store(mgr, SOLO, chain[:1])  # chunk 0 in L1, chunks 1-3 on disk only
     assert mgr.flush(WAIT_S)
 
@@ -857,8 +853,7 @@ def test_read_through_finds_chunks_of_any_registered_format(make, disk) -> None:
     chain = hashes(4)
     store(mgr, other0, chain)
     store(mgr, other1, chain)
-    assert mgr.flush(WAIT_S)
-    mgr.clear()
+    only_on_disk(mgr)
     control = resolve(mgr.lookup(chain, specs(other0, other1)))  # they are there...
     assert len(control) == 4
     mgr.unpin(flat(control))
@@ -876,8 +871,7 @@ def test_a_failing_tier_index_leaves_no_writing_slots(make, disk) -> None:
     mgr = make(tier)
     chain = hashes(4)
     store(mgr, SOLO, chain)
-    assert mgr.flush(WAIT_S)
-    mgr.clear()
+    only_on_disk(mgr)
     tier.failing.add(ChunkKey(chain[2], SOLO))
     result = mgr.lookup(chain, specs(SOLO))
     assert isinstance(result, Future)
@@ -902,8 +896,7 @@ def test_close_with_a_queued_promotion_leaves_nothing_pinned(make, disk) -> None
     mgr = make(tier)
     chain = hashes(3)
     store(mgr, SOLO, chain)
-    assert mgr.flush(WAIT_S)
-    mgr.clear()
+    only_on_disk(mgr)
     store(mgr, SOLO, chain[:1])  # chunk 0 in L1, chunks 1-2 on disk only
     assert mgr.flush(WAIT_S)
     running = mgr.lookup(chain, specs(SOLO))
@@ -920,5 +913,4 @@ def test_close_with_a_queued_promotion_leaves_nothing_pinned(make, disk) -> None
     assert not closer.is_alive()
     hits = running.result(timeout=WAIT_S)
     assert len(hits) == 3
-    mgr.unpin(flat(hits))
-    assert mgr.stats()[0].num_pinned == 0
+    release(mgr, hits)

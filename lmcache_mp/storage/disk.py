@@ -341,24 +341,19 @@ class DiskTier(StorageTier):
         """Write the file (header, padding, payload) under tmp/ and rename it into place. The
         page-aligned bulk of an aligned payload goes by direct I/O, where the filesystem has it."""
         tmp = os.path.join(self._tmp, f"{name}.{next(self._tmp_seq)}")
-        direct = aligned and self._direct
-        fd = self._create(tmp, direct)
-        if fd is None:  # this filesystem refuses O_DIRECT: buffered writes from now on
-            direct = False
-            fd = self._create(tmp, direct=False)
-        assert fd is not None
+        fd, direct = self._create(tmp, direct=aligned and self._direct)
         try:
             try:
-                bulk = payload.nbytes // _BLOCK * _BLOCK if direct else 0
+                # Direct I/O takes whole blocks only: the tail of a payload that isn't goes buffered.
+                sliced = payload.nbytes // _BLOCK * _BLOCK if direct else payload.nbytes
                 _write_all(fd, [_padded(header)])
-                for start in range(0, bulk, _WRITE_SLICE):  # slices: room for the pacer
+                for start in range(0, sliced, _WRITE_SLICE):  # slices: room for the pacer
                     if self.pacer is not None:
                         self.pacer()
-                    _write_all(fd, [payload[start:min(start + _WRITE_SLICE, bulk)]])
-                if bulk < payload.nbytes:
-                    if direct:  # the tail is not a whole block: write it buffered
-                        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-                    _write_all(fd, [payload[bulk:]])
+                    _write_all(fd, [payload[start:min(start + _WRITE_SLICE, sliced)]])
+                if sliced < payload.nbytes:
+                    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+                    _write_all(fd, [payload[sliced:]])
             finally:
                 os.close(fd)
             os.rename(tmp, self._path(name))
@@ -367,20 +362,22 @@ class DiskTier(StorageTier):
                 os.unlink(tmp)
             raise
 
-    def _create(self, path: str, direct: bool) -> int | None:
-        """A new file opened for writing; None when direct I/O was asked for and is refused."""
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
-        try:
-            return os.open(path, flags, 0o600)
-        except OSError as e:
-            if not direct or e.errno != errno.EINVAL:
-                raise
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-        self._direct = False
-        logger.info("disk tier %s: the filesystem refuses direct I/O; writing through the page cache",
-                    self._root)
-        return None
+    def _create(self, path: str, direct: bool) -> tuple[int, bool]:
+        """A new file opened for writing, and whether with O_DIRECT: a filesystem that refuses
+        it (EINVAL) gets buffered writes, from now on."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        if direct:
+            try:
+                return os.open(path, flags | os.O_DIRECT, 0o600), True
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            self._direct = False
+            logger.info("disk tier %s: the filesystem refuses direct I/O; writing through the page cache",
+                        self._root)
+        return os.open(path, flags, 0o600), False
 
     def _end_write(self, name: str, size: int, stored: bool) -> None:
         with self._lock:

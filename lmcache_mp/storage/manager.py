@@ -53,14 +53,19 @@ MAX_PENDING_PROMOTIONS = 256
 SHUTDOWN_FLUSH_S = 10.0
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class _Source:
     """Where one rank's object of a chunk being promoted comes from: `obj` is pinned in L1
-    (tier None) or a reserved slot to read from lower tier number `tier`."""
+    (tier None) or a reserved slot to read from lower tier number `tier`, `filled` once read."""
 
     key: ChunkKey
     obj: PoolObject
     tier: int | None
+    filled: bool = False
+
+    @property
+    def ready(self) -> bool:
+        return self.tier is None or self.filled
 
 
 @dataclass(frozen=True)
@@ -255,7 +260,6 @@ class StorageManager:
         """Fill the planned slots, each tier's in one batch (a tier overlaps or pipelines its
         reads as it can); the chunks up to the first one with a failed read, pinned."""
         reads = [src for chunk in plan for src in chunk if src.tier is not None]
-        ok: dict[int, bool] = {}
         for tier_index, tier in enumerate(self._tiers):
             mine = [src for src in reads if src.tier == tier_index]
             if not mine:
@@ -266,12 +270,12 @@ class StorageManager:
                 logger.exception("reading from %s failed; counted as misses", self._names[tier_index])
                 got = [None] * len(mine)
             for src, data in zip(mine, got, strict=True):
-                ok[id(src)] = data is not None
+                src.filled = data is not None
         done: Hits = []
         for i, chunk in enumerate(plan):
-            if not all(ok.get(id(src), True) for src in chunk):
+            if not all(src.ready for src in chunk):
                 for rest in plan[i:]:
-                    self._release(rest, read_ok=ok)
+                    self._release(rest)
                 break
             self._publish(chunk)
             done.append([src.obj for src in chunk])
@@ -285,14 +289,13 @@ class StorageManager:
             for src in fresh:
                 self._promotions[src.tier] += 1  # type: ignore[index]
 
-    def _release(self, chunk: list[_Source], read_ok: dict[int, bool] | None = None) -> None:
-        """Give back what a planned chunk holds: pins on L1 objects; read slots are aborted,
-        or, when their read succeeded, kept as unpinned L1 objects (valid, just not leased)."""
+    def _release(self, chunk: list[_Source]) -> None:
+        """Give back what a planned chunk holds: pins on L1 objects; slots that were read are
+        kept as unpinned L1 objects (valid, just not leased), the others aborted."""
         self.pool.unpin([src.obj for src in chunk if src.tier is None])
         reads = [src for src in chunk if src.tier is not None]
-        good = [src.obj for src in reads if read_ok is not None and read_ok.get(id(src), False)]
-        self.pool.abort([src.obj for src in reads if src.obj not in good])
-        self.pool.commit(good)
+        self.pool.abort([src.obj for src in reads if not src.filled])
+        self.pool.commit([src.obj for src in reads if src.filled])
 
     # ---- RETRIEVE, CLEAR, status, lifecycle ---------------------------------------------------
 

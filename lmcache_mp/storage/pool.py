@@ -55,7 +55,7 @@ import enum
 import mmap
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -537,13 +537,7 @@ class MemoryPool:
         order: list[PoolObject] = []  # every object seen, each after its ancestors
         seen: set[PoolObject] = set()
         for start in objects:
-            path: list[PoolObject] = []
-            node: PoolObject | None = start
-            while node is not None and node not in seen:
-                seen.add(node)
-                path.append(node)
-                node = self._parent(node)
-            order.extend(reversed(path))
+            order.extend(reversed(list(self._walk_up(start, seen))))
         for obj in reversed(order):
             if obj.state is ObjectState.READY and obj.pins == 0:
                 obj.slab.size_class.evictable.move_to_end(obj)
@@ -551,14 +545,16 @@ class MemoryPool:
     def _descends_from(self, obj: PoolObject, others: set[PoolObject | None]) -> bool:
         """Whether `obj` or one of its ancestors is in `others`: linking it as their parent would
         close a cycle. O(ancestors)."""
-        seen: set[PoolObject] = set()
+        return any(node in others for node in self._walk_up(obj, set()))
+
+    def _walk_up(self, obj: PoolObject, seen: set[PoolObject]) -> Iterator[PoolObject]:
+        """`obj` and its ancestors, nearest first, stopping at the first already in `seen` (which
+        collects them): a walk never loops, even over a parent cycle."""
         node: PoolObject | None = obj
         while node is not None and node not in seen:
-            if node in others:
-                return True
             seen.add(node)
+            yield node
             node = self._parent(node)
-        return False
 
     @staticmethod
     def _parent(obj: PoolObject) -> PoolObject | None:
