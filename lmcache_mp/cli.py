@@ -97,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_url(status)
     status.add_argument("--json", action="store_true", help="print machine-readable JSON")
     status.set_defaults(func=cmd_status)
+    _add_remote_server(sub)
     return parser
 
 
@@ -189,6 +190,59 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"\ntier {tier.pop('name')}")
         for name, value in tier.items():
             print(f"  {name:<{width}}  {value}")
+    return 0
+
+
+def _add_remote_server(sub: argparse._SubParsersAction) -> None:
+    from lmcache_mp.v1remote.server import DEFAULT_MAX_CONNECTIONS, DEFAULT_PORT
+
+    remote = sub.add_parser(
+        "remote-server", help="run a standalone store that speaks LMCache's v1 remote protocol",
+        description="Run an in-memory, LRU-bounded KV store speaking the v1 remote TCP protocol "
+                    "(the wire format of LMCache's lmcache_server) until SIGTERM or SIGINT.")
+    remote.add_argument("--listen", default=f"tcp://127.0.0.1:{DEFAULT_PORT}", metavar="URL",
+                        help="tcp://HOST:PORT to listen on; port 0 picks a free one "
+                             "(default: %(default)s)")
+    remote.add_argument("--size-gb", type=float, default=4.0,
+                        help="memory for stored objects in GiB; the least recently used objects are "
+                             "evicted to make room (default: %(default)s)")
+    remote.add_argument("--allow-remote", action="store_true",
+                        help="allow a non-loopback --listen address. The protocol has no "
+                             "authentication or encryption: anyone who can reach the port can read, "
+                             "overwrite and fill the store. Only on a trusted network")
+    remote.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                        help="client connections served at once; more are accepted and closed at "
+                             "once (default: %(default)s)")
+    remote.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="log verbosity; DEBUG also logs every connection that closes "
+                             "(default: %(default)s)")
+    remote.set_defaults(func=cmd_remote_server)
+
+
+def cmd_remote_server(args: argparse.Namespace) -> int:
+    from lmcache_mp.v1remote.server import RemoteServer, parse_listen_url
+
+    logging.basicConfig(level=args.log_level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        host, port = parse_listen_url(args.listen, args.allow_remote)
+        if not args.size_gb > 0:
+            raise ValueError(f"--size-gb must be positive, not {args.size_gb}")
+        server = RemoteServer(host, port, capacity_bytes=int(args.size_gb * 2**30),
+                              max_connections=args.max_connections)
+    except (ValueError, OSError) as err:
+        logger.error("cannot start: %s", err)
+        return 2
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: server.stop())
+    logger.info("v1 remote server listening on %s:%d capacity=%.3f GiB (%d bytes) max_connections=%d "
+                "pid=%d", *server.address, args.size_gb, server.store.capacity, args.max_connections,
+                os.getpid())
+    try:
+        server.serve_forever()
+    finally:
+        server.close()
+    logger.info("stopped: %s", server.stats())
     return 0
 
 

@@ -1,0 +1,388 @@
+"""A standalone server for the v1 remote protocol, with a bounded in-memory LRU store.
+
+It speaks the wire format of LMCache's `lmcache_server` (see `protocol.py`), so LMCache's remote
+clients and our `V1Connection` can use it, and adds what the reference lacks:
+
+- a size bound: objects live in memory up to `capacity_bytes`; a PUT evicts least-recently-used
+  objects (GET counts as a use, EXIST does not) to make room *before* its payload is received, so
+  stored plus in-flight payloads never exceed the bound. A PUT that cannot fit (larger than the
+  capacity, or crowded out by other connections' in-flight PUTs) is read and discarded: PUT has no
+  reply, so the client finds out only by a later GET miss, which it must handle anyway;
+- LIST: a 200 header with length N, fmt BINARY, dtype uint8, shape [N, 0, 0, 0], followed by N bytes:
+  the stored keys, least recently used first, UTF-8, joined by "\\n", cut at a key boundary at
+  `MAX_LIST_BYTES`;
+- robustness: a malformed header (unknown command, unparseable key, negative length, a PUT over
+  `MAX_PUT_BYTES`) or a connection closed mid-message closes that connection only, logged once with
+  the peer. Well-formed requests are always answered (PUT never is, per the protocol).
+
+Design: one listening socket (selector loop in `serve_forever`), one thread per connection with
+blocking sockets, at most `max_connections` at once (more are accepted and closed at once). The store
+is an OrderedDict under one lock; payloads are received straight into their own bytearray
+(`recv_into`) and sent back with header and payload gathered by `sendmsg`, never concatenated.
+
+There is no authentication, encryption or checksum: anyone who can reach the port can read,
+overwrite and fill the store. Hence loopback by default (`parse_listen_url`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import selectors
+import socket
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from lmcache_mp.v1remote.protocol import (
+    CLIENT_HEADER_SIZE,
+    ClientCommand,
+    ClientMetaMessage,
+    MemoryFormat,
+    ProtocolError,
+    ServerMetaMessage,
+    ServerReturnCode,
+    Shape,
+    WireDtype,
+    recv_exact_into,
+    send_all,
+)
+
+logger = logging.getLogger("lmcache_mp.v1remote.server")
+
+DEFAULT_PORT = 65432
+DEFAULT_MAX_CONNECTIONS = 64
+# A PUT announcing more than this closes its connection instead of being read: no KV chunk is
+# this large, and reading (to discard) up to 2 GiB per bogus header would be an easy way to waste us.
+MAX_PUT_BYTES = 1 << 30
+# Counted against the capacity for every object besides its payload (key, header fields, dict
+# slot), so that floods of empty objects are bounded too.
+ENTRY_OVERHEAD_BYTES = 256
+MAX_LIST_BYTES = 16 << 20  # LIST replies are cut (at a key boundary) beyond this
+_DRAIN_CHUNK = 1 << 20
+
+_FAIL = ServerMetaMessage.status(ServerReturnCode.FAIL).serialize()
+_SUCCESS = ServerMetaMessage.status(ServerReturnCode.SUCCESS).serialize()
+
+
+def parse_listen_url(url: str, allow_remote: bool) -> tuple[str, int]:
+    """(host, port) of `tcp://HOST:PORT`; ValueError for other URLs, and for a non-loopback host
+    unless `allow_remote` (the protocol has no authentication)."""
+    parts = urlsplit(url)
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError as err:  # a port that is not a number, or out of range
+        raise ValueError(f"bad listen URL {url!r}: {err}") from None
+    if parts.scheme != "tcp" or not host or port is None:
+        raise ValueError(f"bad listen URL {url!r}: use tcp://HOST:PORT")
+    if allow_remote or host == "localhost":
+        return host, port
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False  # a host name: it may resolve to anything
+    if not loopback:
+        raise ValueError(
+            f"refusing to listen on {url}: {host} is not a loopback address. The v1 remote protocol "
+            "has no authentication: anyone who can reach the port can read, overwrite and fill the "
+            "store. Pass --allow-remote to listen there anyway (on a trusted network only)."
+        )
+    return host, port
+
+
+@dataclass(slots=True)
+class _Entry:
+    fmt: MemoryFormat
+    dtype: WireDtype
+    shape: Shape
+    location: int
+    payload: bytearray  # never mutated once stored: GETs send it without holding the lock
+    cost: int  # bytes counted against the capacity
+
+
+class LRUStore:
+    """Objects by key string, bounded by `capacity_bytes` (payloads + ENTRY_OVERHEAD_BYTES each,
+    plus the reservations of PUTs being received). Thread-safe."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity = capacity_bytes
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
+        self._used = 0  # cost of the stored entries
+        self._reserved = 0  # cost of the PUTs being received
+        self._payload_bytes = 0
+        self.counters = dict.fromkeys(("gets", "hits", "exists", "puts", "discarded_puts", "evictions"), 0)
+
+    @staticmethod
+    def cost(length: int) -> int:
+        return length + ENTRY_OVERHEAD_BYTES
+
+    def reserve(self, cost: int) -> bool:
+        """Make room for an object of `cost` by evicting the least recently used ones; False (and
+        nothing evicted) when it cannot fit even in an empty store."""
+        with self._lock:
+            if cost > self.capacity - self._reserved:
+                return False
+            while self._used + self._reserved + cost > self.capacity:
+                _, old = self._entries.popitem(last=False)
+                self._forget(old)
+                self.counters["evictions"] += 1
+            self._reserved += cost
+            return True
+
+    def release(self, cost: int) -> None:
+        """Give back a reservation whose payload never arrived."""
+        with self._lock:
+            self._reserved -= cost
+
+    def commit(self, key: str, entry: _Entry) -> None:
+        """Store `entry` in place of its reservation (replacing any object under `key`)."""
+        with self._lock:
+            self._reserved -= entry.cost
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._forget(old)
+            self._entries[key] = entry
+            self._used += entry.cost
+            self._payload_bytes += len(entry.payload)
+            self.counters["puts"] += 1
+
+    def _forget(self, entry: _Entry) -> None:
+        self._used -= entry.cost
+        self._payload_bytes -= len(entry.payload)
+
+    def count_discarded(self) -> None:
+        with self._lock:
+            self.counters["discarded_puts"] += 1
+
+    def get(self, key: str) -> _Entry | None:
+        with self._lock:
+            self.counters["gets"] += 1
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+                self.counters["hits"] += 1
+            return entry
+
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            self.counters["exists"] += 1
+            return key in self._entries  # no move_to_end: asking is not using
+
+    def listing(self, max_bytes: int) -> bytes:
+        """The keys, least recently used first, joined by newlines, cut at a key boundary."""
+        with self._lock:
+            keys = list(self._entries)
+        out: list[bytes] = []
+        size = 0
+        for key in keys:
+            raw = key.encode("utf-8")
+            size += len(raw) + bool(out)
+            if size > max_bytes:
+                break
+            out.append(raw)
+        return b"\n".join(out)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"objects": len(self._entries), "bytes": self._payload_bytes,
+                    "accounted_bytes": self._used, "reserved_bytes": self._reserved,
+                    "capacity": self.capacity, **self.counters}
+
+
+class _PeerClosed(Exception):
+    """The peer closed its connection in the middle of a message."""
+
+
+class RemoteServer:
+    """The v1 remote server. Binds in the constructor (port 0 picks a free port: see `address`);
+    `serve_forever()` accepts connections until `stop()`; `close()` stops and closes everything."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, capacity_bytes: int,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"the capacity must be positive, not {capacity_bytes}")
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, not {max_connections}")
+        self.store = LRUStore(capacity_bytes)
+        self.max_connections = max_connections
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, port), family=family, backlog=128)
+        self._listener.setblocking(False)  # accept() only after select() says so, never blocks
+        self.address: tuple[str, int] = self._listener.getsockname()[:2]
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_w.setblocking(False)
+        self._stopping = threading.Event()
+        self._serve_done = threading.Event()
+        self._serve_done.set()  # not serving yet
+        self._serve_ident: int | None = None
+        self._conn_lock = threading.Lock()
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._accepted = 0
+        self._rejected = 0
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    def serve_forever(self) -> None:
+        """Accept connections until `stop()` (or `close()`) is called."""
+        self._serve_done.clear()
+        self._serve_ident = threading.get_ident()
+        selector = selectors.DefaultSelector()
+        try:
+            selector.register(self._listener, selectors.EVENT_READ)
+            selector.register(self._wake_r, selectors.EVENT_READ)
+            while not self._stopping.is_set():
+                for key, _ in selector.select():
+                    if key.fileobj is self._listener:
+                        self._accept()
+        finally:
+            selector.close()
+            self._listener.close()
+            self._serve_done.set()
+
+    def stop(self) -> None:
+        """Ask `serve_forever` to return. Safe from a signal handler: it only sets a flag and
+        writes a byte."""
+        self._stopping.set()
+        # OSError: already closed, or the wakeup pipe is full; either way the loop sees the flag.
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop accepting, close every connection, wait (bounded) for their threads."""
+        self.stop()
+        if self._serve_ident != threading.get_ident():
+            self._serve_done.wait(timeout_s)
+        self._listener.close()
+        with self._conn_lock:
+            conns = dict(self._conns)
+        for conn in conns:
+            # shutdown, not close: it wakes the thread blocked on this socket, which closes it
+            # itself (closing an fd under another thread's recv risks it being reused).
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        deadline = time.monotonic() + timeout_s
+        for thread in conns.values():
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def stats(self) -> dict[str, int]:
+        """Store size and counters: objects, bytes (payloads), accounted_bytes, capacity, gets,
+        hits, exists, puts, discarded_puts, evictions, connections, accepted, rejected."""
+        with self._conn_lock:
+            conns = {"connections": len(self._conns), "accepted": self._accepted,
+                     "rejected": self._rejected}
+        return {**self.store.stats(), **conns}
+
+    # --- connections ------------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        try:
+            conn, peer = self._listener.accept()
+        except BlockingIOError:
+            return  # another wakeup took it, or the client gave up
+        except OSError as err:
+            if not self._stopping.is_set():
+                logger.warning("accept failed: %s", err)
+                time.sleep(0.05)  # e.g. out of file descriptors: do not spin
+            return
+        conn.setblocking(True)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        name = f"{peer[0]}:{peer[1]}"
+        with self._conn_lock:
+            admitted = len(self._conns) < self.max_connections and not self._stopping.is_set()
+            if admitted:
+                thread = threading.Thread(target=self._serve_connection, args=(conn, name),
+                                          name=f"v1remote-{name}", daemon=True)
+                self._conns[conn] = thread
+                self._accepted += 1
+            else:
+                self._rejected += 1
+        if not admitted:
+            logger.debug("%s: refused, %d connections already open", name, self.max_connections)
+            conn.close()
+            return
+        thread.start()
+
+    def _serve_connection(self, conn: socket.socket, peer: str) -> None:
+        """Answer one connection's requests in order until it closes or misbehaves."""
+        header = bytearray(CLIENT_HEADER_SIZE)
+        view = memoryview(header)
+        try:
+            while True:
+                got = recv_exact_into(conn, view)
+                if got == 0:
+                    logger.debug("%s: closed", peer)
+                    return
+                if got < CLIENT_HEADER_SIZE:
+                    raise _PeerClosed(f"after {got} of {CLIENT_HEADER_SIZE} header bytes")
+                self._handle(conn, ClientMetaMessage.deserialize(header))
+        except ProtocolError as err:
+            logger.warning("%s: malformed request, closing the connection: %s", peer, err)
+        except _PeerClosed as err:
+            logger.info("%s: closed in the middle of a message (%s)", peer, err)
+        except OSError as err:
+            if not self._stopping.is_set():
+                logger.info("%s: connection error: %s", peer, err)
+        except Exception:  # a bug here must cost this connection only, never the server
+            logger.exception("%s: unexpected error, closing the connection", peer)
+        finally:
+            with self._conn_lock:
+                self._conns.pop(conn, None)
+            conn.close()
+
+    def _handle(self, conn: socket.socket, msg: ClientMetaMessage) -> None:
+        if msg.command is ClientCommand.PUT:
+            self._put(conn, msg)
+        elif msg.command is ClientCommand.GET:
+            entry = self.store.get(msg.key)
+            if entry is None:
+                conn.sendall(_FAIL)
+            else:
+                reply = ServerMetaMessage(ServerReturnCode.SUCCESS, len(entry.payload), entry.fmt,
+                                          entry.dtype, entry.shape, entry.location)
+                send_all(conn, [reply.serialize(), entry.payload])
+        elif msg.command is ClientCommand.EXIST:
+            conn.sendall(_SUCCESS if self.store.contains(msg.key) else _FAIL)
+        elif msg.command is ClientCommand.HEALTH:
+            conn.sendall(_SUCCESS)
+        elif msg.command is ClientCommand.LIST:
+            listing = self.store.listing(MAX_LIST_BYTES)
+            reply = ServerMetaMessage(ServerReturnCode.SUCCESS, len(listing), MemoryFormat.BINARY,
+                                      WireDtype.UINT8, (len(listing), 0, 0, 0))
+            send_all(conn, [reply.serialize(), listing])
+
+    def _put(self, conn: socket.socket, msg: ClientMetaMessage) -> None:
+        if msg.length > MAX_PUT_BYTES:
+            raise ProtocolError(f"PUT of {msg.length} bytes is over the {MAX_PUT_BYTES}-byte limit")
+        cost = self.store.cost(msg.length)
+        if not self.store.reserve(cost):
+            _drain(conn, msg.length)
+            self.store.count_discarded()
+            logger.debug("PUT %s of %d bytes does not fit: discarded", msg.key, msg.length)
+            return
+        try:
+            payload = bytearray(msg.length)
+            got = recv_exact_into(conn, memoryview(payload))
+            if got < msg.length:
+                raise _PeerClosed(f"after {got} of {msg.length} PUT payload bytes")
+        except BaseException:
+            self.store.release(cost)
+            raise
+        self.store.commit(msg.key, _Entry(msg.fmt, msg.dtype, msg.shape, msg.location, payload, cost))
+
+
+def _drain(conn: socket.socket, length: int) -> None:
+    """Read and drop `length` bytes (a PUT that does not fit), keeping the stream in step."""
+    scratch = memoryview(bytearray(min(length, _DRAIN_CHUNK)))
+    left = length
+    while left:
+        want = min(left, len(scratch))
+        got = recv_exact_into(conn, scratch[:want])
+        if got < want:
+            raise _PeerClosed(f"after {length - left + got} of {length} PUT payload bytes")
+        left -= want
