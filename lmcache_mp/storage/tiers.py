@@ -1,8 +1,12 @@
 """Lower tiers by URL (`--l2 URL`), and URLs made safe to print.
 
-A tier's URL scheme picks its class; the class parses the rest. Supported today:
+A tier's URL scheme picks its class; the class parses the rest (its module's docstring
+lists the forms and parameters). A tier's module is imported only when a URL names it.
 
-    disk:///ABSOLUTE/PATH?size_gb=N      a local directory (`disk.py`)
+    disk:///ABSOLUTE/PATH?size_gb=N                     a local directory (`disk.py`)
+    redis://, rediss://, redis+cluster://, rediss+cluster://
+                                                        Valkey/Redis (`redis_tier.py`)
+    lmcache://HOST:PORT                                 a v1 remote server (`v1_tier.py`)
 
 `redact_url` is what logs, STATUS and /metrics show of a URL: the same URL with any password
 (in the user-info part or a `password` query parameter) replaced by `***`.
@@ -14,10 +18,21 @@ from collections.abc import Callable
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from lmcache_mp.storage.base import StorageTier
-from lmcache_mp.storage.disk import DiskTier
+
+
+def _disk(url: str) -> StorageTier:
+    from lmcache_mp.storage.disk import DiskTier
+    return DiskTier.from_url(url)
+
+
+def _redis(url: str) -> StorageTier:
+    from lmcache_mp.storage.redis_tier import RedisTier
+    return RedisTier.from_url(url)
+
 
 _OPENERS: dict[str, Callable[[str], StorageTier]] = {
-    "disk": DiskTier.from_url,
+    "disk": _disk,
+    "redis": _redis, "rediss": _redis, "redis+cluster": _redis, "rediss+cluster": _redis,
 }
 _SECRET_PARAMS = frozenset({"password"})
 _MASK = "***"

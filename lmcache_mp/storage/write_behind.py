@@ -9,7 +9,9 @@ One `TierWriter` per lower tier: a bounded queue and the thread that drains it, 
 tier (a remote server) never holds up a fast one (a local disk). A queued chunk stays pinned
 in L1 until its write is done, so an eviction never loses a chunk that is still queued. The
 queue is bounded in bytes: when it is full, `offer` refuses the chunk at once (counted as
-skipped) and the STORE that produced it never waits.
+skipped) and the STORE that produced it never waits. A writer takes what is queued in batches
+(`WRITE_BATCH_CHUNKS`, `WRITE_BATCH_BYTES`): a network tier sends a batch as one pipeline, and
+skips the chunks it already holds (another daemon of the fleet may have stored them).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ logger = logging.getLogger(__name__)
 WRITER_NICE = 10
 # The longest a writer waits for the request path's copies to pause, per slice of its work.
 GATE_MAX_WAIT_S = 0.05
+WRITE_BATCH_CHUNKS = 16
+WRITE_BATCH_BYTES = 64 << 20
 
 
 class CopyGate:
@@ -68,7 +72,7 @@ class TierWriter:
         self._release = release  # unpins an object once written (or given up on)
         self._queue: deque[tuple[ChunkKey, PoolObject]] = deque()
         self._queued_bytes = 0
-        self._busy = False  # an item has left the queue but is still being written
+        self._busy = 0  # chunks that have left the queue but are still being written
         self._closed = False
         self._cond = threading.Condition()
         self.skipped_total = 0
@@ -128,16 +132,28 @@ class TierWriter:
                     self._cond.wait()
                 if self._closed:
                     return
-                key, obj = self._queue.popleft()
-                self._busy = True
+                batch = self._take_batch()
             try:
-                if not self.tier.contains(key):
-                    self.tier.put(key, obj.data)  # a tier counts and swallows its own errors
+                present = self.tier.batched_contains([key for key, _ in batch])
+                missing = [(key, obj.data)
+                           for (key, obj), there in zip(batch, present, strict=True) if not there]
+                self.tier.batched_put(missing)  # a tier counts and swallows its own write errors
             except Exception:
-                logger.exception("%s: writing a chunk failed; skipped", self.name)
+                logger.exception("%s: writing %d chunks failed; skipped", self.name, len(batch))
             finally:
-                self._release([obj])
+                self._release([obj for _, obj in batch])
                 with self._cond:
-                    self._busy = False
-                    self._queued_bytes -= obj.nbytes
+                    self._busy = 0
+                    self._queued_bytes -= sum(obj.nbytes for _, obj in batch)
                     self._cond.notify_all()
+
+    def _take_batch(self) -> list[tuple[ChunkKey, PoolObject]]:
+        """Up to WRITE_BATCH_CHUNKS queued chunks, WRITE_BATCH_BYTES in all (one at least)."""
+        batch = [self._queue.popleft()]
+        nbytes = batch[0][1].nbytes
+        while (self._queue and len(batch) < WRITE_BATCH_CHUNKS
+               and nbytes + self._queue[0][1].nbytes <= WRITE_BATCH_BYTES):
+            batch.append(self._queue.popleft())
+            nbytes += batch[-1][1].nbytes
+        self._busy = len(batch)
+        return batch

@@ -1,0 +1,196 @@
+"""Valkey/Redis as a tier: KV shared by every daemon that points at the same server or cluster.
+
+URLs (`--l2 URL`; query parameters are optional):
+
+    redis://[[USER]:PASSWORD@]HOST:PORT[/DB]           one server (Valkey or Redis)
+    rediss://...                                       the same over TLS (redis-py's ssl_* query
+                                                       parameters, e.g. ssl_ca_certs=PATH, pass through)
+    redis+cluster://[[USER]:PASSWORD@]HOST:PORT[,HOST:PORT...]
+                                                       a cluster, from one or more seed nodes
+    rediss+cluster://...                               a cluster over TLS
+
+    ?prefix=NAME     the namespace of every key (default "lmcache-mp"): deployments that must
+                     not share KV use different prefixes on one server
+    &timeout_s=T     connect and per-operation timeout (default 1.0): past it the tier goes down
+                     (misses, skipped writes) and is retried in the background
+    &ttl_s=S         expire chunks S seconds after they are written (default: never; the
+                     server's maxmemory-policy evicts)
+
+Keys are `PREFIX:MODEL:FINGERPRINT:CHUNK_HASH` (the two last in hex): the model name lets an
+operator find a model's chunks (`SCAN 0 MATCH 'lmcache-mp:Qwen/Qwen3-8B:*'`), the fingerprint
+(`ChunkFormat`) keeps layouts, ranks and chunk sizes apart, and without a hash tag a cluster
+spreads one request's chunks over every node. A value is the self-describing object of
+`chunk_format.py`, checked against the key on every read.
+
+Eviction is the server's: set `maxmemory` and `maxmemory-policy allkeys-lru` (see the README,
+"Running a fleet"). A write the server refuses (OOM under `noeviction`) is a skipped write; a
+connection that fails takes the tier down (`remote.py`).
+
+Every batch is one pipeline: one round trip per node, however many chunks.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from lmcache_mp.storage.base import ChunkKey
+from lmcache_mp.storage.chunk_format import CorruptChunk, header_size
+from lmcache_mp.storage.remote import Fetched, NetworkTier
+from lmcache_mp.storage.tiers import redact_url
+
+SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
+DEFAULT_PREFIX = "lmcache-mp"
+DEFAULT_TIMEOUT_S = 1.0
+MAX_CONNECTIONS = 16  # per server or cluster node: a writer, a reader, a probe, and headroom
+# Replies that mean the node or the network failed, not the command: the tier goes down.
+_NETWORK_REPLY_ERRORS = (RedisConnectionError, RedisTimeoutError, redis.exceptions.ClusterDownError)
+
+Client = redis.Redis | RedisCluster
+
+
+class RedisTier(NetworkTier):
+    # RedisError: a server or a cluster that fails (ResponseError replies to single commands are
+    # handled per command below); RedisClusterException: no seed node answered at all.
+    transient_errors = (OSError, RedisError, RedisClusterException)
+
+    def __init__(self, name: str, connect: Callable[[], Client], prefix: str = DEFAULT_PREFIX,
+                 ttl_s: int | None = None) -> None:
+        super().__init__(name)
+        self._connect = connect  # () -> Client; called lazily, again after the client fails
+        self._client: Client | None = None
+        self._client_lock = threading.Lock()
+        self._prefix = prefix
+        self._ttl_s = ttl_s
+
+    @classmethod
+    def from_url(cls, url: str) -> RedisTier:
+        parts = urlsplit(url)
+        if parts.scheme not in SCHEMES:
+            raise ValueError(f"not a Valkey/Redis URL: {redact_url(url)!r}")
+        params = dict(parse_qsl(parts.query, keep_blank_values=True))
+        prefix = params.pop("prefix", DEFAULT_PREFIX)
+        try:
+            timeout_s = float(params.pop("timeout_s", DEFAULT_TIMEOUT_S))
+            ttl = params.pop("ttl_s", None)
+            ttl_s = int(ttl) if ttl is not None else None
+            if timeout_s <= 0 or (ttl_s is not None and ttl_s <= 0) or not prefix:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"{redact_url(url)!r}: timeout_s and ttl_s must be positive numbers "
+                             "and prefix must not be empty") from None
+        options = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                       retry=Retry(NoBackoff(), 1), max_connections=MAX_CONNECTIONS)
+        if parts.scheme.endswith("+cluster"):
+            connect = _cluster_connector(parts.netloc, parts.scheme == "rediss+cluster", params, options, url)
+        else:
+            plain = urlunsplit(parts._replace(query=urlencode(params)))
+            redis.connection.parse_url(plain)  # raises ValueError on a bad URL, now rather than later
+
+            def connect() -> Client:
+                return redis.Redis.from_url(plain, **options)
+        return cls(redact_url(url), connect, prefix, ttl_s)
+
+    # ---- the network primitives ---------------------------------------------------------------
+
+    def _exists_many(self, keys: list[ChunkKey]) -> list[bool]:
+        return [bool(n) for n in self._pipelined("exists", [(self._name_of(k),) for k in keys])]
+
+    def _fetch_many(self, keys: list[ChunkKey], outs: list) -> list[Fetched | None]:
+        blobs = self._pipelined("get", [(self._name_of(k),) for k in keys])
+        return [None if blob is None or isinstance(blob, ResponseError) else _split(blob) for blob in blobs]
+
+    def _store_many(self, items: list[tuple[ChunkKey, bytes, memoryview]]) -> int:
+        # One value per chunk: the header and the payload joined (one copy; a value is one string).
+        replies = self._pipelined("set", [(self._name_of(k), b"".join((head, payload)))
+                                          for k, head, payload in items], ex=self._ttl_s)
+        return sum(reply is True for reply in replies)
+
+    def _delete_many(self, keys: list[ChunkKey]) -> int:
+        return sum(n for n in self._pipelined("delete", [(self._name_of(k),) for k in keys])
+                   if isinstance(n, int))
+
+    def _ping(self) -> None:
+        self._client_or_connect().ping()
+
+    def _close_connections(self) -> None:
+        with self._client_lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def _name_of(self, key: ChunkKey) -> bytes:
+        fmt = key.fmt
+        return f"{self._prefix}:{fmt.model_name}:{fmt.fingerprint.hex()}:{key.chunk_hash.hex()}".encode()
+
+    def _pipelined(self, command: str, args: list[tuple], **options: object) -> list:
+        """One pipeline of `command` per argument tuple; a reply that says the network or a node
+        failed raises (the tier goes down), other per-command errors come back as values."""
+        try:
+            pipe = self._client_or_connect().pipeline(transaction=False)
+            for a in args:
+                getattr(pipe, command)(*a, **options)
+            replies = pipe.execute(raise_on_error=False)
+        except (RedisError, RedisClusterException, OSError):
+            self._drop_client()
+            raise
+        failed = next((r for r in replies if isinstance(r, _NETWORK_REPLY_ERRORS)), None)
+        if failed is not None:
+            self._drop_client()
+            raise failed
+        return replies
+
+    def _client_or_connect(self) -> Client:
+        with self._client_lock:
+            if self._client is None:
+                self._client = self._connect()
+            return self._client
+
+    def _drop_client(self) -> None:
+        """Forget a client after a failure: a cluster's slot map may be stale, so the next
+        operation (after the probe) starts from the seed nodes again."""
+        self._close_connections()
+
+
+def _split(blob: bytes) -> Fetched:
+    """A stored value as header and payload; a value too damaged to split is all header (the
+    verification that follows rejects it)."""
+    view = memoryview(blob)
+    try:
+        size = header_size(view)
+    except CorruptChunk:
+        return Fetched(view, view[:0])
+    return Fetched(view[:size], view[size:])
+
+
+def _cluster_connector(netloc: str, tls: bool, params: dict[str, str], options: dict,
+                       url: str) -> Callable[[], Client]:
+    userinfo, _, hosts = netloc.rpartition("@")
+    username, _, password = userinfo.partition(":")
+    nodes = []
+    for host_port in hosts.split(","):
+        host, _, port = host_port.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"{redact_url(url)!r}: a cluster URL names its seed nodes as "
+                             "HOST:PORT[,HOST:PORT...]")
+        nodes.append(ClusterNode(host.strip("[]"), int(port)))
+    if params:
+        raise ValueError(f"{redact_url(url)!r}: unknown parameter(s) {', '.join(sorted(params))} "
+                         "(a cluster URL takes prefix, timeout_s and ttl_s)")
+
+    def connect() -> RedisCluster:
+        return RedisCluster(startup_nodes=nodes, username=unquote(username) or None,
+                            password=unquote(password) or None, ssl=tls, require_full_coverage=False,
+                            **options)
+    return connect

@@ -1,0 +1,258 @@
+"""Tiers behind a network (Valkey/Redis, the v1 remote server): degrade, never fail a request.
+
+A network tier can time out, lose its server, or lose one node of a cluster. None of that may
+reach vLLM: `NetworkTier` turns every failure into misses (reads) and skipped writes, logs one
+warning, and marks the tier *down*. While down, the tier answers at once without touching the
+network (a dead server would otherwise cost every LOOKUP a timeout), and a background thread
+probes the server with exponential backoff (0.5 s, 1 s, 2 s ... at most 30 s). When a probe
+answers, the tier is *up* again and logs so. The backoff keeps growing across flaps (a probe
+that succeeds while real operations keep failing, e.g. one dead node of a cluster) and resets
+only when a real operation succeeds.
+
+A concrete tier implements five network primitives, each for a whole batch, and raises any
+exception in `transient_errors` when the network fails; everything else (verification against
+the key, counting, latency, the up/down state) is done here, once for every network tier:
+
+    _exists_many(keys) -> list[bool]
+    _fetch_many(keys, outs) -> list[Fetched | None]   None: absent. A Fetched's payload is either
+                                                      the `out` given (bytes received straight
+                                                      into it) or a view into a received blob
+    _store_many([(key, header, payload)]) -> int      how many were stored; header: the object's
+                                                      header (chunk_format.encode_header)
+    _delete_many(keys) -> int                         how many were removed
+    _ping()                                           raises unless the server answers
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from abc import abstractmethod
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import ClassVar, TypeVar
+
+import numpy as np
+import torch
+
+from lmcache_mp.storage.base import ChunkKey, StorageTier, TierStats
+from lmcache_mp.storage.chunk_format import CorruptChunk, as_buffer, encode_header, verify
+
+logger = logging.getLogger(__name__)
+R = TypeVar("R")
+
+RETRY_FIRST_S = 0.5
+RETRY_MAX_S = 30.0
+LATENCY_WINDOW = 512  # operations kept for the latency percentiles
+CHECKSUM_SLICE_BYTES = 4 << 20  # a background write checksums in slices, pacing between them
+
+
+@dataclass
+class Fetched:
+    """A chunk as received: its header and its payload (the `out` buffer, or a view of a blob)."""
+
+    header: bytes | memoryview
+    payload: memoryview | torch.Tensor
+
+
+class NetworkTier(StorageTier):
+    contains_is_cheap: ClassVar[bool] = False
+    # What a failing network raises: counted, logged once, and the tier goes down. Anything
+    # else is a bug, and propagates (the manager and the writer log it and carry on).
+    transient_errors: ClassVar[tuple[type[BaseException], ...]] = (OSError,)
+
+    def __init__(self, name: str) -> None:
+        self.name = name  # the URL, redacted
+        self._lock = threading.Lock()
+        self._up = True
+        self._failures = 0  # consecutive failed operations, for the probe's backoff
+        self._closed = threading.Event()
+        self._prober: threading.Thread | None = None
+        self._latency = {"read": deque(maxlen=LATENCY_WINDOW), "write": deque(maxlen=LATENCY_WINDOW)}
+        self._counts = dict.fromkeys(
+            ("hits", "misses", "corrupt", "writes", "write_errors", "errors", "unavailable",
+             "read_bytes", "written_bytes"), 0)
+
+    # ---- the network primitives of a concrete tier --------------------------------------------
+
+    @abstractmethod
+    def _exists_many(self, keys: list[ChunkKey]) -> list[bool]: ...
+
+    @abstractmethod
+    def _fetch_many(self, keys: list[ChunkKey], outs: list[torch.Tensor | None]) -> list[Fetched | None]: ...
+
+    @abstractmethod
+    def _store_many(self, items: list[tuple[ChunkKey, bytes, memoryview]]) -> int: ...
+
+    @abstractmethod
+    def _delete_many(self, keys: list[ChunkKey]) -> int: ...
+
+    @abstractmethod
+    def _ping(self) -> None: ...
+
+    def _close_connections(self) -> None:
+        """Release sockets and clients (called once, at close)."""
+
+    # ---- StorageTier ----------------------------------------------------------------------------
+
+    def contains(self, key: ChunkKey) -> bool:
+        return self.batched_contains([key])[0]
+
+    def batched_contains(self, keys: Iterable[ChunkKey]) -> list[bool]:
+        keys = list(keys)
+        found = self._guarded("read", "EXISTS", self._exists_many, keys)
+        return found if found is not None else [False] * len(keys)
+
+    def get(self, key: ChunkKey, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        return self.batched_get([key], [out] if out is not None else None)[0]
+
+    def batched_get(self, keys: Iterable[ChunkKey],
+                    outs: Iterable[torch.Tensor] | None = None) -> list[torch.Tensor | None]:
+        keys = list(keys)
+        out_list: list[torch.Tensor | None] = list(outs) if outs is not None else [None] * len(keys)
+        fetched = self._guarded("read", "GET", self._fetch_many, keys, out_list)
+        if fetched is None:
+            return [None] * len(keys)
+        results = [self._accept(k, f, o) for k, f, o in zip(keys, fetched, out_list, strict=True)]
+        corrupt = [k for k, f, r in zip(keys, fetched, results, strict=True) if f is not None and r is None]
+        if corrupt:
+            self._guarded("write", "DELETE", self._delete_many, corrupt)
+        return results
+
+    def put(self, key: ChunkKey, kv_chunk: torch.Tensor, blocking: bool = True) -> None:
+        self.batched_put([(key, kv_chunk)], blocking)
+
+    def batched_put(self, keys_and_chunks: Iterable[tuple[ChunkKey, torch.Tensor]],
+                    blocking: bool = True) -> int:
+        items = []
+        for key, chunk in keys_and_chunks:
+            payload = as_buffer(chunk)
+            items.append((key, encode_header(key, payload, CHECKSUM_SLICE_BYTES, self.pacer), payload))
+        if not items:
+            return 0
+        stored = self._guarded("write", "SET", self._store_many, items) or 0
+        self._count(writes=stored, write_errors=len(items) - stored,
+                    written_bytes=stored and sum(p.nbytes for _, _, p in items))
+        return stored
+
+    def remove(self, key: ChunkKey) -> None:
+        self._guarded("write", "DELETE", self._delete_many, [key])
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            c = dict(self._counts)
+            up = self._up
+            read = sorted(self._latency["read"])
+            write = sorted(self._latency["write"])
+        return TierStats(
+            name=self.name, hits_total=c["hits"], misses_total=c["misses"], corrupt_total=c["corrupt"],
+            writes_total=c["writes"], write_errors_total=c["write_errors"], up=int(up),
+            errors_total=c["errors"], unavailable_total=c["unavailable"], read_bytes_total=c["read_bytes"],
+            written_bytes_total=c["written_bytes"],
+            read_latency_p50_ms=_percentile_ms(read, 0.5), read_latency_p99_ms=_percentile_ms(read, 0.99),
+            write_latency_p50_ms=_percentile_ms(write, 0.5), write_latency_p99_ms=_percentile_ms(write, 0.99))
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        if self._prober is not None:
+            self._prober.join(timeout=RETRY_MAX_S)
+        self._close_connections()
+
+    # ---- degrade, never fail ------------------------------------------------------------------
+
+    @property
+    def is_up(self) -> bool:
+        with self._lock:
+            return self._up
+
+    def _guarded(self, kind: str, op: str, call: Callable[..., R], batch: list, *rest: object) -> R | None:
+        """`call(batch, *rest)`, timed; None (and the tier goes down) when the network fails, or
+        at once while the tier is down."""
+        if not self.is_up or self._closed.is_set():
+            self._count(unavailable=len(batch))
+            return None
+        start = time.perf_counter()
+        try:
+            result = call(batch, *rest)
+        except self.transient_errors as e:
+            self._went_down(op, e)
+            self._count(unavailable=len(batch))
+            return None
+        with self._lock:
+            self._latency[kind].append(time.perf_counter() - start)
+            self._failures = 0
+        return result
+
+    def _went_down(self, op: str, error: BaseException) -> None:
+        with self._lock:
+            self._counts["errors"] += 1
+            self._failures += 1
+            if not self._up:
+                return  # another thread saw it first
+            self._up = False
+            delay = min(RETRY_FIRST_S * 2 ** (self._failures - 1), RETRY_MAX_S)
+            self._prober = threading.Thread(target=self._probe, args=(delay,), daemon=True,
+                                            name=f"lmcache-mp-probe-{self.name}")
+        logger.warning("%s: %s failed (%s: %s); until it answers again, reads are misses and writes "
+                       "are skipped; retrying in %.1f s", self.name, op, type(error).__name__, error, delay)
+        self._prober.start()
+
+    def _probe(self, delay: float) -> None:
+        down_at = time.monotonic()
+        while not self._closed.wait(delay):
+            try:
+                self._ping()
+            except self.transient_errors as e:
+                delay = min(delay * 2, RETRY_MAX_S)
+                logger.debug("%s: still unreachable (%s); next try in %.1f s", self.name, e, delay)
+                continue
+            with self._lock:
+                self._up = True
+            logger.warning("%s: reachable again after %.1f s", self.name, time.monotonic() - down_at)
+            return
+
+    # ---- verification -------------------------------------------------------------------------
+
+    def _accept(self, key: ChunkKey, fetched: Fetched | None,
+                out: torch.Tensor | None) -> torch.Tensor | None:
+        """The verified chunk (in `out` when given), or None for an absent or corrupt one."""
+        if fetched is None:
+            self._count(misses=1)
+            return None
+        try:
+            verify(key, fetched.header, fetched.payload)
+            if out is not None and as_buffer(out).nbytes != as_buffer(fetched.payload).nbytes:
+                raise CorruptChunk(f"{as_buffer(fetched.payload).nbytes} bytes where a chunk has "
+                                   f"{as_buffer(out).nbytes}")
+        except CorruptChunk as e:
+            logger.warning("%s: dropped a damaged or foreign chunk (%s)", self.name, e.reason)
+            self._count(corrupt=1)
+            return None
+        chunk = self._into(fetched.payload, out)
+        self._count(hits=1, read_bytes=chunk.numel())
+        return chunk
+
+    @staticmethod
+    def _into(payload: memoryview | torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(payload, torch.Tensor) and (out is None or payload.data_ptr() == out.data_ptr()):
+            return payload
+        data = np.frombuffer(as_buffer(payload), dtype=np.uint8)  # read-only when it views a blob
+        if out is None:
+            return torch.from_numpy(data.copy())
+        np.copyto(out.numpy(), data)
+        return out
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                self._counts[name] += delta
+
+
+def _percentile_ms(sorted_seconds: list[float], q: float) -> float:
+    if not sorted_seconds:
+        return 0.0
+    return 1000.0 * sorted_seconds[min(len(sorted_seconds) - 1, int(q * len(sorted_seconds)))]
