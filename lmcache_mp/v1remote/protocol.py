@@ -275,10 +275,11 @@ class ClientMetaMessage:
         if len(memoryview(data)) != CLIENT_HEADER_SIZE:
             raise ProtocolError(f"a client header is {CLIENT_HEADER_SIZE} bytes, not {len(memoryview(data))}")
         command, length, fmt, dtype, location, s0, s1, s2, s3, raw_key = _CLIENT_STRUCT.unpack(data)
+        command = _enum(ClientCommand, command, "command")  # first: the clearest sign of garbage
         try:
             key = raw_key.rstrip(b" ").decode("utf-8")
         except UnicodeDecodeError as err:
-            raise ProtocolError(f"the key field is not UTF-8: {raw_key!r}") from err
+            raise ProtocolError(f"the key field is not UTF-8: {raw_key[:40]!r}...") from err
         return ClientMetaMessage(command, key, length, fmt, dtype, (s0, s1, s2, s3), location)
 
     @staticmethod

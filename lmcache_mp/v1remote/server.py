@@ -324,10 +324,10 @@ class RemoteServer:
         except ProtocolError as err:
             logger.warning("%s: malformed request, closing the connection: %s", peer, err)
         except _PeerClosed as err:
-            logger.info("%s: closed in the middle of a message (%s)", peer, err)
+            logger.warning("%s: closed in the middle of a message (%s)", peer, err)
         except OSError as err:
-            if not self._stopping.is_set():
-                logger.info("%s: connection error: %s", peer, err)
+            if not self._stopping.is_set():  # at shutdown, close() broke the connection itself
+                logger.warning("%s: connection error, closing it: %s", peer, err)
         except Exception:  # a bug here must cost this connection only, never the server
             logger.exception("%s: unexpected error, closing the connection", peer)
         finally:
