@@ -5,9 +5,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from lmcache_mp.launcher import DaemonProcess, start_daemon
 from lmcache_mp.mq import MessageQueueClient
+from tests.helpers import BLOCK, LAYERS, SHAPE
+from tests.kv_worker import make_caches
+from vllm_adapter import LMCacheMPWorkerAdapter
 
 
 @pytest.fixture
@@ -35,6 +39,37 @@ def client(daemon: DaemonProcess) -> Iterator[MessageQueueClient]:
     c.handshake("tests")
     yield c
     c.close()
+
+
+@pytest.fixture
+def worker_for(request: pytest.FixtureRequest) -> Iterator:
+    """worker_for(url, layout="CPU_ATTN", seed=1): a registered worker adapter, shut down after."""
+    made: list[LMCacheMPWorkerAdapter] = []
+
+    def make(url: str, layout: str = "CPU_ATTN", seed: int = 1) -> LMCacheMPWorkerAdapter:
+        worker = LMCacheMPWorkerAdapter(url, None, "m", 1, 0, BLOCK)
+        worker.register_kv_caches(make_caches(SHAPE, torch.bfloat16, LAYERS, seed=seed), layout)
+        made.append(worker)
+        return worker
+
+    yield make
+    for worker in made:
+        worker.shutdown()
+
+
+@pytest.fixture
+def daemons(short_tmp: Path) -> Iterator:
+    """daemons(*args, **kw): start_daemon in short_tmp; any still running at the end is killed."""
+    started: list[DaemonProcess] = []
+
+    def start(*args: str, **kw) -> DaemonProcess:
+        started.append(start_daemon(short_tmp, *args, **kw))
+        return started[-1]
+
+    yield start
+    for daemon in started:
+        if daemon.proc.poll() is None:
+            daemon.stop(signal.SIGKILL)
 
 
 def pytest_configure(config: pytest.Config) -> None:

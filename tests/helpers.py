@@ -15,6 +15,7 @@ from vllm_adapter import LMCacheMPSchedulerAdapter
 
 BLOCK, CHUNK = 16, 32  # vLLM block and daemon chunk sizes of the data-path tests
 NUM_BLOCKS, LAYERS = 64, 2
+SHAPE = [NUM_BLOCKS, 2, BLOCK, 64]  # the stand-in workers' CPU caches: blocks x heads x tokens x dim
 
 status = daemon_status  # the tests' short name for one STATUS request
 

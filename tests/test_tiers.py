@@ -16,17 +16,16 @@ import pytest
 import torch
 
 from lmcache_mp.custom_types import IPCCacheEngineKey
-from lmcache_mp.launcher import DaemonProcess, start_daemon
+from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import ChunkOutcome, RequestType
 from lmcache_mp.storage.base import ChunkFormat, ChunkKey, TierStats
 from lmcache_mp.storage.disk import object_name
-from tests.helpers import BLOCK, CHUNK, LAYERS, NUM_BLOCKS, block_hashes, lookup, run_worker, status
+from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes, lookup, run_worker, status
 from tests.kv_worker import make_caches, pages, wait_done
 from tests.test_observability import scrape
-from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp
+from vllm_adapter import LMCacheMPSchedulerAdapter, LoadStoreOp
 
-SHAPE = [NUM_BLOCKS, 2, BLOCK, 64]
 CHUNK_BYTES = LAYERS * (CHUNK // BLOCK) * 2 * BLOCK * 64 * 2  # 16 KiB
 
 
@@ -80,37 +79,6 @@ def disk(short_tmp: Path) -> Iterator[Path]:
     path = short_tmp / "disk"
     yield path
     shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def worker_for(request: pytest.FixtureRequest) -> Iterator:
-    """worker_for(url, layout="CPU_ATTN", seed=1): a registered worker adapter, shut down after."""
-    made: list[LMCacheMPWorkerAdapter] = []
-
-    def make(url: str, layout: str = "CPU_ATTN", seed: int = 1) -> LMCacheMPWorkerAdapter:
-        worker = LMCacheMPWorkerAdapter(url, None, "m", 1, 0, BLOCK)
-        worker.register_kv_caches(make_caches(SHAPE, torch.bfloat16, LAYERS, seed=seed), layout)
-        made.append(worker)
-        return worker
-
-    yield make
-    for worker in made:
-        worker.shutdown()
-
-
-@pytest.fixture
-def daemons(short_tmp: Path) -> Iterator:
-    """daemons(*args, **kw): start_daemon in short_tmp; any still running at the end is killed."""
-    started: list[DaemonProcess] = []
-
-    def start(*args: str, **kw) -> DaemonProcess:
-        started.append(start_daemon(short_tmp, *args, **kw))
-        return started[-1]
-
-    yield start
-    for daemon in started:
-        if daemon.proc.poll() is None:
-            daemon.stop(signal.SIGKILL)
 
 
 def _stop(daemon: DaemonProcess) -> None:

@@ -224,11 +224,12 @@ def test_client_pipelines_byte_exact(remote_server: Callable[..., ServerProcess]
         assert conn.get_into_many(keys, views) == [len(d) for d in payloads]
         assert all(a + b == d for (a, b), d in zip(outs, payloads, strict=True))
 
-        # A hit of another length is drained, not written: None, and the stream stays in step.
+        # A hit of another length is drained, not written (its length tells it), and the stream
+        # stays in step.
         wrong = bytearray(b"\x55" * (len(payloads[5]) + 1))
         right = bytearray(len(payloads[6]))
         assert conn.get_into_many([keys[5], missing, keys[6]], [[wrong], [bytearray(1)], [right]]) == [
-            None, None, len(payloads[6])]
+            len(payloads[5]), None, len(payloads[6])]
         assert wrong == b"\x55" * len(wrong) and right == payloads[6]
         assert conn.health() and not conn.closed
 

@@ -92,6 +92,11 @@ def encode_header(key: ChunkKey, payload: Payload, slice_bytes: int = 0,
     return head + _CHECKSUM.pack(checksum.intdigest())
 
 
+def header_size_of(key: ChunkKey) -> int:
+    """The size of the header `encode_header` writes for `key` (whatever the payload)."""
+    return PREFIX_SIZE + len(key.chunk_hash) + len(key.fingerprint) + len(key.fmt.encode()) + _CHECKSUM.size
+
+
 def header_size(prefix: bytes | memoryview) -> int:
     """The full header's size, from its first PREFIX_SIZE bytes (or more)."""
     if len(prefix) < PREFIX_SIZE:

@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from abc import abstractmethod
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import ClassVar, TypeVar
@@ -46,6 +46,9 @@ R = TypeVar("R")
 RETRY_FIRST_S = 0.5
 RETRY_MAX_S = 30.0
 LATENCY_WINDOW = 512  # operations kept for the latency percentiles
+# Keys found damaged on a read, remembered so that `contains` denies them until rewritten (a
+# protocol without DELETE leaves them on the server, and write-behind skips chunks it holds).
+BAD_KEYS_REMEMBERED = 4096
 CHECKSUM_SLICE_BYTES = 4 << 20  # a background write checksums in slices, pacing between them
 
 
@@ -70,6 +73,7 @@ class NetworkTier(StorageTier):
         self._failures = 0  # consecutive failed operations, for the probe's backoff
         self._closed = threading.Event()
         self._prober: threading.Thread | None = None
+        self._bad: OrderedDict[tuple[bytes, bytes], None] = OrderedDict()
         self._latency = {"read": deque(maxlen=LATENCY_WINDOW), "write": deque(maxlen=LATENCY_WINDOW)}
         self._counts = dict.fromkeys(
             ("hits", "misses", "corrupt", "writes", "write_errors", "errors", "unavailable",
@@ -103,7 +107,10 @@ class NetworkTier(StorageTier):
     def batched_contains(self, keys: Iterable[ChunkKey]) -> list[bool]:
         keys = list(keys)
         found = self._guarded("read", "EXISTS", self._exists_many, keys)
-        return found if found is not None else [False] * len(keys)
+        if found is None:
+            return [False] * len(keys)
+        with self._lock:
+            return [there and k.ident not in self._bad for k, there in zip(keys, found, strict=True)]
 
     def get(self, key: ChunkKey, out: torch.Tensor | None = None) -> torch.Tensor | None:
         return self.batched_get([key], [out] if out is not None else None)[0]
@@ -118,6 +125,11 @@ class NetworkTier(StorageTier):
         results = [self._accept(k, f, o) for k, f, o in zip(keys, fetched, out_list, strict=True)]
         corrupt = [k for k, f, r in zip(keys, fetched, results, strict=True) if f is not None and r is None]
         if corrupt:
+            with self._lock:
+                for key in corrupt:
+                    self._bad[key.ident] = None
+                while len(self._bad) > BAD_KEYS_REMEMBERED:
+                    self._bad.popitem(last=False)
             self._guarded("write", "DELETE", self._delete_many, corrupt)
         return results
 
@@ -133,6 +145,10 @@ class NetworkTier(StorageTier):
         if not items:
             return 0
         stored = self._guarded("write", "SET", self._store_many, items) or 0
+        if stored:
+            with self._lock:
+                for key, _, _ in items:
+                    self._bad.pop(key.ident, None)
         self._count(writes=stored, write_errors=len(items) - stored,
                     written_bytes=stored and sum(p.nbytes for _, _, p in items))
         return stored

@@ -30,9 +30,15 @@ def _redis(url: str) -> StorageTier:
     return RedisTier.from_url(url)
 
 
+def _v1_remote(url: str) -> StorageTier:
+    from lmcache_mp.storage.v1_tier import V1RemoteTier
+    return V1RemoteTier.from_url(url)
+
+
 _OPENERS: dict[str, Callable[[str], StorageTier]] = {
     "disk": _disk,
     "redis": _redis, "rediss": _redis, "redis+cluster": _redis, "rediss+cluster": _redis,
+    "lmcache": _v1_remote,
 }
 _SECRET_PARAMS = frozenset({"password"})
 _MASK = "***"

@@ -80,8 +80,9 @@ class V1Connection:
     def get_into_many(self, keys: Sequence[str],
                       buffers: Sequence[Sequence[Buffer]]) -> list[int | None]:
         """Pipelined GETs; each hit's payload lands directly (recv_into) in its key's buffers, in
-        order, if its length equals their total size. Per key: the length for such a hit, None for a
-        miss or for a hit of another length (drained, never written: fail closed).
+        order, if its length equals their total size. Per key: None for a miss, else the hit's
+        length; a hit of another length than its buffers' is drained, never written (fail closed):
+        the caller tells it by the length.
 
         If this raises, some buffers may hold part of a payload: treat them all as garbage."""
         if len(keys) != len(buffers):
@@ -97,7 +98,7 @@ class V1Connection:
                     lengths.append(None)
                 elif reply.length != sizes[i]:
                     _drain(sock, reply.length)
-                    lengths.append(None)
+                    lengths.append(reply.length)
                 else:
                     for view in views[i]:
                         _recv_exact(sock, view, "GET payload")

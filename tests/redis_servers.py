@@ -1,0 +1,111 @@
+"""Real Valkey/Redis servers for the tests: a standalone server and a 3-master cluster, each on
+free loopback ports, in a temporary directory, with no persistence; stopped at the end."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REDIS_SERVER = shutil.which("redis-server")
+REDIS_CLI = shutil.which("redis-cli")
+needs_redis = pytest.mark.skipif(
+    REDIS_SERVER is None or REDIS_CLI is None,
+    reason="redis-server is not installed (scripts/setup.sh test installs it)")
+START_TIMEOUT_S = 20.0
+
+
+@dataclass
+class RedisServer:
+    port: int
+    workdir: Path
+    extra: tuple[str, ...] = ()
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+
+    def start(self) -> RedisServer:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.workdir), "--logfile", str(self.workdir / "log"),
+             *self.extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while self.cli("PING", check=False).strip() not in ("PONG", "NOAUTH Authentication required."):
+            assert self.proc.poll() is None, (self.workdir / "log").read_text()
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+        return self
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def cli(self, *args: str, check: bool = True) -> str:
+        out = subprocess.run([REDIS_CLI, "-p", str(self.port), "--no-auth-warning", *args],
+                             capture_output=True, text=True, timeout=30)
+        if check:
+            assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+def free_port(cluster_bus: bool = False) -> int:
+    """A free loopback port (and, for a cluster node, its bus port: port + 10000)."""
+    for _ in range(200):
+        port = random.randrange(20000, 55000)
+        if all(_is_free(p) for p in ((port, port + 10000) if cluster_bus else (port,))):
+            return port
+    raise RuntimeError("no free port")
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@contextmanager
+def redis_server(workdir: Path, *extra: str) -> Iterator[RedisServer]:
+    server = RedisServer(free_port(), workdir, extra).start()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@contextmanager
+def redis_cluster(workdir: Path, masters: int = 3) -> Iterator[list[RedisServer]]:
+    """`masters` nodes, no replicas, made into a cluster with `redis-cli --cluster create`.
+    `cluster-require-full-coverage no`: when a node dies, the others go on serving their slots
+    (the setting the README recommends for a cache)."""
+    nodes: list[RedisServer] = []
+    try:
+        for i in range(masters):
+            port = free_port(cluster_bus=True)
+            nodes.append(RedisServer(port, workdir / f"node{i}", (
+                "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                "--cluster-node-timeout", "1000", "--cluster-require-full-coverage", "no")).start())
+        nodes[0].cli("--cluster", "create", *(n.address for n in nodes), "--cluster-replicas", "0",
+                     "--cluster-yes")
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not all("cluster_state:ok" in n.cli("CLUSTER", "INFO") for n in nodes):
+            assert time.monotonic() < deadline, "the cluster did not form"
+            time.sleep(0.1)
+        yield nodes
+    finally:
+        for node in nodes:
+            node.kill()

@@ -1,0 +1,292 @@
+"""Issue 9: tiers behind a network, real servers only: Valkey/Redis (standalone and a 3-master
+cluster) and the v1 remote server. KV shared between daemons byte for byte, damaged values
+rejected, and a server or node that dies turns into misses and skipped writes, never errors."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+
+from lmcache_mp.launcher import DaemonProcess
+from lmcache_mp.protocol import ChunkOutcome
+from lmcache_mp.storage.base import ChunkKey, TierStats
+from lmcache_mp.storage.chunk_format import header_size_of
+from lmcache_mp.storage.remote import NetworkTier
+from lmcache_mp.storage.tiers import open_tier
+from lmcache_mp.storage.v1_tier import _key_string
+from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes, run_worker, status
+from tests.kv_worker import make_caches, pages
+from tests.redis_servers import RedisServer, free_port, needs_redis, redis_cluster, redis_server
+from tests.test_tiers import count_lookup, fmt, store
+from tests.test_v1_remote import ServerProcess, _start
+
+pytestmark = needs_redis
+WAIT_S = 20.0
+PASSWORD = "s3cret-pw"
+
+
+def chunks(n: int, nbytes: int = 64 << 10, seed: int = 0) -> tuple[list[ChunkKey], list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    keys = [ChunkKey(bytes([seed, i]) * 16, fmt()) for i in range(n)]
+    return keys, [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen) for _ in keys]
+
+
+def empties(n: int, nbytes: int = 64 << 10) -> list[torch.Tensor]:
+    return [torch.empty(nbytes, dtype=torch.uint8) for _ in range(n)]
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+@contextmanager
+def v1_server(tmp: Path, port: int = 0) -> Iterator[ServerProcess]:
+    server = _start(tmp, "--listen", f"tcp://127.0.0.1:{port}")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+# ---- one tier, three kinds of server --------------------------------------------------------------
+
+Server = Callable[[Path], AbstractContextManager[str]]  # a running server, as a tier URL
+
+
+@contextmanager
+def standalone(tmp: Path) -> Iterator[str]:
+    with redis_server(tmp / "redis") as server:
+        yield f"redis://{server.address}/0"
+
+
+@contextmanager
+def cluster(tmp: Path) -> Iterator[str]:
+    with redis_cluster(tmp / "cluster") as nodes:
+        yield "redis+cluster://" + ",".join(n.address for n in nodes[:2])  # two seeds of three
+
+
+@contextmanager
+def v1(tmp: Path) -> Iterator[str]:
+    with v1_server(tmp) as server:
+        yield f"lmcache://127.0.0.1:{server.port}"
+
+
+SERVERS = [pytest.param(standalone, id="redis"), pytest.param(cluster, id="redis-cluster"),
+           pytest.param(v1, id="v1")]
+
+
+@pytest.fixture
+def tier_at() -> Iterator[Callable[[str], NetworkTier]]:
+    opened: list[NetworkTier] = []
+
+    def open_(url: str) -> NetworkTier:
+        tier = open_tier(url)
+        assert isinstance(tier, NetworkTier)
+        opened.append(tier)
+        return tier
+
+    yield open_
+    for tier in opened:
+        tier.close()
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_round_trip_is_byte_exact_and_pipelined(server: Server, tmp_path: Path, tier_at) -> None:
+    with server(tmp_path) as url:
+        tier = tier_at(url)
+        keys, data = chunks(20)
+        absent = ChunkKey(b"\xff" * 32, fmt())
+        assert tier.batched_put(list(zip(keys, data, strict=True))) == 20
+        assert tier.batched_contains([*keys, absent]) == [True] * 20 + [False]
+        got = tier.batched_get([*keys, absent], empties(21))
+        assert all(torch.equal(g, d) for g, d in zip(got, data, strict=False)) and got[-1] is None
+        other_rank = ChunkKey(keys[0].chunk_hash, fmt(model="other"))  # same hash, another format
+        assert tier.batched_contains([other_rank]) == [False]
+        s = tier.stats()
+        assert (s.up, s.hits_total, s.misses_total, s.writes_total, s.errors_total) == (1, 20, 1, 20, 0)
+        assert s.read_bytes_total == s.written_bytes_total == 20 * (64 << 10)
+        assert s.read_latency_p50_ms > 0 and s.write_latency_p99_ms >= s.write_latency_p50_ms > 0
+
+
+def test_redis_keys_are_namespaced_and_damaged_values_are_misses_and_deleted(tmp_path: Path,
+                                                                              tier_at) -> None:
+    with redis_server(tmp_path) as server:
+        ours = tier_at(f"redis://{server.address}/0?prefix=team-a")
+        theirs = tier_at(f"redis://{server.address}/0?prefix=team-b")
+        keys, data = chunks(3)
+        ours.batched_put(list(zip(keys, data, strict=True)))
+        assert theirs.batched_contains(keys) == [False] * 3  # another deployment's namespace
+        names = sorted(server.cli("--scan", "--pattern", "team-a:*").split())
+        assert len(names) == 3 and all(n.startswith(f"team-a:m:{fmt().fingerprint.hex()}:") for n in names)
+        raw = redis.Redis(port=server.port)
+        name = f"team-a:m:{fmt().fingerprint.hex()}:{keys[1].chunk_hash.hex()}"
+        value = bytearray(raw.get(name))
+        value[-1] ^= 0xFF  # one flipped bit in the payload
+        raw.set(name, bytes(value))
+        raw.set(f"team-a:m:{fmt().fingerprint.hex()}:{keys[2].chunk_hash.hex()}", b"junk")
+        got = ours.batched_get(keys, empties(3))
+        assert torch.equal(got[0], data[0]) and got[1] is None and got[2] is None
+        assert ours.stats().corrupt_total == 2
+        assert raw.exists(name) == 0  # removed, so write-behind stores a good copy again
+        raw.close()
+
+
+def test_v1_damaged_values_are_misses_until_rewritten(tmp_path: Path, tier_at) -> None:
+    with v1_server(tmp_path) as server:
+        tier = tier_at(f"lmcache://127.0.0.1:{server.port}")
+        keys, data = chunks(2)
+        tier.batched_put(list(zip(keys, data, strict=True)))
+        with server.client() as raw:  # foreign values under our keys: the right size, and not
+            raw.put(_key_string(keys[0]), [bytes(header_size_of(keys[0]) + len(data[0]))])
+            raw.put(_key_string(keys[1]), [b"short"])
+            assert raw.health()  # answered after the PUTs before it (one connection, in order)
+        assert tier.batched_get(keys, empties(2)) == [None, None]
+        assert tier.stats().corrupt_total == 2
+        # No DELETE in the protocol: the tier denies holding them, so write-behind rewrites them.
+        assert tier.batched_contains(keys) == [False, False]
+        tier.batched_put(list(zip(keys, data, strict=True)))
+        assert tier.batched_contains(keys) == [True, True]
+        got = tier.batched_get(keys, empties(2))
+        assert all(torch.equal(g, d) for g, d in zip(got, data, strict=True))
+
+
+def _restartable(kind: str, tmp: Path) -> tuple[str, Callable[[], None], Callable[[], None]]:
+    """A URL, and how to kill and restart its server on the same port."""
+    port = free_port()
+    if kind == "redis":
+        server = RedisServer(port, tmp / "redis").start()
+        return f"redis://127.0.0.1:{port}/0?timeout_s=0.5", server.kill, server.start
+    holder: list[ServerProcess] = [_start(tmp, "--listen", f"tcp://127.0.0.1:{port}")]
+    return (f"lmcache://127.0.0.1:{port}?timeout_s=0.5", lambda: holder[0].stop(),
+            lambda: holder.__setitem__(0, _start(tmp, "--listen", f"tcp://127.0.0.1:{port}")))
+
+
+@pytest.mark.parametrize("kind", ["redis", "v1"])
+def test_a_dead_server_is_misses_and_skipped_writes_then_comes_back(kind: str, tmp_path: Path,
+                                                                     tier_at) -> None:
+    url, kill, restart = _restartable(kind, tmp_path)
+    try:
+        tier = tier_at(url)
+        keys, data = chunks(4)
+        assert tier.batched_put(list(zip(keys, data, strict=True))) == 4
+        kill()
+        started = time.monotonic()
+        assert tier.batched_get(keys, empties(4)) == [None] * 4  # no exception
+        assert tier.batched_contains(keys) == [False] * 4
+        assert tier.batched_put(list(zip(keys, data, strict=True))) == 0
+        assert time.monotonic() - started < 3  # down: answered at once, not a timeout per call
+        s = tier.stats()
+        assert s.up == 0 and s.errors_total >= 1 and s.unavailable_total >= 8
+        restart()
+        wait_until(lambda: tier.is_up)  # the background probe found it again
+        assert tier.batched_put(list(zip(keys, data, strict=True))) == 4
+        got = tier.batched_get(keys, empties(4))
+        assert all(torch.equal(g, d) for g, d in zip(got, data, strict=True))
+    finally:
+        kill()
+
+
+def test_a_tier_url_never_shows_its_password(tmp_path: Path, tier_at) -> None:
+    with redis_server(tmp_path, "--requirepass", PASSWORD) as server:
+        tier = tier_at(f"redis://:{PASSWORD}@{server.address}/0")
+        keys, data = chunks(1)
+        assert tier.batched_put(list(zip(keys, data, strict=True))) == 1  # authenticated
+        assert PASSWORD not in tier.stats().name and "***" in tier.stats().name
+        wrong = tier_at(f"redis://:wrong-{PASSWORD}@{server.address}/0")
+        assert wrong.batched_contains(keys) == [False] and wrong.stats().up == 0
+
+
+# ---- daemons sharing one store ----------------------------------------------------------------------
+
+
+def _wait_shared(url: str, chunks_written: int) -> TierStats:
+    def written() -> bool:
+        (t,) = status(url).tiers
+        return t.write_queue_chunks == 0 and t.writes_total == chunks_written
+    wait_until(written)
+    return status(url).tiers[0]
+
+
+def _daemon_args(tier_url: str) -> tuple[str, ...]:
+    return ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05", "--l2", tier_url)
+
+
+def _beside(daemon: DaemonProcess, name: str) -> str:
+    """A socket URL next to `daemon`'s, for a second daemon in the same directory."""
+    return daemon.url.replace("daemon.sock", f"{name}.sock")
+
+
+def _retrieve(daemon: DaemonProcess, hashes: list[bytes], out: Path) -> dict:
+    run_worker({"url": daemon.url, "layout": "CPU_ATTN", "shape": SHAPE, "dtype": "bfloat16",
+                "num_layers": LAYERS, "block_size": BLOCK, "action": "retrieve", "model": "m",
+                "block_ids": list(range(20, 20 + len(hashes))), "request_id": "reader", "out": str(out),
+                "block_hashes": [h.hex() for h in hashes]})
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_a_second_daemon_serves_what_only_the_first_stored(server: Server, tmp_path: Path, daemons,
+                                                           worker_for) -> None:
+    """Two nodes: separate daemons, pools and workers; one shared store between them."""
+    tokens = list(range(4 * CHUNK))
+    hashes = block_hashes(tokens)
+    with server(tmp_path) as url:
+        node_a = daemons(*_daemon_args(url))
+        writer = worker_for(node_a.url)
+        assert store(writer.mq_client, writer.instance_id, hashes[1::2], "s", first_block=0) == \
+            [ChunkOutcome.STORED] * 4
+        _wait_shared(node_a.url, 4)
+        node_b = daemons(*_daemon_args(url), url=_beside(node_a, "node-b"))  # another machine
+        assert status(node_b.url).objects == 0
+        got = _retrieve(node_b, hashes, tmp_path / "pages.pt")
+        assert got["hit"] == 4 * CHUNK and got["failed"] == []
+        stored = pages(make_caches(SHAPE, torch.bfloat16, LAYERS, seed=1), "CPU_ATTN", SHAPE, list(range(8)))
+        assert torch.equal(got["pages"].view(torch.uint8), stored.view(torch.uint8))
+        (t,) = status(node_b.url).tiers
+        assert (t.promotions_total, t.hits_total, t.up, t.errors_total) == (4, 4, 1, 0)
+        for node in (node_a, node_b):
+            assert node.stop() == 0
+            assert "Traceback" not in node.log(), node.log()
+
+
+def test_a_killed_cluster_node_is_misses_not_errors(tmp_path: Path, daemons, worker_for) -> None:
+    with redis_cluster(tmp_path / "cluster") as nodes:
+        url = f"redis+cluster://{nodes[0].address}?timeout_s=0.5"
+        node_a = daemons(*_daemon_args(url))
+        writer = worker_for(node_a.url)
+        hashes = block_hashes(list(range(6 * CHUNK)))[1::2]
+        store(writer.mq_client, writer.instance_id, hashes[:3], "s1")
+        store(writer.mq_client, writer.instance_id, hashes[3:], "s2", first_block=6)
+        _wait_shared(node_a.url, 6)
+        assert sum(int(n.cli("DBSIZE")) for n in nodes) == 6
+        nodes[1].kill()
+        node_b = daemons(*_daemon_args(url), url=_beside(node_a, "node-b"))
+        reader = worker_for(node_b.url)
+        started = time.monotonic()
+        assert count_lookup(reader.mq_client, hashes) < 6  # what the dead node held is a miss
+        assert time.monotonic() - started < 5
+        assert store(reader.mq_client, reader.instance_id, hashes[:2], "s3") == [ChunkOutcome.STORED] * 2
+        wait_until(lambda: status(node_b.url).tiers[0].errors_total >= 1)
+        for node in (node_a, node_b):
+            assert node.stop() == 0
+            log = node.log()
+            assert "Traceback" not in log, log
+        assert "reads are misses and writes are skipped" in node_b.log()
+
+
+def test_the_daemon_never_shows_a_tier_password(tmp_path: Path, daemons) -> None:
+    with redis_server(tmp_path, "--requirepass", PASSWORD) as server:
+        daemon = daemons(*_daemon_args(f"redis://:{PASSWORD}@{server.address}/0"))
+        (t,) = status(daemon.url).tiers
+        assert PASSWORD not in t.name and t.name == f"redis://:***@{server.address}/0"
+        assert daemon.stop() == 0
+        assert PASSWORD not in daemon.log() and "***" in daemon.log()
