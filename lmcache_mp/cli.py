@@ -56,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a storage tier below the CPU pool; repeat for several, fastest first. "
                             "disk:///ABS/PATH?size_gb=N: a local (NVMe) directory, kept across "
                             "restarts, LRU-evicted beyond N GiB, locked against a second daemon. "
+                            "redis://[:PASSWORD@]HOST:PORT/DB (rediss:// for TLS), "
+                            "redis+cluster://HOST:PORT[,HOST:PORT...]: Valkey/Redis, shared by a fleet "
+                            "(?prefix=NAME namespaces keys, ?ttl_s=S expires them). "
+                            "lmcache://HOST:PORT: a v1 remote server. Network tiers take ?timeout_s=T "
+                            "(default 1) and turn failures into misses, retried in the background. "
                             "Chunks are written behind STOREs and read back (verified) by LOOKUPs")
     serve.add_argument("--l2-queue-gb", type=float, default=None,
                        help="write-behind queue per lower tier: chunks waiting to be written stay "

@@ -2,7 +2,7 @@
 
 The daemon keeps KV in tiers. L1 is the CPU memory pool (`pool.py`), which the daemon copies
 into and out of workers' caches. Below it, zero or more *lower tiers* (`--l2 URL`, in order:
-a local disk directory today; Valkey/Redis and the v1 remote server next) keep chunks across
+a local disk directory, Valkey/Redis, a v1 remote server) keep chunks across
 daemon restarts, beyond the pool's size, and across machines. The storage manager
 (`manager.py`) moves chunks between L1 and the tiers: write-behind after a STORE, read-through
 (promotion into L1) during a LOOKUP. Tiers never see the wire protocol or a worker's cache.
