@@ -194,7 +194,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     for tier in tiers:
         print(f"\ntier {tier.pop('name')}")
         for name, value in tier.items():
-            print(f"  {name:<{width}}  {value}")
+            print(f"  {name:<{width}}  {round(value, 3) if isinstance(value, float) else value}")
     return 0
 
 
