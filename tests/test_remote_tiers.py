@@ -258,29 +258,60 @@ def test_a_second_daemon_serves_what_only_the_first_stored(server: Server, tmp_p
             assert "Traceback" not in node.log(), node.log()
 
 
+def _redis_name(chunk_hash: bytes) -> str:
+    return f"lmcache-mp:m:{fmt().fingerprint.hex()}:{chunk_hash.hex()}"
+
+
+def _holders(nodes: list[RedisServer], chunk_hashes: list[bytes]) -> list[int]:
+    """For each chunk, the index of the cluster node that holds it."""
+    return [next(i for i, n in enumerate(nodes) if n.cli("EXISTS", _redis_name(h)).strip() == "1")
+            for h in chunk_hashes]
+
+
+def test_a_dead_cluster_node_costs_only_its_own_chunks(tmp_path: Path, tier_at) -> None:
+    with redis_cluster(tmp_path / "cluster") as nodes:
+        tier = tier_at(f"redis+cluster://{nodes[0].address}?timeout_s=0.5")
+        keys, data = chunks(24)
+        assert tier.batched_put(list(zip(keys, data, strict=True))) == 24
+        holders = _holders(nodes, [k.chunk_hash for k in keys])
+        assert len(set(holders)) == 3  # spread over every node (no hash tag)
+        nodes[1].kill()
+        for _ in range(3):  # the first batch finds the node dead; the next ones skip it at once
+            got = tier.batched_get(keys, empties(24))
+            assert [g is not None for g in got] == [h != 1 for h in holders]
+            assert all(torch.equal(g, d) for g, d in zip(got, data, strict=True) if g is not None)
+            assert tier.is_up  # the tier serves the other nodes' chunks
+        assert tier.batched_put(list(zip(keys, data, strict=True))) == holders.count(0) + holders.count(2)
+        assert tier.stats().errors_total >= 1
+
+
 def test_a_killed_cluster_node_is_misses_not_errors(tmp_path: Path, daemons, worker_for) -> None:
     with redis_cluster(tmp_path / "cluster") as nodes:
         url = f"redis+cluster://{nodes[0].address}?timeout_s=0.5"
         node_a = daemons(*_daemon_args(url))
         writer = worker_for(node_a.url)
         hashes = block_hashes(list(range(6 * CHUNK)))[1::2]
-        store(writer.mq_client, writer.instance_id, hashes[:3], "s1")
-        store(writer.mq_client, writer.instance_id, hashes[3:], "s2", first_block=6)
+        store(writer.mq_client, writer.instance_id, hashes, "s1")
         _wait_shared(node_a.url, 6)
-        assert sum(int(n.cli("DBSIZE")) for n in nodes) == 6
-        nodes[1].kill()
+        holders = _holders(nodes, hashes)
+        dead = holders[-1]  # a node that holds some chunk
+        nodes[dead].kill()
         node_b = daemons(*_daemon_args(url), url=_beside(node_a, "node-b"))
         reader = worker_for(node_b.url)
         started = time.monotonic()
-        assert count_lookup(reader.mq_client, hashes) < 6  # what the dead node held is a miss
+        # The prefix ends at the first chunk the dead node held; the chunks before it are hits.
+        assert count_lookup(reader.mq_client, hashes) == holders.index(dead)
         assert time.monotonic() - started < 5
-        assert store(reader.mq_client, reader.instance_id, hashes[:2], "s3") == [ChunkOutcome.STORED] * 2
+        fresh = block_hashes(list(range(10_000, 10_000 + 2 * CHUNK)))[1::2]
+        assert store(reader.mq_client, reader.instance_id, fresh, "s3") == [ChunkOutcome.STORED] * 2
         wait_until(lambda: status(node_b.url).tiers[0].errors_total >= 1)
+        (t,) = status(node_b.url).tiers
+        assert t.up == 1 and t.unavailable_total >= 1
         for node in (node_a, node_b):
             assert node.stop() == 0
             log = node.log()
             assert "Traceback" not in log, log
-        assert "reads are misses and writes are skipped" in node_b.log()
+        assert f"node {nodes[dead].address} failed" in node_b.log()
 
 
 def test_the_daemon_never_shows_a_tier_password(tmp_path: Path, daemons) -> None:

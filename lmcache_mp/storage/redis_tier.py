@@ -26,11 +26,14 @@ Eviction is the server's: set `maxmemory` and `maxmemory-policy allkeys-lru` (se
 "Running a fleet"). A write the server refuses (OOM under `noeviction`) is a skipped write; a
 connection that fails takes the tier down (`remote.py`).
 
-Every batch is one pipeline: one round trip per node, however many chunks.
+Every batch is one pipeline: one round trip per node, however many chunks. On a cluster, each
+node's share goes on that node's own connection, so a dead node costs only its own chunks
+(misses, skipped writes, retried with backoff) while the other nodes serve theirs.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
@@ -45,8 +48,10 @@ from redis.retry import Retry
 
 from lmcache_mp.storage.base import ChunkKey
 from lmcache_mp.storage.chunk_format import CorruptChunk, header_size
-from lmcache_mp.storage.remote import Fetched, NetworkTier
+from lmcache_mp.storage.remote import RETRY_FIRST_S, Backoff, Fetched, NetworkTier
 from lmcache_mp.storage.tiers import redact_url
+
+logger = logging.getLogger(__name__)
 
 SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
 DEFAULT_PREFIX = "lmcache-mp"
@@ -71,6 +76,7 @@ class RedisTier(NetworkTier):
         self._client_lock = threading.Lock()
         self._prefix = prefix
         self._ttl_s = ttl_s
+        self._node_backoff = Backoff()  # cluster nodes that failed, and when to try them again
 
     @classmethod
     def from_url(cls, url: str) -> RedisTier:
@@ -135,10 +141,17 @@ class RedisTier(NetworkTier):
         return f"{self._prefix}:{fmt.model_name}:{fmt.fingerprint.hex()}:{key.chunk_hash.hex()}".encode()
 
     def _pipelined(self, command: str, args: list[tuple], **options: object) -> list:
-        """One pipeline of `command` per argument tuple; a reply that says the network or a node
-        failed raises (the tier goes down), other per-command errors come back as values."""
+        """One pipeline of `command` per argument tuple (per node, on a cluster); a reply that
+        says the network or the server failed raises (the tier goes down), other per-command
+        errors come back as values."""
+        client = self._client_or_connect()
+        if isinstance(client, RedisCluster):
+            return self._pipelined_per_node(client, command, args, options)
+        return self._run_pipeline(client, command, args, options)
+
+    def _run_pipeline(self, client: redis.Redis, command: str, args: list[tuple], options: dict) -> list:
         try:
-            pipe = self._client_or_connect().pipeline(transaction=False)
+            pipe = client.pipeline(transaction=False)
             for a in args:
                 getattr(pipe, command)(*a, **options)
             replies = pipe.execute(raise_on_error=False)
@@ -149,6 +162,48 @@ class RedisTier(NetworkTier):
         if failed is not None:
             self._drop_client()
             raise failed
+        return replies
+
+    def _pipelined_per_node(self, cluster: RedisCluster, command: str, args: list[tuple],
+                            options: dict) -> list:
+        """A pipeline per node, each on that node's own connection, so that a dead node costs
+        only the chunks it holds: they are misses (None) and skipped writes while the node is
+        in its backoff, and the other nodes' chunks are served. Only when every node involved
+        fails does the whole tier go down. A reply saying that a slot moved (resharding,
+        failover) is a miss, and the slot map is reloaded before the next batch."""
+        groups: dict[str, list[int]] = {}
+        nodes: dict[str, ClusterNode] = {}
+        for i, a in enumerate(args):
+            node = cluster.get_node_from_key(a[0])
+            groups.setdefault(node.name, []).append(i)
+            nodes[node.name] = node
+        replies: list = [None] * len(args)
+        failed: list[tuple[str, BaseException]] = []
+        for name, indices in groups.items():
+            if not self._node_backoff.may_try(name):
+                self._count(unavailable=len(indices))
+                continue
+            try:
+                got = self._run_pipeline(cluster.get_redis_connection(nodes[name]), command,
+                                         [args[i] for i in indices], options)
+            except self.transient_errors as e:
+                failed.append((name, e))
+                self._count(unavailable=len(indices))
+                continue
+            if self._node_backoff.succeeded(name):
+                logger.warning("%s: node %s is reachable again", self.name, name)
+            for i, reply in zip(indices, got, strict=True):
+                replies[i] = reply
+        if failed and len(failed) == len(groups):
+            raise failed[0][1]
+        for name, error in failed:
+            self._count(errors=1)
+            delay = self._node_backoff.failed(name)
+            logger.log(logging.WARNING if delay == RETRY_FIRST_S else logging.DEBUG,
+                       "%s: node %s failed (%s: %s); its chunks are misses and its writes are skipped; "
+                       "retrying it in %.1f s", self.name, name, type(error).__name__, error, delay)
+        if any(isinstance(r, ResponseError) and str(r).startswith(("MOVED", "ASK")) for r in replies):
+            self._drop_client()
         return replies
 
     def _client_or_connect(self) -> Client:

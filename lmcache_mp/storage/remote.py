@@ -52,6 +52,38 @@ BAD_KEYS_REMEMBERED = 4096
 CHECKSUM_SLICE_BYTES = 4 << 20  # a background write checksums in slices, pacing between them
 
 
+def backoff_delay(failures: int) -> float:
+    """Seconds to wait after `failures` failures in a row: 0.5, 1, 2, ... at most 30."""
+    return min(RETRY_FIRST_S * 2 ** (failures - 1), RETRY_MAX_S)
+
+
+class Backoff:
+    """When to try again each of several things (cluster nodes) that failed: 0.5 s after the
+    first failure, doubling up to 30 s, reset by a success. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._state: dict[str, tuple[float, int]] = {}  # name -> (retry at, failures in a row)
+
+    def may_try(self, name: str) -> bool:
+        with self._lock:
+            retry_at, _ = self._state.get(name, (0.0, 0))
+        return time.monotonic() >= retry_at
+
+    def failed(self, name: str) -> float:
+        """Record a failure; returns the delay before the next try."""
+        with self._lock:
+            failures = self._state.get(name, (0.0, 0))[1] + 1
+            delay = backoff_delay(failures)
+            self._state[name] = (time.monotonic() + delay, failures)
+        return delay
+
+    def succeeded(self, name: str) -> bool:
+        """Record a success; returns whether `name` had failed before it."""
+        with self._lock:
+            return self._state.pop(name, None) is not None
+
+
 @dataclass
 class Fetched:
     """A chunk as received: its header and its payload (the `out` buffer, or a view of a blob)."""
@@ -210,7 +242,7 @@ class NetworkTier(StorageTier):
             if not self._up:
                 return  # another thread saw it first
             self._up = False
-            delay = min(RETRY_FIRST_S * 2 ** (self._failures - 1), RETRY_MAX_S)
+            delay = backoff_delay(self._failures)
             self._prober = threading.Thread(target=self._probe, args=(delay,), daemon=True,
                                             name=f"lmcache-mp-probe-{self.name}")
         logger.warning("%s: %s failed (%s: %s); until it answers again, reads are misses and writes "
