@@ -4,6 +4,7 @@ rejected, and a server or node that dies turns into misses and skipped writes, n
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -23,6 +24,7 @@ from lmcache_mp.storage.v1_tier import _key_string
 from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes, run_worker, status
 from tests.kv_worker import make_caches, pages
 from tests.redis_servers import RedisServer, free_port, needs_redis, redis_cluster, redis_server
+from tests.test_observability import scrape
 from tests.test_tiers import count_lookup, fmt, store
 from tests.test_v1_remote import ServerProcess, _start
 
@@ -315,9 +317,32 @@ def test_a_killed_cluster_node_is_misses_not_errors(tmp_path: Path, daemons, wor
 
 
 def test_the_daemon_never_shows_a_tier_password(tmp_path: Path, daemons) -> None:
+    port = free_port()
     with redis_server(tmp_path, "--requirepass", PASSWORD) as server:
-        daemon = daemons(*_daemon_args(f"redis://:{PASSWORD}@{server.address}/0"))
+        daemon = daemons(*_daemon_args(f"redis://:{PASSWORD}@{server.address}/0"),
+                         "--metrics-port", str(port))
         (t,) = status(daemon.url).tiers
         assert PASSWORD not in t.name and t.name == f"redis://:***@{server.address}/0"
+        metrics = scrape(port)
+        assert metrics[f'lmcache_mp_tier_up{{tier="{t.name}"}}'] == 1
+        assert not [name for name in metrics if PASSWORD in name]
         assert daemon.stop() == 0
         assert PASSWORD not in daemon.log() and "***" in daemon.log()
+
+
+def test_a_hung_server_times_out_into_misses(tmp_path: Path, tier_at) -> None:
+    with redis_server(tmp_path) as server:
+        tier = tier_at(f"redis://{server.address}/0?timeout_s=0.3")
+        keys, data = chunks(2)
+        assert tier.batched_put(list(zip(keys, data, strict=True))) == 2
+        server.proc.send_signal(signal.SIGSTOP)  # alive, but answers nothing
+        try:
+            started = time.monotonic()
+            assert tier.batched_get(keys, empties(2)) == [None, None]
+            assert time.monotonic() - started < 2  # one timeout (and one retry), not a hang
+            assert not tier.is_up and tier.stats().errors_total == 1
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        wait_until(lambda: tier.is_up)
+        got = tier.batched_get(keys, empties(2))
+        assert all(torch.equal(g, d) for g, d in zip(got, data, strict=True))
