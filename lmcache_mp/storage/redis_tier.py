@@ -115,11 +115,11 @@ class RedisTier(NetworkTier):
         blobs = self._pipelined("get", [(self._name_of(k),) for k in keys])
         return [None if blob is None or isinstance(blob, ResponseError) else _split(blob) for blob in blobs]
 
-    def _store_many(self, items: list[tuple[ChunkKey, bytes, memoryview]]) -> int:
+    def _store_many(self, items: list[tuple[ChunkKey, bytes, memoryview]]) -> list[bool]:
         # One value per chunk: the header and the payload joined (one copy; a value is one string).
         replies = self._pipelined("set", [(self._name_of(k), b"".join((head, payload)))
                                           for k, head, payload in items], ex=self._ttl_s)
-        return sum(reply is True for reply in replies)
+        return [reply is True for reply in replies]
 
     def _delete_many(self, keys: list[ChunkKey]) -> int:
         return sum(n for n in self._pipelined("delete", [(self._name_of(k),) for k in keys])

@@ -17,7 +17,7 @@ the key, counting, latency, the up/down state) is done here, once for every netw
     _fetch_many(keys, outs) -> list[Fetched | None]   None: absent. A Fetched's payload is either
                                                       the `out` given (bytes received straight
                                                       into it) or a view into a received blob
-    _store_many([(key, header, payload)]) -> int      how many were stored; header: the object's
+    _store_many([(key, header, payload)]) -> [bool]   which were stored; header: the object's
                                                       header (chunk_format.encode_header)
     _delete_many(keys) -> int                         how many were removed
     _ping()                                           raises unless the server answers
@@ -120,7 +120,7 @@ class NetworkTier(StorageTier):
     def _fetch_many(self, keys: list[ChunkKey], outs: list[torch.Tensor | None]) -> list[Fetched | None]: ...
 
     @abstractmethod
-    def _store_many(self, items: list[tuple[ChunkKey, bytes, memoryview]]) -> int: ...
+    def _store_many(self, items: list[tuple[ChunkKey, bytes, memoryview]]) -> list[bool]: ...
 
     @abstractmethod
     def _delete_many(self, keys: list[ChunkKey]) -> int: ...
@@ -176,14 +176,14 @@ class NetworkTier(StorageTier):
             items.append((key, encode_header(key, payload, CHECKSUM_SLICE_BYTES, self.pacer), payload))
         if not items:
             return 0
-        stored = self._guarded("write", "SET", self._store_many, items) or 0
-        if stored:
-            with self._lock:
-                for key, _, _ in items:
-                    self._bad.pop(key.ident, None)
-        self._count(writes=stored, write_errors=len(items) - stored,
-                    written_bytes=stored and sum(p.nbytes for _, _, p in items))
-        return stored
+        done = self._guarded("write", "SET", self._store_many, items) or [False] * len(items)
+        stored = [item for item, ok in zip(items, done, strict=True) if ok]
+        with self._lock:
+            for key, _, _ in stored:
+                self._bad.pop(key.ident, None)
+        self._count(writes=len(stored), write_errors=len(items) - len(stored),
+                    written_bytes=sum(payload.nbytes for _, _, payload in stored))
+        return len(stored)
 
     def remove(self, key: ChunkKey) -> None:
         self._guarded("write", "DELETE", self._delete_many, [key])

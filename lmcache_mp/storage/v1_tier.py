@@ -77,11 +77,11 @@ class V1RemoteTier(NetworkTier):
         return [None if n is None else Fetched(head, out) if n == len(head) + out.numel()  # type: ignore[union-attr]
                 else Fetched(b"", memoryview(b"")) for head, out, n in zip(heads, outs, lengths, strict=True)]
 
-    def _store_many(self, items: list[tuple[ChunkKey, bytes, memoryview]]) -> int:
+    def _store_many(self, items: list[tuple[ChunkKey, bytes, memoryview]]) -> list[bool]:
         with self._connection() as conn:
             for key, head, payload in items:
                 conn.put(_key_string(key), [head, payload])
-        return len(items)  # PUT has no reply: sent is all we know
+        return [True] * len(items)  # PUT has no reply: sent is all we know
 
     def _delete_many(self, keys: list[ChunkKey]) -> int:
         return 0  # no DELETE in the protocol (see the module docstring)
