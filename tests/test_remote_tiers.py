@@ -147,6 +147,7 @@ def test_v1_damaged_values_are_misses_until_rewritten(tmp_path: Path, tier_at) -
         tier = tier_at(f"lmcache://127.0.0.1:{server.port}")
         keys, data = chunks(2)
         tier.batched_put(list(zip(keys, data, strict=True)))
+        assert tier.batched_contains(keys) == [True, True]  # the PUTs are in (one connection, in order)
         with server.client() as raw:  # foreign values under our keys: the right size, and not
             raw.put(_key_string(keys[0]), [bytes(header_size_of(keys[0]) + len(data[0]))])
             raw.put(_key_string(keys[1]), [b"short"])

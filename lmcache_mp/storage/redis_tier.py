@@ -35,12 +35,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
+from redis.connection import HIREDIS_AVAILABLE, HiredisRespSerializer, PythonRespSerializer
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -69,8 +70,9 @@ class RedisTier(NetworkTier):
     transient_errors = (OSError, RedisError, RedisClusterException)
 
     def __init__(self, name: str, connect: Callable[[], Client], prefix: str = DEFAULT_PREFIX,
-                 ttl_s: int | None = None) -> None:
+                 ttl_s: int | None = None, gathers: bool = False) -> None:
         super().__init__(name)
+        self._gathers = gathers  # the client sends ValueParts without joining them
         self._connect = connect  # () -> Client; called lazily, again after the client fails
         self._client: Client | None = None
         self._client_lock = threading.Lock()
@@ -103,8 +105,8 @@ class RedisTier(NetworkTier):
             redis.connection.parse_url(plain)  # raises ValueError on a bad URL, now rather than later
 
             def connect() -> Client:
-                return redis.Redis.from_url(plain, **options)
-        return cls(redact_url(url), connect, prefix, ttl_s)
+                return redis.Redis.from_url(plain, command_packer=_GatherPacker(), **options)
+        return cls(redact_url(url), connect, prefix, ttl_s, gathers=not parts.scheme.endswith("+cluster"))
 
     # ---- the network primitives ---------------------------------------------------------------
 
@@ -115,9 +117,10 @@ class RedisTier(NetworkTier):
         blobs = self._pipelined("get", [(self._name_of(k),) for k in keys])
         return [None if blob is None or isinstance(blob, ResponseError) else _split(blob) for blob in blobs]
 
-    def _store_many(self, items: list[tuple[ChunkKey, bytes, memoryview]]) -> list[bool]:
-        # One value per chunk: the header and the payload joined (one copy; a value is one string).
-        replies = self._pipelined("set", [(self._name_of(k), b"".join((head, payload)))
+    def _store_many(self, items: Iterable[tuple[ChunkKey, bytes, memoryview]]) -> list[bool]:
+        # One value per chunk: header and payload, sent from where they lie (`_GatherPacker`) to
+        # one server; a cluster's per-node clients take no packer, so there they are joined.
+        replies = self._pipelined("set", [(self._name_of(k), self._value(head, payload))
                                           for k, head, payload in items], ex=self._ttl_s)
         return [reply is True for reply in replies]
 
@@ -135,6 +138,9 @@ class RedisTier(NetworkTier):
             client.close()
 
     # ---- helpers ------------------------------------------------------------------------------
+
+    def _value(self, header: bytes, payload: memoryview) -> ValueParts | bytes:
+        return ValueParts((header, payload)) if self._gathers else b"".join((header, payload))
 
     def _name_of(self, key: ChunkKey) -> bytes:
         fmt = key.fmt
@@ -216,6 +222,44 @@ class RedisTier(NetworkTier):
         """Forget a client after a failure: a cluster's slot map may be stale, so the next
         operation (after the probe) starts from the seed nodes again."""
         self._close_connections()
+
+
+class ValueParts(tuple):
+    """One value given as several buffers (a chunk's header and its payload in the pool)."""
+
+
+class _GatherPacker:
+    """redis-py's command packer, except that a `ValueParts` argument is sent as its buffers,
+    with no copy: hiredis' packer (and a join) would copy every chunk once or twice more."""
+
+    def __init__(self) -> None:
+        self._plain = HiredisRespSerializer() if HIREDIS_AVAILABLE else PythonRespSerializer(6000, _encode)
+
+    def pack(self, *args: object) -> list:
+        if not any(isinstance(a, ValueParts) for a in args):
+            return self._plain.pack(*args)
+        out: list = []
+        head = b"*%d\r\n" % len(args)
+        for arg in args:
+            if isinstance(arg, ValueParts):
+                out.append(head + b"$%d\r\n" % sum(memoryview(part).nbytes for part in arg))
+                out.extend(arg)
+                head = b"\r\n"
+            else:
+                data = _encode(arg)
+                head += b"$%d\r\n%s\r\n" % (len(data), data)
+        out.append(head)
+        return out
+
+
+def _encode(arg: object) -> bytes:
+    if isinstance(arg, bytes):
+        return arg
+    if isinstance(arg, str):
+        return arg.encode()
+    if isinstance(arg, int):
+        return b"%d" % arg
+    raise TypeError(f"cannot send {type(arg).__name__} to Redis")
 
 
 def _split(blob: bytes) -> Fetched:

@@ -17,8 +17,9 @@ the key, counting, latency, the up/down state) is done here, once for every netw
     _fetch_many(keys, outs) -> list[Fetched | None]   None: absent. A Fetched's payload is either
                                                       the `out` given (bytes received straight
                                                       into it) or a view into a received blob
-    _store_many([(key, header, payload)]) -> [bool]   which were stored; header: the object's
-                                                      header (chunk_format.encode_header)
+    _store_many(items) -> [bool]                      which of the (key, header, payload) items were
+                                                      stored; items come lazily, each header
+                                                      checksummed when its turn comes
     _delete_many(keys) -> int                         how many were removed
     _ping()                                           raises unless the server answers
 """
@@ -30,7 +31,7 @@ import threading
 import time
 from abc import abstractmethod
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import ClassVar, TypeVar
 
@@ -120,7 +121,7 @@ class NetworkTier(StorageTier):
     def _fetch_many(self, keys: list[ChunkKey], outs: list[torch.Tensor | None]) -> list[Fetched | None]: ...
 
     @abstractmethod
-    def _store_many(self, items: list[tuple[ChunkKey, bytes, memoryview]]) -> list[bool]: ...
+    def _store_many(self, items: Iterable[tuple[ChunkKey, bytes, memoryview]]) -> list[bool]: ...
 
     @abstractmethod
     def _delete_many(self, keys: list[ChunkKey]) -> int: ...
@@ -138,7 +139,7 @@ class NetworkTier(StorageTier):
 
     def batched_contains(self, keys: Iterable[ChunkKey]) -> list[bool]:
         keys = list(keys)
-        found = self._guarded("read", "EXISTS", self._exists_many, keys)
+        found = self._guarded("read", "EXISTS", len(keys), self._exists_many, keys)
         if found is None:
             return [False] * len(keys)
         with self._lock:
@@ -151,7 +152,7 @@ class NetworkTier(StorageTier):
                     outs: Iterable[torch.Tensor] | None = None) -> list[torch.Tensor | None]:
         keys = list(keys)
         out_list: list[torch.Tensor | None] = list(outs) if outs is not None else [None] * len(keys)
-        fetched = self._guarded("read", "GET", self._fetch_many, keys, out_list)
+        fetched = self._guarded("read", "GET", len(keys), self._fetch_many, keys, out_list)
         if fetched is None:
             return [None] * len(keys)
         results = [self._accept(k, f, o) for k, f, o in zip(keys, fetched, out_list, strict=True)]
@@ -162,7 +163,7 @@ class NetworkTier(StorageTier):
                     self._bad[key.ident] = None
                 while len(self._bad) > BAD_KEYS_REMEMBERED:
                     self._bad.popitem(last=False)
-            self._guarded("write", "DELETE", self._delete_many, corrupt)
+            self._guarded("write", "DELETE", len(corrupt), self._delete_many, corrupt)
         return results
 
     def put(self, key: ChunkKey, kv_chunk: torch.Tensor, blocking: bool = True) -> None:
@@ -170,23 +171,27 @@ class NetworkTier(StorageTier):
 
     def batched_put(self, keys_and_chunks: Iterable[tuple[ChunkKey, torch.Tensor]],
                     blocking: bool = True) -> int:
-        items = []
-        for key, chunk in keys_and_chunks:
-            payload = as_buffer(chunk)
-            items.append((key, encode_header(key, payload, CHECKSUM_SLICE_BYTES, self.pacer), payload))
-        if not items:
+        pairs = [(key, as_buffer(chunk)) for key, chunk in keys_and_chunks]
+        if not pairs:
             return 0
-        done = self._guarded("write", "SET", self._store_many, items) or [False] * len(items)
-        stored = [item for item, ok in zip(items, done, strict=True) if ok]
+
+        def encoded() -> Iterator[tuple[ChunkKey, bytes, memoryview]]:
+            # Each header is checksummed as its chunk's turn comes, so that a tier that sends
+            # chunk by chunk checksums one while the server receives the one before.
+            for key, payload in pairs:
+                yield key, encode_header(key, payload, CHECKSUM_SLICE_BYTES, self.pacer), payload
+
+        done = self._guarded("write", "SET", len(pairs), self._store_many, encoded()) or [False] * len(pairs)
+        stored = [pair for pair, ok in zip(pairs, done, strict=True) if ok]
         with self._lock:
-            for key, _, _ in stored:
+            for key, _ in stored:
                 self._bad.pop(key.ident, None)
-        self._count(writes=len(stored), write_errors=len(items) - len(stored),
-                    written_bytes=sum(payload.nbytes for _, _, payload in stored))
+        self._count(writes=len(stored), write_errors=len(pairs) - len(stored),
+                    written_bytes=sum(payload.nbytes for _, payload in stored))
         return len(stored)
 
     def remove(self, key: ChunkKey) -> None:
-        self._guarded("write", "DELETE", self._delete_many, [key])
+        self._guarded("write", "DELETE", 1, self._delete_many, [key])
 
     def stats(self) -> TierStats:
         with self._lock:
@@ -217,18 +222,18 @@ class NetworkTier(StorageTier):
         with self._lock:
             return self._up
 
-    def _guarded(self, kind: str, op: str, call: Callable[..., R], batch: list, *rest: object) -> R | None:
-        """`call(batch, *rest)`, timed; None (and the tier goes down) when the network fails, or
-        at once while the tier is down."""
+    def _guarded(self, kind: str, op: str, count: int, call: Callable[..., R], *args: object) -> R | None:
+        """`call(*args)` for `count` chunks, timed; None (and the tier goes down) when the network
+        fails, or at once while the tier is down."""
         if not self.is_up or self._closed.is_set():
-            self._count(unavailable=len(batch))
+            self._count(unavailable=count)
             return None
         start = time.perf_counter()
         try:
-            result = call(batch, *rest)
+            result = call(*args)
         except self.transient_errors as e:
             self._went_down(op, e)
-            self._count(unavailable=len(batch))
+            self._count(unavailable=count)
             return None
         with self._lock:
             self._latency[kind].append(time.perf_counter() - start)

@@ -19,7 +19,7 @@ evicted or overwritten, and `NetworkTier` remembers it as bad so that write-behi
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from urllib.parse import parse_qsl, urlsplit
 
@@ -77,11 +77,13 @@ class V1RemoteTier(NetworkTier):
         return [None if n is None else Fetched(head, out) if n == len(head) + out.numel()  # type: ignore[union-attr]
                 else Fetched(b"", memoryview(b"")) for head, out, n in zip(heads, outs, lengths, strict=True)]
 
-    def _store_many(self, items: list[tuple[ChunkKey, bytes, memoryview]]) -> list[bool]:
+    def _store_many(self, items: Iterable[tuple[ChunkKey, bytes, memoryview]]) -> list[bool]:
+        sent = 0
         with self._connection() as conn:
             for key, head, payload in items:
                 conn.put(_key_string(key), [head, payload])
-        return [True] * len(items)  # PUT has no reply: sent is all we know
+                sent += 1
+        return [True] * sent  # PUT has no reply: sent is all we know
 
     def _delete_many(self, keys: list[ChunkKey]) -> int:
         return 0  # no DELETE in the protocol (see the module docstring)

@@ -165,12 +165,27 @@ def format_key(model_name: str, world_size: int, worker_id: int, chunk_hash_hex:
     return key
 
 
+# The shape of a well-formed key, for the fast path of `parse_key` (every header carries a key, so
+# parsing it is on the path of every request).
+_KEY_SHAPE = re.compile(r"([^@]+)@([0-9]+)@([0-9]+)@([0-9a-f]+)@([^@]+)((?:@[^@%]+%[^@%]+)*)")
+
+
 def parse_key(key: str) -> ParsedKey:
     """Parse and check a key string; ProtocolError on anything the reference server can't parse.
 
     Two rules beyond the reference's own: no leading/trailing whitespace (the header's space padding
     is stripped, so it would not survive the trip) and no ASCII control characters (they have no place
     in a model name, and LIST separates keys with newlines). The model name must not be empty."""
+    match = _KEY_SHAPE.fullmatch(key) if isinstance(key, str) and key.isascii() else None
+    if (match and match[5] in KEY_DTYPES and len(key) <= MAX_KEY_LENGTH and not key[0].isspace()
+            and not key[-1].isspace() and not _CONTROL.search(key)):
+        tags = tuple(tuple(part.split("%")) for part in match[6][1:].split("@")) if match[6] else ()
+        return ParsedKey(match[1], int(match[2]), int(match[3]), match[4], match[5], tags)  # type: ignore[arg-type]
+    return _parse_key_slowly(key)
+
+
+def _parse_key_slowly(key: str) -> ParsedKey:
+    """`parse_key` for any key the fast path did not accept: each rule in turn, with its message."""
     if not isinstance(key, str):
         raise ProtocolError(f"a key is a str, not {type(key).__name__}")
     try:

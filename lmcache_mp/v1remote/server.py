@@ -17,7 +17,7 @@ clients and our `V1Connection` can use it, and adds what the reference lacks:
 
 Design: one listening socket (selector loop in `serve_forever`), one thread per connection with
 blocking sockets, at most `max_connections` at once (more are accepted and closed at once). The store
-is an OrderedDict under one lock; payloads are received straight into their own bytearray
+is an OrderedDict under one lock; payloads are received straight into their own buffer
 (`recv_into`) and sent back with header and payload gathered by `sendmsg`, never concatenated.
 
 There is no authentication, encryption or checksum: anyone who can reach the port can read,
@@ -36,6 +36,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from urllib.parse import urlsplit
+
+import numpy as np
 
 from lmcache_mp.v1remote.protocol import (
     CLIENT_HEADER_SIZE,
@@ -99,7 +101,7 @@ class _Entry:
     dtype: WireDtype
     shape: Shape
     location: int
-    payload: bytearray  # never mutated once stored: GETs send it without holding the lock
+    payload: np.ndarray  # uint8; never mutated once stored: GETs send it without holding the lock
     cost: int  # bytes counted against the capacity
 
 
@@ -366,7 +368,9 @@ class RemoteServer:
             logger.debug("PUT %s of %d bytes does not fit: discarded", msg.key, msg.length)
             return
         try:
-            payload = bytearray(msg.length)
+            # Uninitialised memory: a bytearray would zero every payload before receiving it
+            # (at large sizes that alone halved the PUT rate).
+            payload = np.empty(msg.length, dtype=np.uint8)
             got = recv_exact_into(conn, memoryview(payload))
             if got < msg.length:
                 raise _PeerClosed(f"after {got} of {msg.length} PUT payload bytes")
