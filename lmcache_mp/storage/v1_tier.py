@@ -18,6 +18,7 @@ evicted or overwritten, and `NetworkTier` remembers it as bad so that write-behi
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -26,7 +27,7 @@ from urllib.parse import parse_qsl, urlsplit
 import torch
 
 from lmcache_mp.storage.base import ChunkKey
-from lmcache_mp.storage.chunk_format import as_buffer, header_size_of
+from lmcache_mp.storage.chunk_format import CorruptChunk, as_buffer, header_size_of, verify
 from lmcache_mp.storage.remote import Fetched, NetworkTier
 from lmcache_mp.storage.tiers import redact_url
 from lmcache_mp.v1remote.client import V1Connection
@@ -70,12 +71,26 @@ class V1RemoteTier(NetworkTier):
         if any(out is None for out in outs):
             raise ValueError("the v1 tier reads into destination buffers only (`out` is required)")
         heads = [bytearray(header_size_of(k)) for k in keys]
-        buffers = [[head, as_buffer(out)] for head, out in zip(heads, outs, strict=True)]
+        payloads = [as_buffer(out) for out in outs]  # type: ignore[arg-type]
+        good = [False] * len(keys)
+
+        def check(i: int) -> None:  # as each chunk lands, while the next ones are on their way
+            with contextlib.suppress(CorruptChunk):
+                verify(keys[i], heads[i], payloads[i])
+                good[i] = True
+
+        buffers = [[head, payload] for head, payload in zip(heads, payloads, strict=True)]
         with self._connection() as conn:
-            lengths = conn.get_into_many([_key_string(k) for k in keys], buffers)
-        # A hit of the wrong size was not received: an empty Fetched fails verification (corrupt).
-        return [None if n is None else Fetched(head, out) if n == len(head) + out.numel()  # type: ignore[union-attr]
-                else Fetched(b"", memoryview(b"")) for head, out, n in zip(heads, outs, lengths, strict=True)]
+            lengths = conn.get_into_many([_key_string(k) for k in keys], buffers, on_received=check)
+        fetched: list[Fetched | None] = []
+        for head, payload, length, ok in zip(heads, payloads, lengths, good, strict=True):
+            if length is None:
+                fetched.append(None)
+            elif ok:
+                fetched.append(Fetched(head, payload, verified=True))
+            else:  # damaged, or of the wrong size (never received): fails verification, counted corrupt
+                fetched.append(Fetched(b"", payload[:0]))
+        return fetched
 
     def _store_many(self, items: Iterable[tuple[ChunkKey, bytes, memoryview]]) -> list[bool]:
         sent = 0

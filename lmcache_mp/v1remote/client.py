@@ -18,7 +18,7 @@ with a checksum inside the payload, before use.
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from types import TracebackType
 
@@ -77,12 +77,13 @@ class V1Connection:
                 found.append(self._read_reply(sock).code is ServerReturnCode.SUCCESS)
         return found
 
-    def get_into_many(self, keys: Sequence[str],
-                      buffers: Sequence[Sequence[Buffer]]) -> list[int | None]:
+    def get_into_many(self, keys: Sequence[str], buffers: Sequence[Sequence[Buffer]],
+                      on_received: Callable[[int], None] | None = None) -> list[int | None]:
         """Pipelined GETs; each hit's payload lands directly (recv_into) in its key's buffers, in
         order, if its length equals their total size. Per key: None for a miss, else the hit's
         length; a hit of another length than its buffers' is drained, never written (fail closed):
-        the caller tells it by the length.
+        the caller tells it by the length. `on_received(i)` runs as soon as key i's payload has
+        landed, while the server sends the next ones (e.g. to checksum it while it is in cache).
 
         If this raises, some buffers may hold part of a payload: treat them all as garbage."""
         if len(keys) != len(buffers):
@@ -103,6 +104,8 @@ class V1Connection:
                     for view in views[i]:
                         _recv_exact(sock, view, "GET payload")
                     lengths.append(reply.length)
+                    if on_received is not None:
+                        on_received(i)
         return lengths
 
     def put(self, key: str, buffers: Sequence[Buffer], fmt: int = MemoryFormat.BINARY,
