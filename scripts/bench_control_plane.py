@@ -15,7 +15,6 @@ from one client. Prints a table, writes control_plane.png and control_plane.json
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import socket
 import tempfile
@@ -23,6 +22,7 @@ import time
 from pathlib import Path
 
 import zmq
+from bench_report import finish
 
 from lmcache_mp.custom_types import IPCCacheEngineKey
 from lmcache_mp.launcher import start_daemon
@@ -212,12 +212,7 @@ def main() -> int:
         ">= 10,000 lookups/s from one client": best_one_client >= 10_000,
     }
     results["targets"] = checks
-    print()
-    for name, ok in checks.items():
-        print(f"{'MET ' if ok else 'MISS'} {name}")
-    (args.out / "control_plane.json").write_text(json.dumps(results, indent=2))
-    plot(results, args.out / "control_plane.png")
-    print(f"\nwrote {args.out / 'control_plane.png'} and {args.out / 'control_plane.json'}")
+    finish(args.out, "control_plane", checks, results, lambda path: plot(results, path))
     return 0
 
 

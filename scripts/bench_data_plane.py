@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from bench_report import finish
 
 from lmcache_mp.launcher import start_daemon
 from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp
@@ -167,13 +167,9 @@ def main() -> int:
     print(f"\n{'path':<20}{'GB/s':>8}{'median ms':>12}")
     for (name, rate), samples in zip(rows.items(), (gather, store, scatter, retrieve), strict=True):
         print(f"{name:<20}{rate:>8.2f}{statistics.median(samples) * 1e3:>12.1f}")
-    print()
-    for name, ratio in ratios.items():
-        print(f"{'MET ' if ratio >= 0.7 else 'MISS'} {name} = {ratio:.0%} (target >= 70%)")
-    (args.out / "data_plane.json").write_text(json.dumps({"gbps": rows, "ratios": ratios,
-                                                          "request_bytes": nbytes}, indent=2))
-    plot(rows, args.out / "data_plane.png")
-    print(f"\nwrote {args.out / 'data_plane.png'} and {args.out / 'data_plane.json'}")
+    finish(args.out, "data_plane", {f"{name} = {ratio:.0%} (target >= 70%)": ratio >= 0.7
+                                    for name, ratio in ratios.items()},
+           {"gbps": rows, "ratios": ratios, "request_bytes": nbytes}, lambda path: plot(rows, path))
     return 0
 
 

@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench_report import finish
+
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS, PROMPT_TOKENS, CHUNK, BLOCK, MAX_TOKENS = 8, 2049, 256, 128, 4
 MODEL_FLAGS = ["--dtype", "bfloat16", "--hidden", "1024", "--intermediate", "3072", "--layers", "8",
@@ -205,17 +207,14 @@ def main() -> int:
     from_disk_ms = medians["engine 3 (from disk)"]
     print(f"engine 3, TTFT above the floor: {from_disk_ms - medians['vLLM prefix hit (floor)']:+.1f} ms, "
           f"above engine 2: {from_disk_ms - medians['engine 2 (warm daemon)']:+.1f} ms")
-    print()
-    for name, ok in checks.items():
-        print(f"{'MET ' if ok else 'MISS'} {name}")
-    (args.out / "e2e.json").write_text(json.dumps(
-        {"median_ttft_ms": medians, "checks": checks,
-         "disk_tier": {"before_restart": msgspec.to_builtins(before_restart),
-                       "after_restart": msgspec.to_builtins(after_restart),
-                       "after_engine3": msgspec.to_builtins(after_engine3)},
-         "ttft_ms": {n: [x["ttft_s"] * 1e3 for x in r] for n, r in rows.items()}}, indent=2))
-    plot({n: [x["ttft_s"] * 1e3 for x in r] for n, r in rows.items()}, args.out / "e2e.png")
-    print(f"\nwrote {args.out / 'e2e.png'} and {args.out / 'e2e.json'}")
+    ttft_ms = {n: [x["ttft_s"] * 1e3 for x in r] for n, r in rows.items()}
+    finish(args.out, "e2e", checks,
+           {"median_ttft_ms": medians, "checks": checks,
+            "disk_tier": {"before_restart": msgspec.to_builtins(before_restart),
+                          "after_restart": msgspec.to_builtins(after_restart),
+                          "after_engine3": msgspec.to_builtins(after_engine3)},
+            "ttft_ms": ttft_ms},
+           lambda path: plot(ttft_ms, path))
     return 0
 
 

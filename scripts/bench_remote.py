@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import multiprocessing
 import os
 import platform
@@ -58,6 +57,8 @@ import redis
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.*: the servers' starters
+from bench_report import finish
+
 from lmcache_mp.storage.base import ChunkFormat, ChunkKey, StorageTier
 from lmcache_mp.storage.chunk_format import as_buffer
 from lmcache_mp.storage.redis_tier import RedisTier
@@ -459,13 +460,9 @@ def main() -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     result["seconds"] = time.monotonic() - started
-    print()
-    for name, ok in checks.items():
-        print(f"{'MET ' if ok else 'MISS'} {name}")
     result["checks"] = checks
-    (args.out / "remote.json").write_text(json.dumps(result, indent=2))
-    plot(result, args.out / "remote.png")
-    print(f"\nwrote {args.out / 'remote.png'} and {args.out / 'remote.json'} ({result['seconds']:.0f} s)")
+    finish(args.out, "remote", checks, result, lambda path: plot(result, path),
+           note=f" ({result['seconds']:.0f} s)")
     return 0
 
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -63,6 +62,7 @@ from bench_data_plane import (
     make_kv,
     request_bytes,
 )
+from bench_report import finish
 
 from lmcache_mp.launcher import DaemonProcess, start_daemon
 from lmcache_mp.launcher import daemon_status as status
@@ -553,13 +553,8 @@ def main() -> int:
             report_start(result["start"])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print()
-    for name, ok in checks.items():
-        print(f"{'MET ' if ok else 'MISS'} {name}")
     result["checks"] = checks
-    (args.out / "tiers.json").write_text(json.dumps(result, indent=2))
-    plot(result, args.out / "tiers.png")
-    print(f"\nwrote {args.out / 'tiers.png'} and {args.out / 'tiers.json'}")
+    finish(args.out, "tiers", checks, result, lambda path: plot(result, path))
     return 0
 
 
