@@ -65,8 +65,7 @@ from lmcache_mp.storage.redis_tier import RedisTier
 from lmcache_mp.storage.tiers import open_tier
 from lmcache_mp.storage.v1_tier import V1RemoteTier
 from lmcache_mp.v1remote.protocol import recv_exact_into
-from tests.redis_servers import redis_server
-from tests.test_v1_remote import _start as start_v1_server
+from tests.servers import redis_server, start_v1_server
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 # The layout of bench_data_plane.py: 32 layers x 8 KV heads x 128 x (K, V) x bf16 per token.

@@ -23,10 +23,17 @@ from lmcache_mp.storage.tiers import open_tier
 from lmcache_mp.storage.v1_tier import _key_string
 from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes, run_worker, status
 from tests.kv_worker import make_caches, pages
-from tests.redis_servers import RedisServer, free_port, needs_redis, redis_cluster, redis_server
+from tests.servers import (
+    RedisServer,
+    ServerProcess,
+    free_port,
+    needs_redis,
+    redis_cluster,
+    redis_server,
+    start_v1_server,
+)
 from tests.test_observability import scrape
 from tests.test_tiers import count_lookup, fmt, store
-from tests.test_v1_remote import ServerProcess, _start
 
 pytestmark = needs_redis
 WAIT_S = 20.0
@@ -52,7 +59,7 @@ def wait_until(predicate: Callable[[], bool], timeout: float = WAIT_S) -> None:
 
 @contextmanager
 def v1_server(tmp: Path, port: int = 0) -> Iterator[ServerProcess]:
-    server = _start(tmp, "--listen", f"tcp://127.0.0.1:{port}")
+    server = start_v1_server(tmp, "--listen", f"tcp://127.0.0.1:{port}")
     try:
         yield server
     finally:
@@ -168,9 +175,9 @@ def _restartable(kind: str, tmp: Path) -> tuple[str, Callable[[], None], Callabl
     if kind == "redis":
         server = RedisServer(port, tmp / "redis").start()
         return f"redis://127.0.0.1:{port}/0?timeout_s=0.5", server.kill, server.start
-    holder: list[ServerProcess] = [_start(tmp, "--listen", f"tcp://127.0.0.1:{port}")]
+    holder: list[ServerProcess] = [start_v1_server(tmp, "--listen", f"tcp://127.0.0.1:{port}")]
     return (f"lmcache://127.0.0.1:{port}?timeout_s=0.5", lambda: holder[0].stop(),
-            lambda: holder.__setitem__(0, _start(tmp, "--listen", f"tcp://127.0.0.1:{port}")))
+            lambda: holder.__setitem__(0, start_v1_server(tmp, "--listen", f"tcp://127.0.0.1:{port}")))
 
 
 @pytest.mark.parametrize("kind", ["redis", "v1"])

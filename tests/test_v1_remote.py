@@ -6,16 +6,12 @@ mistake in `lmcache_mp.v1remote.protocol` cannot hide behind itself."""
 from __future__ import annotations
 
 import os
-import re
-import signal
 import socket
 import struct
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -37,63 +33,13 @@ from lmcache_mp.v1remote.protocol import (
     parse_key,
 )
 from lmcache_mp.v1remote.server import RemoteServer
+from tests.servers import ServerProcess, command, start_v1_server
 
 CLIENT_FMT = "iiiiiiiii150s"  # command, length, fmt, dtype, location, shape0..3, key
 SERVER_FMT = "iiiiiiiii"  # code, length, fmt, dtype, shape0..3, location
 PUT, GET, EXIST, LIST, HEALTH = 1, 2, 3, 4, 5
 MISS = (400, 0, 1, 2, 0, 0, 0, 0, 0)  # a GET miss / failed EXIST, as the reference sends it
 ANY_KEY = "probe@1@0@0@half"
-LISTENING = re.compile(r"listening on 127\.0\.0\.1:(\d+)")
-
-
-def _command() -> list[str]:
-    script = Path(sys.executable).with_name("lmcache-mp")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "lmcache_mp.cli"]
-
-
-@dataclass
-class ServerProcess:
-    proc: subprocess.Popen
-    port: int
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def connect(self, timeout: float = 5.0) -> socket.socket:
-        return socket.create_connection(("127.0.0.1", self.port), timeout=timeout)
-
-    def client(self) -> V1Connection:
-        return V1Connection("127.0.0.1", self.port, timeout_s=5.0)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
-            raise
-
-
-def _start(tmp: Path, *args: str, size_gb: str = "0.05") -> ServerProcess:
-    """`lmcache-mp remote-server` on port 0; its port is read from its "listening" log line (no
-    race for a free port), then it must accept a connection."""
-    log_path = tmp / f"remote-server-{time.monotonic_ns()}.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([*_command(), "remote-server", "--listen", "tcp://127.0.0.1:0",
-                                 "--size-gb", size_gb, "--log-level", "DEBUG", *args],
-                                stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 30
-    while not (match := LISTENING.search(log_path.read_text(errors="replace"))):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"remote-server did not start:\n{log_path.read_text(errors='replace')}")
-        time.sleep(0.02)
-    server = ServerProcess(proc, int(match.group(1)), log_path)
-    server.connect().close()
-    return server
 
 
 @pytest.fixture
@@ -101,7 +47,7 @@ def remote_server(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
     started: list[ServerProcess] = []
 
     def start(*args: str, size_gb: str = "0.05") -> ServerProcess:
-        started.append(_start(tmp_path, *args, size_gb=size_gb))
+        started.append(start_v1_server(tmp_path, *args, size_gb=size_gb))
         return started[-1]
 
     yield start
@@ -349,7 +295,7 @@ def test_lru_eviction_keeps_recently_read_keys(remote_server: Callable[..., Serv
 
 
 def test_non_loopback_listen_is_refused_without_allow_remote() -> None:
-    out = subprocess.run([*_command(), "remote-server", "--listen", "tcp://0.0.0.0:0", "--size-gb", "0.001"],
+    out = subprocess.run([*command(), "remote-server", "--listen", "tcp://0.0.0.0:0", "--size-gb", "0.001"],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode != 0
     assert "not a loopback address" in out.stderr and "--allow-remote" in out.stderr, out.stderr

@@ -1,12 +1,16 @@
-"""Real Valkey/Redis servers for the tests: a standalone server and a 3-master cluster, each on
-free loopback ports, in a temporary directory, with no persistence; stopped at the end."""
+"""Real servers for the tests and benchmarks: Valkey/Redis (a standalone server and a 3-master
+cluster, on free loopback ports, in a temporary directory, with no persistence) and the v1
+remote server (`lmcache-mp remote-server`); each stopped at the end."""
 
 from __future__ import annotations
 
 import random
+import re
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from lmcache_mp.v1remote.client import V1Connection
 
 REDIS_SERVER = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")
@@ -109,3 +115,57 @@ def redis_cluster(workdir: Path, masters: int = 3) -> Iterator[list[RedisServer]
     finally:
         for node in nodes:
             node.kill()
+
+
+LISTENING = re.compile(r"listening on 127\.0\.0\.1:(\d+)")
+
+
+def command() -> list[str]:
+    """How to run `lmcache-mp` from this venv."""
+    script = Path(sys.executable).with_name("lmcache-mp")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "lmcache_mp.cli"]
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    port: int
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def connect(self, timeout: float = 5.0) -> socket.socket:
+        return socket.create_connection(("127.0.0.1", self.port), timeout=timeout)
+
+    def client(self) -> V1Connection:
+        return V1Connection("127.0.0.1", self.port, timeout_s=5.0)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+            raise
+
+
+def start_v1_server(tmp: Path, *args: str, size_gb: str = "0.05") -> ServerProcess:
+    """`lmcache-mp remote-server` on port 0; its port is read from its "listening" log line (no
+    race for a free port), then it must accept a connection."""
+    log_path = tmp / f"remote-server-{time.monotonic_ns()}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([*command(), "remote-server", "--listen", "tcp://127.0.0.1:0",
+                                 "--size-gb", size_gb, "--log-level", "DEBUG", *args],
+                                stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while not (match := LISTENING.search(log_path.read_text(errors="replace"))):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"remote-server did not start:\n{log_path.read_text(errors='replace')}")
+        time.sleep(0.02)
+    server = ServerProcess(proc, int(match.group(1)), log_path)
+    server.connect().close()
+    return server
