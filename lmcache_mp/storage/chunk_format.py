@@ -34,6 +34,7 @@ fingerprint) and carries format fields that hash to that fingerprint; an object 
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Callable
 
@@ -125,12 +126,19 @@ def check_header(key: ChunkKey, header: bytes | memoryview) -> int:
         raise CorruptChunk("header names another chunk format (fingerprint)")
     at += fp_len
     try:
-        fmt = ChunkFormat.decode(view[at:at + fields_len])
+        fmt = _decode_format(bytes(view[at:at + fields_len]))
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise CorruptChunk(f"undecodable format fields: {e}") from None
     if fmt.fingerprint != fingerprint:
         raise CorruptChunk("format fields do not hash to the header's fingerprint")
     return payload_len
+
+
+@functools.lru_cache(maxsize=256)
+def _decode_format(fields: bytes) -> ChunkFormat:
+    """`ChunkFormat.decode`, remembered: every chunk of a rank carries the same fields, and
+    decoding them (with the fingerprint's hash) costs more than the rest of the header check."""
+    return ChunkFormat.decode(fields)
 
 
 class PayloadCheck:

@@ -246,10 +246,13 @@ def logical_shape(fmt: int, shape: Shape) -> tuple[int, ...]:
 
 
 def _enum(kind: type[IntEnum], value: Any, what: str) -> Any:
-    try:
-        return kind(value)
-    except ValueError:
-        raise ProtocolError(f"unknown {what} {value!r}") from None
+    member = kind._value2member_map_.get(value)  # what kind(value) looks up first, without its overhead
+    if member is None:
+        try:
+            return kind(value)
+        except ValueError:
+            raise ProtocolError(f"unknown {what} {value!r}") from None
+    return member
 
 
 def _check_length(length: Any) -> int:
