@@ -169,36 +169,55 @@ class Engine:
 
     def retrieve(self, keys: list[IPCCacheEngineKey], instance_id: int, block_ids: list[int],
                  event_handle: bytes) -> RetrieveResult:
-        instance = self.registry.instance(instance_id)
-        check_keys_for(instance.registration, keys)
-        chunks = self.keys.op_chunks(keys, lookup=False)
-        context = instance.context
-        self._check_block_ids(context, block_ids, len(chunks.hashes), allow_skip=True)
-        pool_keys = [instance.pool_key(h) for h in chunks.hashes]
+        pool_keys: list[tuple[bytes, bytes]] | None = None
+        request_ids: list[str | None] = []
         try:
-            objects = self.storage.pin(pool_keys)  # all or nothing, from L1
-            self.metrics.retrieved(len(pool_keys), objects is not None, context.chunk_nbytes)
-            if objects is None:
-                return RetrieveResult(b"", False, "some chunks are no longer stored (evicted, "
-                                                  "cleared, or stored by another kind of cache)")
-            try:
-                self._wait_for_producer(event_handle, context.device)
-                bpc = context.blocks_per_chunk
-                with self.storage.copying():
-                    for i, obj in enumerate(objects):
-                        context.scatter(context.chunk_view(obj.data), block_ids[i * bpc:(i + 1) * bpc])
-                    self._finish_copies(context.device)
-            finally:
-                self.storage.unpin(objects)
+            instance = self.registry.instance(instance_id)
+            check_keys_for(instance.registration, keys)
+            chunks = self.keys.op_chunks(keys, lookup=False)
+            request_ids = chunks.request_ids
+            context = instance.context
+            self._check_block_ids(context, block_ids, len(chunks.hashes), allow_skip=True)
+            pool_keys = [instance.pool_key(h) for h in chunks.hashes]
+            return self._copy_out(context, pool_keys, block_ids, event_handle)
         finally:
-            # Whatever happened, the leases this retrieve was for are spent: one release per
-            # request (each unpin refreshes the chain's recency, so not one per chunk).
-            by_request: dict[str | None, list[tuple[bytes, bytes]]] = {}
-            for request_id, pool_key in zip(chunks.request_ids, pool_keys, strict=True):
-                by_request.setdefault(request_id, []).append(pool_key)
-            for request_id, request_keys in by_request.items():
-                self.leases.release(request_id, request_keys)
+            # Whatever happened, the leases this retrieve was for are spent, errors before the
+            # copy included (an unknown instance, bad block ids, keys of another model).
+            self._spend_leases(keys, request_ids, pool_keys)
+
+    def _copy_out(self, context: TransferContext, pool_keys: list[tuple[bytes, bytes]], block_ids: list[int],
+                  event_handle: bytes) -> RetrieveResult:
+        """Copy the chunks (all of them, from L1, or none) into the worker's blocks."""
+        objects = self.storage.pin(pool_keys)
+        self.metrics.retrieved(len(pool_keys), objects is not None, context.chunk_nbytes)
+        if objects is None:
+            return RetrieveResult(b"", False, "some chunks are no longer stored (evicted, "
+                                              "cleared, or stored by another kind of cache)")
+        try:
+            self._wait_for_producer(event_handle, context.device)
+            bpc = context.blocks_per_chunk
+            with self.storage.copying():
+                for i, obj in enumerate(objects):
+                    context.scatter(context.chunk_view(obj.data), block_ids[i * bpc:(i + 1) * bpc])
+                self._finish_copies(context.device)
+        finally:
+            self.storage.unpin(objects)
         return RetrieveResult(b"", True)
+
+    def _spend_leases(self, keys: list[IPCCacheEngineKey], request_ids: list[str | None],
+                      pool_keys: list[tuple[bytes, bytes]] | None) -> None:
+        """Release a retrieve's leases: its chunks', one release per request (each unpin
+        refreshes the chain's recency, so not one per chunk); or, when the request failed before
+        its chunks were known, every lease of the requests its keys name."""
+        if pool_keys is None:
+            for request_id in {key.request_id for key in keys if key.request_id is not None}:
+                self.leases.end(request_id)
+            return
+        by_request: dict[str | None, list[tuple[bytes, bytes]]] = {}
+        for request_id, pool_key in zip(request_ids, pool_keys, strict=True):
+            by_request.setdefault(request_id, []).append(pool_key)
+        for request_id, request_keys in by_request.items():
+            self.leases.release(request_id, request_keys)
 
     # ---- END_SESSION, CLEAR, maintenance -----------------------------------------------------
 

@@ -162,6 +162,9 @@ class MessagingFuture(Generic[T]):
 # ---- client -------------------------------------------------------------------------------
 
 _LEADER_SLICE_S = 0.05
+# How often a busy client scans its requests for missed deadlines (a timeout fires at most
+# this late; scanning on every reply would cost O(in flight) per reply).
+_EXPIRY_SCAN_S = 0.01
 
 
 class MessageQueueClient:
@@ -192,6 +195,7 @@ class MessageQueueClient:
         self._sock.setsockopt(zmq.SNDHWM, SOCKET_HWM)
         self._sock.setsockopt(zmq.RCVHWM, SOCKET_HWM)
         self._sock.connect(server_url)
+        self._next_expiry_scan = 0.0
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._doorbell, zmq.POLLIN)
@@ -301,8 +305,9 @@ class MessageQueueClient:
                     os.eventfd_read(self._doorbell)
             if self._sock in events:
                 self._drain()
-            elif not events:
-                self._expire_overdue()
+            # Whether or not replies arrived: under steady traffic every slice has events, and a
+            # request whose reply never comes must still time out on schedule.
+            self._expire_overdue()
 
     def _drain(self) -> None:
         settled = False
@@ -341,6 +346,9 @@ class MessageQueueClient:
 
     def _expire_overdue(self) -> None:
         now = time.monotonic()
+        if now < self._next_expiry_scan:
+            return
+        self._next_expiry_scan = now + _EXPIRY_SCAN_S
         with self._pending_lock:
             overdue = [rid for rid, f in self._pending.items() if f.deadline <= now]
             expired = [self._pending.pop(rid) for rid in overdue]
