@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,9 +56,10 @@ class Instance:
 
 
 class Registry:
-    def __init__(self, attach_socket: Path, chunk_size: int, max_chunk_nbytes: int):
+    def __init__(self, attach_socket: Path, chunk_size: int, admit_chunk: Callable[[int], None]):
+        """`admit_chunk(nbytes)` raises ValueError when the pool can never hold a chunk of `nbytes`."""
         self.chunk_size = chunk_size
-        self._max_chunk_nbytes = max_chunk_nbytes
+        self._admit_chunk = admit_chunk
         self._instances: dict[int, Instance] = {}
         # rank -> {format fingerprint: the registered instances with that format}
         self._rank_formats: dict[RankKey, dict[bytes, list[Instance]]] = {}
@@ -79,9 +81,14 @@ class Registry:
             context = TransferContext(layers, geometry, self.chunk_size)
         except ValueError as err:
             raise invalid(f"cannot register instance {instance_id}: {err}") from None
-        if context.chunk_nbytes > self._max_chunk_nbytes:
-            raise invalid(f"one chunk of this cache takes {context.chunk_nbytes} bytes, more than the "
-                          f"whole pool ({self._max_chunk_nbytes}); raise --l1-size-gb")
+        try:
+            # Refused here rather than at every STORE: a chunk the pool can't allocate in one
+            # piece would fail each of them.
+            self._admit_chunk(context.chunk_nbytes)
+        except ValueError as err:
+            raise invalid(f"cannot register instance {instance_id}: a chunk of this cache takes "
+                          f"{context.chunk_nbytes} bytes, too large for the pool: {err}; raise "
+                          "--l1-size-gb or lower --chunk-size") from None
         fmt = geometry.chunk_format(reg.model_name, reg.world_size, reg.worker_id, self.chunk_size)
         instance = Instance(instance_id, reg, context, fmt)
         with self._lock:
