@@ -1,19 +1,112 @@
-"""Issue 10: registrations. A chunk the pool can't allocate is refused at REGISTER.
+"""Issue 10: registrations. Instance ids are unique per registration and never taken over, and
+a chunk the pool can't allocate is refused at REGISTER.
 
 The real daemon, real shared memory and the real worker adapter, as in test_data_path.py.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import time
+from pathlib import Path
+
 import pytest
 import torch
 
 from lmcache_mp.errors import ServerError
 from lmcache_mp.launcher import DaemonProcess
-from lmcache_mp.protocol import ErrorCode
-from tests.helpers import BLOCK, CHUNK, LAYERS, block_hashes, status
-from tests.kv_worker import make_caches, wait_done
+from lmcache_mp.mq import MessageQueueClient
+from lmcache_mp.protocol import ErrorCode, KVCacheRegistration, RequestType
+from lmcache_mp.transfer.shm import AttachChannel, share_cpu_tensors
+from tests.helpers import BLOCK, CHUNK, LAYERS, NUM_BLOCKS, block_hashes, status
+from tests.kv_worker import make_caches, pages, wait_done
 from vllm_adapter import LMCacheMPWorkerAdapter, LoadStoreOp
+
+DAEMON_ARGS = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05")
+SHAPE = [NUM_BLOCKS, 2, BLOCK, 64]
+ADAPTER_LOG = "vllm_adapter.multi_process_adapter"
+
+
+@pytest.mark.daemon_args(*DAEMON_ARGS)
+def test_registered_instance_id_is_refused_never_replaced(daemon: DaemonProcess, short_tmp: Path,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """Two workers with the same id (pids repeat across containers): the second REGISTER is
+    refused, and a RETRIEVE under that id still writes into the first worker's cache only."""
+    forced = 4242
+    first = LMCacheMPWorkerAdapter(daemon.url, None, "m", 1, 0, BLOCK, instance_id=forced)
+    second = LMCacheMPWorkerAdapter(daemon.url, None, "m", 1, 0, BLOCK, instance_id=forced)
+    raw = MessageQueueClient(daemon.url, request_timeout_s=30)
+    channel = None
+    try:
+        first_caches = make_caches(SHAPE, torch.bfloat16, LAYERS, seed=1)
+        first.register_kv_caches(first_caches, "CPU_ATTN")
+        hashes = block_hashes(list(range(2 * CHUNK)))
+        first.submit_store_request("s", LoadStoreOp([0, 1, 2, 3], block_hashes=hashes), None)
+        wait_done(first, "s", retrieve=False)
+
+        # The daemon refuses the id outright, whatever the caches.
+        other = make_caches(SHAPE, torch.bfloat16, LAYERS, seed=2)
+        handles, fds = share_cpu_tensors(list(other.values()))
+        channel = AttachChannel.open(raw.handshake("tests").attach_socket, fds)
+        registration = KVCacheRegistration("m", 1, 0, "CPU_ATTN", channel.token)
+        with pytest.raises(ServerError) as info:
+            raw.submit(RequestType.REGISTER_KV_CACHE, [forced, handles, registration]).result(10)
+        assert info.value.code is ErrorCode.ALREADY_REGISTERED
+        assert status(daemon.url).registered_instances == [forced]
+
+        # The adapter, refused, registers under a fresh id of its own.
+        second_caches = make_caches(SHAPE, torch.bfloat16, LAYERS, seed=3)
+        before = {name: t.clone() for name, t in second_caches.items()}
+        with caplog.at_level(logging.WARNING, logger=ADAPTER_LOG):
+            second.register_kv_caches(second_caches, "CPU_ATTN")
+        assert second.instance_id != forced
+        assert any("already registered" in r.getMessage() for r in caplog.records)
+        assert status(daemon.url).registered_instances == sorted([forced, second.instance_id])
+
+        # A RETRIEVE under the forced id lands in the first worker's cache, and only there.
+        first.submit_retrieve_request("r", LoadStoreOp([10, 11, 12, 13], block_hashes=hashes), None)
+        wait_done(first, "r", retrieve=True)
+        assert first.take_failed_retrieves() == {}
+        assert torch.equal(pages(first_caches, "CPU_ATTN", SHAPE, [10, 11, 12, 13]).view(torch.uint8),
+                           pages(first_caches, "CPU_ATTN", SHAPE, [0, 1, 2, 3]).view(torch.uint8))
+        for name, tensor in second_caches.items():
+            assert torch.equal(tensor.view(torch.uint8), before[name].view(torch.uint8))
+    finally:
+        if channel is not None:
+            channel.close()
+        raw.close()
+        second.shutdown()
+        first.shutdown()
+
+
+@pytest.mark.daemon_args(*DAEMON_ARGS)
+def test_default_instance_ids_are_random_not_the_pid(daemon: DaemonProcess, worker_for) -> None:
+    a, b = worker_for(daemon.url, seed=1), worker_for(daemon.url, seed=2)
+    assert a.instance_id != b.instance_id
+    assert os.getpid() not in (a.instance_id, b.instance_id)
+    assert all(0 <= w.instance_id < 2**63 for w in (a, b))  # fits the wire's signed 64 bits
+    assert status(daemon.url).registered_instances == sorted([a.instance_id, b.instance_id])
+
+
+def test_worker_registers_again_with_a_restarted_daemon(daemons) -> None:
+    """The new daemon has no registrations: the worker's id is free there, and it keeps it."""
+    first = daemons(*DAEMON_ARGS)
+    worker = LMCacheMPWorkerAdapter(first.url, None, "m", 1, 0, BLOCK, reregister_interval_s=0.1)
+    try:
+        worker.register_kv_caches(make_caches(SHAPE, torch.bfloat16, LAYERS, seed=1), "CPU_ATTN")
+        instance_id = worker.instance_id
+        assert first.stop() == 0
+        second = daemons(*DAEMON_ARGS)
+        deadline = time.monotonic() + 15
+        while not worker.ensure_registered():
+            assert time.monotonic() < deadline, "the worker did not register with the new daemon"
+            time.sleep(0.02)
+        assert worker.instance_id == instance_id
+        assert status(second.url).registered_instances == [instance_id]
+    finally:
+        worker.shutdown()
+
 
 # A pool whose tail doesn't fill a slab: once a 16 KiB chunk has fixed the slab size (9 chunks,
 # 144 KiB), the pool can allocate 7 slabs in one piece, 1008 KiB, less than its capacity.

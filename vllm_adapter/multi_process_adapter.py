@@ -6,13 +6,15 @@ names). Differences, each fixing a known failure of the seed:
 - a failed or refused retrieve is reported (`take_failed_retrieves`), never passed off as
   loaded, so vLLM recomputes instead of attending over garbage;
 - when the daemon is unreachable the adapters fail closed: lookups count 0 hits, stores are
-  skipped, retrieves fail; the worker re-registers by itself when the daemon comes back.
+  skipped, retrieves fail; the worker re-registers by itself when the daemon comes back;
+- a worker registers under a random 63-bit instance id, never its pid (pids repeat across
+  containers sharing one daemon, and one worker's RETRIEVEs would land in another's cache).
 """
 
 from __future__ import annotations
 
 import logging
-import os
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -28,6 +30,7 @@ from lmcache_mp.protocol import (
     PROTOCOL_VERSION,
     ErrorCode,
     KVCacheRegistration,
+    RegisterReply,
     RequestType,
     RetrieveResult,
 )
@@ -43,6 +46,12 @@ REREGISTER_INTERVAL_S = 1.0
 MAX_PROBE_INTERVAL_S = 0.25
 # Finished request ids remembered to report each exactly once (bounded).
 _REPORTED_MEMORY = 100_000
+
+
+def new_instance_id() -> int:
+    """A random instance id: unique per worker among every container sharing a daemon (a pid is
+    not: it repeats across PID namespaces). 63 bits, so it fits any signed 64-bit field."""
+    return secrets.randbits(63)
 
 
 @dataclass
@@ -215,7 +224,8 @@ class LMCacheMPWorkerAdapter:
     def __init__(self, server_url: str, context: zmq.Context | None, model_name: str, world_size: int,
                  kv_rank: int, vllm_block_size: int, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  connect_timeout_s: float | None = None,
-                 reregister_interval_s: float = REREGISTER_INTERVAL_S):
+                 reregister_interval_s: float = REREGISTER_INTERVAL_S, instance_id: int | None = None):
+        """`instance_id`: the id to register under (default: a random one, `new_instance_id`)."""
         self.server_url = server_url
         self._context = context
         self._timeout_s = timeout_s
@@ -223,7 +233,7 @@ class LMCacheMPWorkerAdapter:
         self._vllm_block_size = vllm_block_size
         self.mq_client, chunk_size = _connect(server_url, context, f"vllm-worker-{kv_rank}", timeout_s,
                                               vllm_block_size, connect_timeout_s)
-        self.instance_id = os.getpid()
+        self.instance_id = new_instance_id() if instance_id is None else instance_id
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.model_name = model_name
         self.world_size = world_size
@@ -252,18 +262,31 @@ class LMCacheMPWorkerAdapter:
 
     def _register(self) -> None:
         self._last_register_try = time.monotonic()
+        try:
+            reply = self._register_as(self.instance_id)
+        except ServerError as err:
+            if err.code is not ErrorCode.ALREADY_REGISTERED:
+                raise
+            # Another worker's id (forced ids), or our own registration that the daemon has
+            # not dropped yet (its attach channel was closed just now): never take it over.
+            taken, self.instance_id = self.instance_id, new_instance_id()
+            logger.warning("instance id %d is already registered with lmcache-mp at %s; "
+                           "registering as %d", taken, self.server_url, self.instance_id)
+            reply = self._register_as(self.instance_id)
+        self._registered = True
+        logger.info("registered %d KV cache layers with lmcache-mp at %s as %s (%d-byte chunks)",
+                    len(self.kv_caches), self.server_url, reply.layout, reply.chunk_bytes)
+
+    def _register_as(self, instance_id: int) -> RegisterReply:
         handles, fds = export_kv_caches(self.kv_caches)
         hello = self.mq_client.handshake(f"vllm-worker-{self.worker_id}", timeout_s=self._timeout_s)
         if self._channel is not None:
-            self._channel.close()
+            self._channel.close()  # the daemon drops the registration it kept alive, if any
         self._channel = AttachChannel.open(hello.attach_socket, fds, timeout_s=self._timeout_s)
         registration = KVCacheRegistration(self.model_name, self.world_size, self.worker_id,
                                            self._layout, self._channel.token)
-        reply = send_lmcache_request(self.mq_client, RequestType.REGISTER_KV_CACHE,
-                                     [self.instance_id, handles, registration]).result(self._timeout_s)
-        self._registered = True
-        logger.info("registered %d KV cache layers with lmcache-mp at %s as %s (%d-byte chunks)",
-                    len(handles), self.server_url, reply.layout, reply.chunk_bytes)
+        return send_lmcache_request(self.mq_client, RequestType.REGISTER_KV_CACHE,
+                                    [instance_id, handles, registration]).result(self._timeout_s)
 
     def ensure_registered(self) -> bool:
         """Fail closed while the daemon is away; re-register when it is back. Never waits
