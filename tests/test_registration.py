@@ -1,5 +1,5 @@
-"""Issue 10: registrations. Instance ids are unique per registration and never taken over, and
-a chunk the pool can't allocate is refused at REGISTER.
+"""Issue 10: registrations. Instance ids are unique per registration and never taken over, a
+permanent refusal is not retried, and a chunk the pool can't allocate is refused at REGISTER.
 
 The real daemon, real shared memory and the real worker adapter, as in test_data_path.py.
 """
@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import socket
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -26,6 +29,19 @@ from vllm_adapter import LMCacheMPWorkerAdapter, LoadStoreOp
 DAEMON_ARGS = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05")
 SHAPE = [NUM_BLOCKS, 2, BLOCK, 64]
 ADAPTER_LOG = "vllm_adapter.multi_process_adapter"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def register_requests(port: int) -> float:
+    """REGISTER_KV_CACHE requests the daemon has answered, whatever the answer."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return sum(float(m.group(1)) for m in re.finditer(
+        r'^lmcache_mp_requests_total\{[^}]*type="REGISTER_KV_CACHE"[^}]*\}\s+(\S+)$', text, re.M))
 
 
 @pytest.mark.daemon_args(*DAEMON_ARGS)
@@ -104,6 +120,64 @@ def test_worker_registers_again_with_a_restarted_daemon(daemons) -> None:
             time.sleep(0.02)
         assert worker.instance_id == instance_id
         assert status(second.url).registered_instances == [instance_id]
+    finally:
+        worker.shutdown()
+
+
+def test_permanent_refusal_is_not_retried(daemons, caplog: pytest.LogCaptureFixture) -> None:
+    """A layout the daemon can't read: one REGISTER, one ERROR, then the worker serves without
+    the cache (its operations never raise) instead of registering again every 0.25 s."""
+    port = free_port()
+    daemon = daemons(*DAEMON_ARGS, "--metrics-port", str(port))
+    worker = LMCacheMPWorkerAdapter(daemon.url, None, "m", 1, 0, BLOCK, reregister_interval_s=0.1)
+    try:
+        with caplog.at_level(logging.WARNING, logger=ADAPTER_LOG):
+            with pytest.raises(ServerError) as info:
+                worker.register_kv_caches(make_caches(SHAPE, torch.bfloat16, LAYERS, seed=1),
+                                          "NO_SUCH_BACKEND")
+            assert info.value.code is ErrorCode.INVALID_ARGUMENT
+            hashes = block_hashes(list(range(2 * CHUNK)))
+            deadline = time.monotonic() + 3
+            step = 0
+            while time.monotonic() < deadline:  # a few seconds of engine steps
+                assert not worker.ensure_registered()
+                worker.submit_store_request(f"s{step}", LoadStoreOp([0, 1, 2, 3], block_hashes=hashes), None)
+                worker.submit_retrieve_request(f"r{step}", LoadStoreOp([4, 5, 6, 7], block_hashes=hashes),
+                                               None)
+                worker.get_finished({f"s{step}"})
+                step += 1
+                time.sleep(0.05)
+            worker.get_finished(set())
+        assert register_requests(port) == 1
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert len(errors) == 1 and "NO_SUCH_BACKEND" in errors[0].getMessage()
+        # Skipped stores are no failures; a retrieve (nothing could be loaded) is reported failed.
+        assert not any("store for request" in r.getMessage() for r in caplog.records)
+        assert set(worker.take_failed_retrieves()) == {f"r{i}" for i in range(step)}
+        assert status(daemon.url).registered_instances == []
+    finally:
+        worker.shutdown()
+
+
+def test_transient_refusal_is_retried_with_backoff(daemons, caplog: pytest.LogCaptureFixture) -> None:
+    """A daemon that answers every REGISTER with OVERLOADED (its queue deadline can't be met):
+    retried, but 0.25 s doubling, not every 0.25 s; a warning per attempt, never an ERROR."""
+    port = free_port()
+    daemon = daemons(*DAEMON_ARGS, "--queue-deadline-s", "0.000001", "--metrics-port", str(port))
+    worker = LMCacheMPWorkerAdapter(daemon.url, None, "m", 1, 0, BLOCK, reregister_interval_s=0.1)
+    try:
+        with caplog.at_level(logging.WARNING, logger=ADAPTER_LOG):
+            with pytest.raises(ServerError) as info:
+                worker.register_kv_caches(make_caches(SHAPE, torch.bfloat16, LAYERS, seed=1), "CPU_ATTN")
+            assert info.value.code is ErrorCode.OVERLOADED
+            deadline = time.monotonic() + 3.5  # tries at about 0, 0.25, 0.75, 1.75 (and 3.75) s
+            while time.monotonic() < deadline:
+                assert not worker.ensure_registered()
+                time.sleep(0.02)
+        attempts = register_requests(port)
+        assert 3 <= attempts <= 5, attempts  # every 0.25 s would be about 14
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert sum("retrying in" in r.getMessage() for r in caplog.records) == attempts
     finally:
         worker.shutdown()
 
