@@ -214,3 +214,25 @@ def test_chunk_larger_than_the_pool_can_allocate_is_refused_at_register(daemon: 
         assert status(daemon.url).objects == 4
     finally:
         big.shutdown()
+
+
+def test_refusal_lasts_as_long_as_the_daemon_that_gave_it(daemons) -> None:
+    """Refused by a daemon whose pool is too small; restarted with a larger one, the daemon gets
+    one more try, and the worker registers without a restart of its own."""
+    tiny = daemons("--chunk-size", str(CHUNK), "--l1-size-gb", repr(BIG_CHUNK / 2 / 2**30))
+    worker = LMCacheMPWorkerAdapter(tiny.url, None, "m", 1, 0, BLOCK, reregister_interval_s=0.1)
+    try:
+        with pytest.raises(ServerError) as info:
+            worker.register_kv_caches(make_caches([4, BIG_HEADS, BLOCK, 64], torch.bfloat16, LAYERS, seed=1),
+                                      "CPU_ATTN")
+        assert info.value.code is ErrorCode.INVALID_ARGUMENT and str(BIG_CHUNK) in info.value.message
+        assert not worker.ensure_registered()
+        assert tiny.stop() == 0
+        larger = daemons(*DAEMON_ARGS)
+        deadline = time.monotonic() + 15
+        while not worker.ensure_registered():
+            assert time.monotonic() < deadline, "the worker never tried the restarted daemon"
+            time.sleep(0.02)
+        assert status(larger.url).registered_instances == [worker.instance_id]
+    finally:
+        worker.shutdown()
