@@ -68,7 +68,7 @@ class Engine:
         self._deferred: dict[str, bool] = {}
         self._lock = threading.Lock()
         try:
-            self.registry = Registry(config.attach_socket, config.chunk_size, pool.capacity_bytes)
+            self.registry = Registry(config.attach_socket, config.chunk_size, pool.admit)
         except BaseException:
             self.storage.close()
             raise

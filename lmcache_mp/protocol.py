@@ -56,6 +56,9 @@ class ErrorCode(enum.IntEnum):
     OVERLOADED = 7  # the bounded work queue is full; retry later
     SHUTTING_DOWN = 8
     INTERNAL = 9  # a bug on the daemon's side; the message says what
+    # REGISTER_KV_CACHE under an instance id that is registered already: refused, never replaced
+    # (another worker's id; a worker picks a fresh random id and registers again).
+    ALREADY_REGISTERED = 10
 
 
 class ErrorReply(msgspec.Struct, array_like=True, gc=False):
@@ -164,7 +167,9 @@ PROTOCOL: dict[RequestType, RequestSpec] = {
     RequestType.PING: RequestSpec((int,), int, HandlerKind.INLINE),
     RequestType.GET_CHUNK_SIZE: RequestSpec((), int, HandlerKind.INLINE),
     RequestType.STATUS: RequestSpec((), StatusReport, HandlerKind.INLINE),
-    # REGISTER_KV_CACHE(instance id, one handle per layer in layer order, who/how).
+    # REGISTER_KV_CACHE(instance id, one handle per layer in layer order, who/how). The id is the
+    # worker's own random 63-bit number, unique per registration: never a pid, which repeats
+    # across containers sharing one daemon.
     RequestType.REGISTER_KV_CACHE: RequestSpec((int, KVCache, KVCacheRegistration), RegisterReply,
                                                     HandlerKind.WORKER),
     # UNREGISTER_KV_CACHE(instance id) -> whether it was registered.

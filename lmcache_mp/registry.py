@@ -1,6 +1,8 @@
 """Registered workers: their KV caches (mapped into the daemon), chunk formats and attach tokens.
 
-A worker registers once per cache (REGISTER_KV_CACHE). On CPU its caches arrive as file
+A worker registers once per cache (REGISTER_KV_CACHE), under an instance id of its own choosing
+(random); an id that is registered already is refused, never replaced: replacing it would hand
+one worker's RETRIEVEs to another's cache. On CPU its caches arrive as file
 descriptors over the attach socket, claimed here by the registration's attach token; that
 socket then stays open as the registration's liveness signal, so a worker that dies is
 dropped at once. Each registration has a `ChunkFormat`: a chunk stored from its caches is
@@ -15,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,9 +58,10 @@ class Instance:
 
 
 class Registry:
-    def __init__(self, attach_socket: Path, chunk_size: int, max_chunk_nbytes: int):
+    def __init__(self, attach_socket: Path, chunk_size: int, admit_chunk: Callable[[int], None]):
+        """`admit_chunk(nbytes)` raises ValueError when the pool can never hold a chunk of `nbytes`."""
         self.chunk_size = chunk_size
-        self._max_chunk_nbytes = max_chunk_nbytes
+        self._admit_chunk = admit_chunk
         self._instances: dict[int, Instance] = {}
         # rank -> {format fingerprint: the registered instances with that format}
         self._rank_formats: dict[RankKey, dict[bytes, list[Instance]]] = {}
@@ -72,6 +76,7 @@ class Registry:
     def register(self, instance_id: int, kv_caches: KVCache, reg: KVCacheRegistration) -> RegisterReply:
         if not 0 <= reg.worker_id < reg.world_size:
             raise invalid(f"worker_id {reg.worker_id} is outside world_size {reg.world_size}")
+        self._check_unused(instance_id)  # before mapping anything; checked again when inserting
         try:
             rank_of(reg.world_size, reg.worker_id)  # refuses ranks that do not fit a kv_rank
             layers = self._open_layers(kv_caches, reg)
@@ -79,13 +84,18 @@ class Registry:
             context = TransferContext(layers, geometry, self.chunk_size)
         except ValueError as err:
             raise invalid(f"cannot register instance {instance_id}: {err}") from None
-        if context.chunk_nbytes > self._max_chunk_nbytes:
-            raise invalid(f"one chunk of this cache takes {context.chunk_nbytes} bytes, more than the "
-                          f"whole pool ({self._max_chunk_nbytes}); raise --l1-size-gb")
+        try:
+            # Refused here rather than at every STORE: a chunk the pool can't allocate in one
+            # piece would fail each of them.
+            self._admit_chunk(context.chunk_nbytes)
+        except ValueError as err:
+            raise invalid(f"cannot register instance {instance_id}: a chunk of this cache takes "
+                          f"{context.chunk_nbytes} bytes, too large for the pool: {err}; raise "
+                          "--l1-size-gb or lower --chunk-size") from None
         fmt = geometry.chunk_format(reg.model_name, reg.world_size, reg.worker_id, self.chunk_size)
         instance = Instance(instance_id, reg, context, fmt)
         with self._lock:
-            self._drop_locked(instance_id)
+            self._check_unused_locked(instance_id)
             self._instances[instance_id] = instance
             formats = self._rank_formats.setdefault(instance.rank_key, {})
             formats.setdefault(fmt.fingerprint, []).append(instance)
@@ -96,6 +106,17 @@ class Registry:
                     geometry.dtype, geometry.num_layers, geometry.num_blocks, geometry.block_size)
         return RegisterReply(geometry.layout.name, geometry.num_layers, geometry.num_blocks,
                              geometry.block_size, context.chunk_nbytes)
+
+    def _check_unused(self, instance_id: int) -> None:
+        with self._lock:
+            self._check_unused_locked(instance_id)
+
+    def _check_unused_locked(self, instance_id: int) -> None:
+        if instance_id in self._instances:
+            logger.warning("refused a registration under instance id %d: registered already", instance_id)
+            raise ServerError(ErrorCode.ALREADY_REGISTERED,
+                              f"instance id {instance_id} is registered already (by another worker, or by "
+                              "this one before its registration was dropped); register under a new id")
 
     def _open_layers(self, handles: KVCache, reg: KVCacheRegistration) -> list[torch.Tensor]:
         if handles and all(isinstance(h, SharedMemoryTensor) for h in handles):

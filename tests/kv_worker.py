@@ -6,7 +6,7 @@ SPEC: url, layout, shape, dtype, num_layers, world_size, rank, action ("store" |
 | "hold"), block_ids, block_hashes (hex) or token_ids+start+end, request_id, seed, out.
 `store` fills the caches from `seed` and stores; `retrieve` fills them with zeros, looks
 up (leasing the hits), retrieves and saves the pages of `block_ids` to `out`; `hold`
-registers, prints READY and sleeps until killed.
+registers, prints "READY <instance id>" and sleeps until killed.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def main() -> int:
     request_id = spec.get("request_id", "req")
     op = op_of(spec)
     if spec["action"] == "hold":
-        print("READY", flush=True)
+        print("READY", worker.instance_id, flush=True)
         time.sleep(3600)
     elif spec["action"] == "store":
         worker.submit_store_request(request_id, op, None)

@@ -137,7 +137,6 @@ def test_world_size_two_missing_rank_stops_the_prefix(daemon: DaemonProcess) -> 
     try:
         for rank in range(2):
             w = LMCacheMPWorkerAdapter(daemon.url, None, "tp2", 2, rank, BLOCK)
-            w.instance_id = os.getpid() * 10 + rank  # two ranks in one test process
             w.register_kv_caches(make_caches(shape, torch.bfloat16, LAYERS, seed=rank), "CPU_ATTN")
             workers.append(w)
         scheduler = LMCacheMPSchedulerAdapter(daemon.url, None, "tp2", 2, 0, BLOCK)
@@ -239,8 +238,10 @@ def test_sigkilled_worker_is_dropped_and_leaves_no_mapping(daemon: DaemonProcess
     proc = subprocess.Popen([sys.executable, "-m", "tests.kv_worker", json.dumps(spec)],
                             stdout=subprocess.PIPE, text=True)
     try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "READY"
-        assert status(daemon.url).registered_instances == [proc.pid]
+        assert proc.stdout is not None
+        ready, instance_id = proc.stdout.readline().split()
+        assert ready == "READY" and int(instance_id) != proc.pid
+        assert status(daemon.url).registered_instances == [int(instance_id)]
         maps = Path(f"/proc/{daemon.proc.pid}/maps")
         assert "(deleted)" in maps.read_text()  # the worker's cache, mapped by the daemon
         proc.send_signal(signal.SIGKILL)

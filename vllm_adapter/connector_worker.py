@@ -76,8 +76,8 @@ class WorkerSide:
             try:
                 adapter.register_kv_caches(self._kv_caches, self._layout)
             except (LMCacheMPError, OSError) as err:
-                logger.warning("registering the KV caches with lmcache-mp failed (%s); "
-                               "retrying in the background", err)
+                # The adapter has logged it: a warning and a retry later, or an ERROR for good.
+                logger.debug("registering the KV caches with lmcache-mp failed: %s", err)
         return adapter
 
     def begin_step(self, meta: LMCacheMPConnectorMetadata) -> None:

@@ -6,13 +6,18 @@ names). Differences, each fixing a known failure of the seed:
 - a failed or refused retrieve is reported (`take_failed_retrieves`), never passed off as
   loaded, so vLLM recomputes instead of attending over garbage;
 - when the daemon is unreachable the adapters fail closed: lookups count 0 hits, stores are
-  skipped, retrieves fail; the worker re-registers by itself when the daemon comes back.
+  skipped, retrieves fail; the worker re-registers by itself when the daemon comes back;
+- a worker registers under a random 63-bit instance id, never its pid (pids repeat across
+  containers sharing one daemon, and one worker's RETRIEVEs would land in another's cache);
+- a registration the daemon refuses as invalid (unsupported layout, a chunk larger than its
+  pool) is not retried: one ERROR, then the worker serves without the cache; other failures
+  are retried with exponential backoff.
 """
 
 from __future__ import annotations
 
 import logging
-import os
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -28,8 +33,10 @@ from lmcache_mp.protocol import (
     PROTOCOL_VERSION,
     ErrorCode,
     KVCacheRegistration,
+    RegisterReply,
     RequestType,
     RetrieveResult,
+    StoreResult,
 )
 from lmcache_mp.transfer.shm import AttachChannel
 from vllm_adapter.utils import export_kv_caches, send_lmcache_request, striding_block_hashes
@@ -41,8 +48,22 @@ REREGISTER_INTERVAL_S = 1.0
 # A probe sent just as the daemon died is lost with its connection; waiting out a long probe
 # timeout then delays re-registration after a restart. Probes are tiny: retry them quickly.
 MAX_PROBE_INTERVAL_S = 0.25
+# Registration attempts that failed for a reason that may pass (timeout, overloaded daemon,
+# attach socket error) are retried after a delay doubling from the first to the last.
+FIRST_RETRY_S = 0.25
+MAX_RETRY_S = 30.0
+# Refusals of a registration that no retry can change: the daemon found the request invalid.
+_PERMANENT_REFUSALS = frozenset({ErrorCode.MALFORMED_MESSAGE, ErrorCode.UNKNOWN_REQUEST_TYPE,
+                                 ErrorCode.BAD_PAYLOAD, ErrorCode.NOT_IMPLEMENTED,
+                                 ErrorCode.INVALID_ARGUMENT})
 # Finished request ids remembered to report each exactly once (bounded).
 _REPORTED_MEMORY = 100_000
+
+
+def new_instance_id() -> int:
+    """A random instance id: unique per worker among every container sharing a daemon (a pid is
+    not: it repeats across PID namespaces). 63 bits, so it fits any signed 64-bit field."""
+    return secrets.randbits(63)
 
 
 @dataclass
@@ -215,7 +236,8 @@ class LMCacheMPWorkerAdapter:
     def __init__(self, server_url: str, context: zmq.Context | None, model_name: str, world_size: int,
                  kv_rank: int, vllm_block_size: int, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  connect_timeout_s: float | None = None,
-                 reregister_interval_s: float = REREGISTER_INTERVAL_S):
+                 reregister_interval_s: float = REREGISTER_INTERVAL_S, instance_id: int | None = None):
+        """`instance_id`: the id to register under (default: a random one, `new_instance_id`)."""
         self.server_url = server_url
         self._context = context
         self._timeout_s = timeout_s
@@ -223,7 +245,7 @@ class LMCacheMPWorkerAdapter:
         self._vllm_block_size = vllm_block_size
         self.mq_client, chunk_size = _connect(server_url, context, f"vllm-worker-{kv_rank}", timeout_s,
                                               vllm_block_size, connect_timeout_s)
-        self.instance_id = os.getpid()
+        self.instance_id = new_instance_id() if instance_id is None else instance_id
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.model_name = model_name
         self.world_size = world_size
@@ -233,7 +255,9 @@ class LMCacheMPWorkerAdapter:
         self._layout = ""
         self._channel: AttachChannel | None = None
         self._registered = False
-        self._last_register_try = 0.0
+        self._refused = False  # the daemon refused the registration as invalid: not retried
+        self._retry_s = FIRST_RETRY_S  # delay after the next failed registration attempt
+        self._next_try = 0.0  # no probe (and so no registration attempt) before this time
         self._probe: MessagingFuture | None = None  # HELLO sent while the daemon was away
         self._stores = _PerRequestOps()
         self._retrieves = _PerRequestOps()
@@ -245,48 +269,90 @@ class LMCacheMPWorkerAdapter:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], layout: str | None = None) -> None:
         """Register the caches with the daemon. `layout` is vLLM's attention backend name
-        (e.g. "CPU_ATTN"); without it the daemon infers the layout from the shapes."""
+        (e.g. "CPU_ATTN"); without it the daemon infers the layout from the shapes. Raises what
+        made it fail; `ensure_registered` then retries with backoff, unless the daemon refused
+        the caches as invalid (logged once as an ERROR): the worker then serves without them."""
         self.kv_caches = kv_caches
         self._layout = layout or ""
+        self._refused = False
+        self._retry_s = FIRST_RETRY_S
         self._register()
 
     def _register(self) -> None:
-        self._last_register_try = time.monotonic()
+        try:
+            try:
+                reply = self._register_as(self.instance_id)
+            except ServerError as err:
+                if err.code is not ErrorCode.ALREADY_REGISTERED:
+                    raise
+                # Another worker's id (forced ids), or our own registration that the daemon has
+                # not dropped yet (its attach channel was closed just now): never take it over.
+                taken, self.instance_id = self.instance_id, new_instance_id()
+                logger.warning("instance id %d is already registered with lmcache-mp at %s; "
+                               "registering as %d", taken, self.server_url, self.instance_id)
+                reply = self._register_as(self.instance_id)
+        except (LMCacheMPError, OSError) as err:
+            self._registration_failed(err)
+            raise
+        self._registered = True
+        self._retry_s = FIRST_RETRY_S
+        logger.info("registered %d KV cache layers with lmcache-mp at %s as %s (%d-byte chunks)",
+                    len(self.kv_caches), self.server_url, reply.layout, reply.chunk_bytes)
+
+    def _register_as(self, instance_id: int) -> RegisterReply:
         handles, fds = export_kv_caches(self.kv_caches)
         hello = self.mq_client.handshake(f"vllm-worker-{self.worker_id}", timeout_s=self._timeout_s)
         if self._channel is not None:
-            self._channel.close()
+            self._channel.close()  # the daemon drops the registration it kept alive, if any
         self._channel = AttachChannel.open(hello.attach_socket, fds, timeout_s=self._timeout_s)
         registration = KVCacheRegistration(self.model_name, self.world_size, self.worker_id,
                                            self._layout, self._channel.token)
-        reply = send_lmcache_request(self.mq_client, RequestType.REGISTER_KV_CACHE,
-                                     [self.instance_id, handles, registration]).result(self._timeout_s)
-        self._registered = True
-        logger.info("registered %d KV cache layers with lmcache-mp at %s as %s (%d-byte chunks)",
-                    len(handles), self.server_url, reply.layout, reply.chunk_bytes)
+        return send_lmcache_request(self.mq_client, RequestType.REGISTER_KV_CACHE,
+                                    [instance_id, handles, registration]).result(self._timeout_s)
+
+    def _registration_failed(self, err: LMCacheMPError | OSError) -> None:
+        if isinstance(err, ServerError) and err.code in _PERMANENT_REFUSALS:
+            self._refused = True
+            logger.error("lmcache-mp at %s refused this worker's KV caches: %s. KV offload is off for "
+                         "this worker (lookups miss, stores are skipped) until the daemon restarts; "
+                         "not retrying", self.server_url, err)
+            return
+        logger.warning("registering the KV caches with lmcache-mp at %s failed (%s); KV offload paused, "
+                       "retrying in %.2f s", self.server_url, err, self._retry_s)
+        self._next_try = time.monotonic() + self._retry_s
+        self._retry_s = min(2 * self._retry_s, MAX_RETRY_S)
+
+    def _refused_by_daemon(self) -> bool:
+        """Whether the daemon refused our caches for good. That holds as long as the daemon that
+        said it: once it is gone (it closed its end of the attach channel), the next one, maybe
+        configured otherwise, gets one more try."""
+        if self._refused and self._channel is not None and not self._channel.is_open():
+            self._refused = False
+            self._retry_s = FIRST_RETRY_S
+        return self._refused
 
     def ensure_registered(self) -> bool:
         """Fail closed while the daemon is away; re-register when it is back. Never waits
-        on an absent daemon: a HELLO probe goes out (at most once per interval) and the
-        registration runs only after the daemon has answered one."""
+        on an absent daemon: a HELLO probe goes out (at most once per interval, or after the
+        backoff of a failed registration) and the registration runs only after the daemon has
+        answered one. The probes themselves do not back off: they cost the daemon nothing while
+        it is away, and find it soon after it restarts."""
         if self._registered and self._channel is not None and self._channel.is_open():
             return True
         self._registered = False
-        if not self.kv_caches:
+        if not self.kv_caches or self._refused_by_daemon():
             return False
         probe = self._probe
         if probe is not None and probe.query():
             self._probe = None
             if probe.exception() is None:
                 try:
-                    self._register()
-                except (LMCacheMPError, OSError) as err:
-                    logger.warning("lmcache-mp at %s unavailable (%s); KV offload paused",
-                                   self.server_url, err)
+                    self._register()  # logs its failure
+                except (LMCacheMPError, OSError):
                     return False
                 return True
-        if self._probe is None and time.monotonic() - self._last_register_try >= self._probe_interval_s:
-            self._last_register_try = time.monotonic()
+        if self._probe is None and time.monotonic() >= self._next_try:
+            self._next_try = time.monotonic() + self._probe_interval_s
             self._probe = self.mq_client.submit(
                 RequestType.HELLO, [PROTOCOL_VERSION, f"vllm-worker-{self.worker_id}"],
                 timeout_s=self._probe_interval_s)
@@ -311,8 +377,13 @@ class LMCacheMPWorkerAdapter:
 
     def _submit(self, request_type: RequestType, tracker: _PerRequestOps, request_ids: list[str],
                 ops: list[LoadStoreOp], event: torch.cuda.Event | None) -> None:
-        if not self.ensure_registered():
-            unavailable = LMCacheMPError("lmcache-mp daemon unavailable")
+        registered = self.ensure_registered()
+        if not registered and self._refused and request_type is RequestType.STORE:
+            # Serving without the cache, as the one ERROR said: a skipped store is no failure.
+            future = MessagingFuture.settled(request_type, StoreResult(b"", []))
+        elif not registered:
+            unavailable = LMCacheMPError("lmcache-mp refused this worker's KV caches" if self._refused
+                                         else "lmcache-mp daemon unavailable")
             future = MessagingFuture.settled(request_type, error=unavailable)
         else:
             keys = [k for rid, op in zip(request_ids, ops, strict=True) for k in self._keys.keys_for(rid, op)]

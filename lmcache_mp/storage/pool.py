@@ -258,6 +258,13 @@ class MemoryPool:
             size_class = self._size_class(nbytes)
             return [self._reserve_one(key, size_class) for key in keys]
 
+    def admit(self, nbytes: int) -> None:
+        """Make sure objects of `nbytes` can be reserved, as the first reserve of that size would:
+        raises ValueError, naming the most this pool can allocate contiguously, if they never can.
+        Fixes the slab size when it is still open, so a later reserve of this size never raises."""
+        with self._lock:
+            self._size_class(nbytes)
+
     def commit(self, objects: list[PoolObject], *, pin: bool = False) -> None:
         """WRITING -> READY: visible to readers. With `pin`, each object also gets one pin (release it
         with `unpin`) and is never evictable in between; without, the objects become the most recently
@@ -389,16 +396,17 @@ class MemoryPool:
             return size_class
         slot_bytes = _round_up(nbytes, self.align)
         if nbytes <= 0 or slot_bytes > self._usable:
-            raise ValueError(
-                f"cannot store objects of {nbytes} bytes in a pool of {self.capacity_bytes} bytes"
-            )
+            raise ValueError(f"cannot store objects of {nbytes} bytes in a pool of {self.capacity_bytes} "
+                             f"bytes: it can allocate at most {self._usable} contiguous bytes")
         if self._slab_bytes is None:
             self._set_slab_bytes(default_slab_bytes(slot_bytes, self._usable))
         slab_bytes = self._slab_bytes
         span = -(-slot_bytes // slab_bytes)
         if span > len(self._owner):
             raise ValueError(
-                f"cannot store objects of {nbytes} bytes in {len(self._owner)} slabs of {slab_bytes} bytes"
+                f"cannot store objects of {nbytes} bytes in a pool of {self.capacity_bytes} bytes: it can "
+                f"allocate at most {len(self._owner) * slab_bytes} contiguous bytes "
+                f"({len(self._owner)} slabs of {slab_bytes} bytes)"
             )
         size_class = _SizeClass(nbytes, slot_bytes, span, span * slab_bytes // slot_bytes)
         self._classes[nbytes] = size_class
