@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 
 from lmcache_mp import __version__
-from lmcache_mp.config import ServerConfig, ipc_path
+from lmcache_mp.config import ServerConfig, claim_socket_path, ipc_path
 from lmcache_mp.errors import ServerError
 from lmcache_mp.mq import REQUEST_ID, Codec, MessageQueueServer
 from lmcache_mp.observability import Metrics
@@ -40,6 +40,16 @@ logger = logging.getLogger(__name__)
 
 
 Handler = Callable[..., Any]
+
+
+def prepare_ipc_endpoints(listen: list[str]) -> None:
+    """Create the private directories of the ipc:// endpoints and remove stale sockets there;
+    raises SocketInUseError where a live daemon still serves one."""
+    for url in listen:
+        path = ipc_path(url)
+        if path is not None:
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            claim_socket_path(path, url)
 
 
 class Server:
@@ -82,14 +92,7 @@ class Server:
                 path.unlink(missing_ok=True)
 
     def _prepare_ipc_dirs(self) -> None:
-        for url in self.config.listen:
-            path = ipc_path(url)
-            if path is None:
-                continue
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            if path.exists():
-                # A stale socket from a daemon that died; a live one would still answer.
-                path.unlink()
+        prepare_ipc_endpoints(self.config.listen)
 
     def _secure_ipc_files(self) -> None:
         for url in self.config.listen:
