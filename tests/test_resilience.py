@@ -9,8 +9,15 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
+from lmcache_mp.custom_types import IPCCacheEngineKey
+from lmcache_mp.errors import ServerError
 from lmcache_mp.launcher import DaemonProcess
-from tests.helpers import status
+from lmcache_mp.protocol import ErrorCode, RequestType, StatusReport, StoreResult
+from tests.helpers import BLOCK, CHUNK, LAYERS, block_hashes, status
+from tests.kv_worker import make_caches
+from vllm_adapter import LMCacheMPWorkerAdapter
 
 SMALL_POOL = ("--l1-size-gb", "0.05")
 
@@ -62,3 +69,41 @@ def test_socket_stale_paths_of_a_killed_daemon_are_replaced(daemons: Callable, w
     assert len(status(second.url).registered_instances) == 1
     assert second.stop() == 0
     assert not sock.exists() and not attach.exists()
+
+
+def test_shutdown_answers_every_request_in_flight_or_queued(daemons: Callable) -> None:
+    # One worker thread and 128 MiB STOREs (each keeps it busy for tens of ms, the pool evicts
+    # to make room): at SIGTERM one STORE is running and the rest wait in the queue.
+    daemon: DaemonProcess = daemons("--chunk-size", str(CHUNK), "--l1-size-gb", "0.3", "--max-workers", "1")
+    blocks = 1024
+    worker = LMCacheMPWorkerAdapter(daemon.url, None, "m", 1, 0, BLOCK)
+    try:
+        worker.register_kv_caches(make_caches([blocks, 8, BLOCK, 256], torch.bfloat16, LAYERS, seed=3),
+                                  "CPU_ATTN")
+        c = worker.mq_client
+        futures = []
+        for i in range(8):
+            hashes = block_hashes([i * 10**6 + t for t in range(blocks * BLOCK)])
+            keys = [IPCCacheEngineKey("m", 1, 0, chunk_hash=h) for h in hashes[1::2]]
+            futures.append(c.submit(RequestType.STORE, [keys, worker.instance_id, list(range(blocks)), b""]))
+            futures.append(c.submit(RequestType.UNREGISTER_KV_CACHE, [10**6 + i]))
+        # Same connection, so it is read after every request above.
+        report: StatusReport = c.submit(RequestType.STATUS, []).result(10)
+        assert report.requests_in_flight > 1, report  # some run, the rest are queued
+        daemon.proc.send_signal(signal.SIGTERM)
+
+        answered = []
+        for f in futures:
+            assert f.wait(30), f"{f.request_type.name} got no reply"  # none times out
+            err = f.exception()
+            if err is None:
+                answered.append(f.result())
+            else:
+                assert isinstance(err, ServerError) and err.code is ErrorCode.SHUTTING_DOWN, err
+        assert any(isinstance(r, StoreResult) for r in answered)  # the running STORE finished
+        assert len(answered) < len(futures)  # and the queued ones were refused
+        assert daemon.proc.wait(30) == 0
+    finally:
+        worker.shutdown()
+    log = daemon.log()
+    assert "Traceback" not in log and "stopped" in log, log
