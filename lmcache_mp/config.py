@@ -59,7 +59,7 @@ def claim_socket_path(path: Path, what: str) -> None:
         pass
     finally:
         probe.close()
-    raise SocketInUseError(f"{what} {path} is in use: another lmcache-mp daemon is serving it; "
+    raise SocketInUseError(f"{what} is in use: another lmcache-mp daemon is serving {path}; "
                            "stop that daemon first or choose another --listen path")
 
 

@@ -45,7 +45,7 @@ def test_socket_second_daemon_refuses_a_live_daemons_path(short_tmp: Path, daemo
     second = _serve(short_tmp, first.url)
     assert second.returncode != 0, second.stdout
     errors = [line for line in second.stdout.splitlines() if "ERROR" in line]
-    assert len(errors) == 1 and "another lmcache-mp daemon is serving it" in errors[0], second.stdout
+    assert len(errors) == 1 and "another lmcache-mp daemon is serving" in errors[0], second.stdout
     assert str(sock) in errors[0] and "Traceback" not in second.stdout
 
     # The first daemon keeps both sockets, answers, and still takes registrations.

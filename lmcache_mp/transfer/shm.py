@@ -137,7 +137,7 @@ class AttachListener:
         self._by_fd: dict[int, _Channel] = {}
         self._cond = threading.Condition()
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        claim_socket_path(path, "attach socket")
+        claim_socket_path(path, f"attach socket {path}")
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._server.bind(str(path))
         os.chmod(path, 0o600)
