@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -35,6 +36,31 @@ def default_url() -> str:
 
 def ipc_path(url: str) -> Path | None:
     return Path(url.removeprefix("ipc://")) if url.startswith("ipc://") else None
+
+
+class SocketInUseError(OSError):
+    """A live process (another daemon) accepts connections on a Unix socket path we want."""
+
+
+def claim_socket_path(path: Path, what: str) -> None:
+    """Make way for a new Unix socket at `path`. A socket left by a daemon that died (nothing
+    accepts on it) is removed; one that still accepts belongs to a live daemon and is never
+    touched: binding over it would orphan that daemon, and our exit would delete its socket."""
+    if not os.path.lexists(path):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)  # a live daemon with a full backlog does not answer in time
+    try:
+        probe.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        path.unlink(missing_ok=True)  # stale: its daemon is gone
+        return
+    except TimeoutError:
+        pass
+    finally:
+        probe.close()
+    raise SocketInUseError(f"{what} is in use: another lmcache-mp daemon is serving {path}; "
+                           "stop that daemon first or choose another --listen path")
 
 
 def check_endpoint(url: str, allow_remote: bool) -> None:

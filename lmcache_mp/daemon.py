@@ -8,7 +8,7 @@ from lmcache_mp.config import ServerConfig
 from lmcache_mp.engine import Engine
 from lmcache_mp.observability import Metrics
 from lmcache_mp.protocol import RequestType
-from lmcache_mp.server import Server
+from lmcache_mp.server import Server, prepare_ipc_endpoints
 
 
 class Daemon:
@@ -16,6 +16,9 @@ class Daemon:
 
     def __init__(self, config: ServerConfig):
         config.validate()
+        # Before anything else (the pool, the attach socket): a second daemon started on a live
+        # one's path must fail at once and leave that daemon's sockets alone.
+        prepare_ipc_endpoints(config.listen)
         # Copies run on the server's worker threads. torch's intra-op threads, started from
         # such threads, fight each other for the cores and halve copy throughput (measured:
         # 8 vs 16 GB/s gather on 2 cores); one torch thread per worker is the faster setup.

@@ -48,6 +48,8 @@ DEFAULT_REQUEST_TIMEOUT_S = 300.0
 # it blocks; the I/O thread then stops reading the outbox and submitters see timeouts.
 SOCKET_HWM = 100_000
 MAX_FRAME_BYTES = 64 * 2**20
+# How long a stopping server keeps trying to deliver its last replies to connected clients.
+CLOSE_LINGER_MS = 2000
 
 
 # ---- encoding -----------------------------------------------------------------------------
@@ -367,12 +369,17 @@ class MessageQueueServer:
 
     Incoming requests go to `on_request` on that thread. Replies may come from any thread:
     on the I/O thread itself they go straight out; from elsewhere they are queued and the
-    I/O thread is woken through an eventfd doorbell (only it may touch the socket)."""
+    I/O thread is woken through an eventfd doorbell (only it may touch the socket).
+
+    The server owns its ZeroMQ context (unless given one) so that `stop` can wait until the
+    last replies are written out: closing a socket drops what its context has not sent yet."""
 
     def __init__(self, endpoints: list[str], on_request: Callable[[bytes, list[bytes]], None],
                  on_tick: Callable[[], None] | None = None, context: zmq.Context | None = None,
                  tick_s: float = 1.0):
-        sock = (context or zmq.Context.instance()).socket(zmq.ROUTER)
+        self._context = context or zmq.Context()
+        self._owns_context = context is None
+        sock = self._context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, SOCKET_HWM)
         sock.setsockopt(zmq.RCVHWM, SOCKET_HWM)
@@ -382,9 +389,15 @@ class MessageQueueServer:
         # frame is disconnected instead of making the daemon buffer it.
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self.endpoints: list[str] = []
-        for endpoint in endpoints:
-            sock.bind(endpoint)
-            self.endpoints.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        try:
+            for endpoint in endpoints:
+                sock.bind(endpoint)
+                self.endpoints.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        except BaseException:
+            sock.close(linger=0)
+            if self._owns_context:
+                self._context.term()
+            raise
         self._sock = sock
         self._on_request = on_request
         self._on_tick = on_tick
@@ -392,6 +405,10 @@ class MessageQueueServer:
         self._outbox: collections.deque[list[bytes]] = collections.deque()
         self._doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._stopping = False
+        # Replies may come from any thread until the I/O thread closes the socket and the
+        # doorbell; this lock orders them against that close (a late reply is dropped).
+        self._reply_lock = threading.Lock()
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="mq-server", daemon=True)
 
     def start(self) -> None:
@@ -404,10 +421,16 @@ class MessageQueueServer:
             self._thread.join(timeout=5)
 
     def reply(self, identity: bytes, request_id: bytes, status: int, body: bytes) -> None:
+        """Send a reply (from any thread). After `stop` it is dropped: its client is gone or
+        will time out, and the socket is closed."""
         frames = [identity, request_id, _STATUS_FRAMES[status], body]
-        if threading.current_thread() is self._thread:
+        if threading.current_thread() is self._thread:  # only while the I/O thread runs
             self._sock.send_multipart(frames, copy=False)
-        else:
+            return
+        with self._reply_lock:
+            if self._closed:
+                logger.debug("dropping a reply: the message queue is stopped")
+                return
             self._outbox.append(frames)
             os.eventfd_write(self._doorbell, 1)
 
@@ -428,10 +451,16 @@ class MessageQueueServer:
                 if self._on_tick is not None and time.monotonic() >= next_tick:
                     next_tick = time.monotonic() + self._tick_s
                     self._on_tick()
-            self._flush_outbox()
         finally:
-            self._sock.close(linger=0)
-            os.close(self._doorbell)
+            with self._reply_lock:
+                self._closed = True
+                try:
+                    self._flush_outbox()
+                finally:
+                    self._sock.close(linger=CLOSE_LINGER_MS)
+                    os.close(self._doorbell)
+            if self._owns_context:
+                self._context.term()  # returns once the replies are out, or after the linger
 
     def _flush_outbox(self) -> None:
         while self._outbox:

@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 
 from lmcache_mp import __version__
-from lmcache_mp.config import ServerConfig, ipc_path
+from lmcache_mp.config import ServerConfig, claim_socket_path, ipc_path
 from lmcache_mp.errors import ServerError
 from lmcache_mp.mq import REQUEST_ID, Codec, MessageQueueServer
 from lmcache_mp.observability import Metrics
@@ -40,6 +40,23 @@ logger = logging.getLogger(__name__)
 
 
 Handler = Callable[..., Any]
+
+# How long a stopping daemon lets the requests it started finish, and answers them, before it
+# closes the message queue (the replies of any still running after that are dropped).
+DRAIN_TIMEOUT_S = 5.0
+
+
+def prepare_ipc_endpoints(listen: list[str]) -> None:
+    """Create the private directories of the ipc:// endpoints and remove stale sockets there;
+    raises SocketInUseError where a live daemon still serves one."""
+    for url in listen:
+        path = ipc_path(url)
+        if path is not None:
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            claim_socket_path(path, url)
+
+
+_STOPPING = "the daemon is stopping"
 
 
 class Server:
@@ -61,8 +78,11 @@ class Server:
             **(handlers or {}),
         }
         self._pool = ThreadPoolExecutor(config.max_workers, thread_name_prefix="lmcache-mp-worker")
-        self._queued = 0
+        self._queued = 0  # worker requests queued or running
+        self._deferred = 0  # deferred handlers' Futures not completed yet
         self._queued_lock = threading.Lock()
+        self._drained = threading.Condition(self._queued_lock)  # both counters reached 0
+        self._stopping = False
         self._prepare_ipc_dirs()
         self._mq = MessageQueueServer(config.listen, self._on_request, on_tick=self._tick)
         self._secure_ipc_files()
@@ -74,22 +94,28 @@ class Server:
         self._mq.start()
 
     def stop(self) -> None:
+        """Refuse new requests, answer the queued ones SHUTTING_DOWN, let the running ones
+        finish and send their replies (up to DRAIN_TIMEOUT_S), then close the message queue."""
+        with self._queued_lock:
+            self._stopping = True
+        # Cancelled queued requests are answered by their futures' callbacks (_refuse_unstarted).
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._drained:
+            drained = self._drained.wait_for(lambda: self._queued == 0 and self._deferred == 0,
+                                             DRAIN_TIMEOUT_S)
+            running = self._queued + self._deferred
+        if not drained:
+            logger.warning("%d requests still running after %.0f s; their replies are dropped",
+                           running, DRAIN_TIMEOUT_S)
         self._mq.stop()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.shutdown(wait=True)
         for url in self.endpoints:
             path = ipc_path(url)
             if path is not None:
                 path.unlink(missing_ok=True)
 
     def _prepare_ipc_dirs(self) -> None:
-        for url in self.config.listen:
-            path = ipc_path(url)
-            if path is None:
-                continue
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            if path.exists():
-                # A stale socket from a daemon that died; a live one would still answer.
-                path.unlink()
+        prepare_ipc_endpoints(self.config.listen)
 
     def _secure_ipc_files(self) -> None:
         for url in self.config.listen:
@@ -129,21 +155,47 @@ class Server:
             self._send_error(identity, request_id, ErrorCode.NOT_IMPLEMENTED,
                              f"{request_type.name} is not implemented by this daemon", request_type)
             return
+        if self._stopping:
+            self._send_error(identity, request_id, ErrorCode.SHUTTING_DOWN, _STOPPING, request_type)
+            return
         if PROTOCOL[request_type].kind is not HandlerKind.WORKER:
             self._run(identity, request_id, request_type, handler, args)
             return
         with self._queued_lock:
-            if self._queued >= self.config.max_queued_requests:
-                overloaded = True
-            else:
-                overloaded = False
+            # Checked again under the lock: stop() waits for every request counted here.
+            refusal = (ErrorCode.SHUTTING_DOWN if self._stopping
+                       else ErrorCode.OVERLOADED if self._queued >= self.config.max_queued_requests
+                       else None)
+            if refusal is None:
                 self._queued += 1
-        if overloaded:
-            self._send_error(identity, request_id, ErrorCode.OVERLOADED,
-                             f"{self.config.max_queued_requests} requests already queued", request_type)
+        if refusal is not None:
+            message = (_STOPPING if refusal is ErrorCode.SHUTTING_DOWN
+                       else f"{self.config.max_queued_requests} requests already queued")
+            self._send_error(identity, request_id, refusal, message, request_type)
             return
-        self._pool.submit(self._run_queued, identity, request_id, request_type, handler, args,
-                          time.monotonic() + self.config.queue_deadline_s)
+        try:
+            queued = self._pool.submit(self._run_queued, identity, request_id, request_type, handler,
+                                       args, time.monotonic() + self.config.queue_deadline_s)
+        except RuntimeError:  # stop() shut the pool down since the check above
+            self._refuse_unstarted(identity, request_id, request_type)
+            return
+        queued.add_done_callback(
+            lambda done: done.cancelled() and self._refuse_unstarted(identity, request_id, request_type))
+
+    def _refuse_unstarted(self, identity: bytes, request_id: bytes, request_type: RequestType) -> None:
+        """A worker request that stop() took off the queue before it started."""
+        self._send_error(identity, request_id, ErrorCode.SHUTTING_DOWN, _STOPPING + "; not started",
+                         request_type)
+        self._count_done()
+
+    def _count_done(self, *, deferred: bool = False) -> None:
+        with self._queued_lock:
+            if deferred:
+                self._deferred -= 1
+            else:
+                self._queued -= 1
+            if self._stopping:
+                self._drained.notify_all()
 
     def _run_queued(self, identity: bytes, request_id: bytes, request_type: RequestType,
                     handler: Handler, args: list[Any], deadline: float) -> None:
@@ -155,10 +207,13 @@ class Server:
                                  f"{request_type.name} waited over {self.config.queue_deadline_s} s "
                                  "for a worker thread; not started", request_type)
                 return
+            if self._stopping:  # taken off the queue just as stop() began
+                self._send_error(identity, request_id, ErrorCode.SHUTTING_DOWN, _STOPPING + "; not started",
+                                 request_type)
+                return
             self._run(identity, request_id, request_type, handler, args)
         finally:
-            with self._queued_lock:
-                self._queued -= 1
+            self._count_done()
 
     def _run(self, identity: bytes, request_id: bytes, request_type: RequestType,
              handler: Handler, args: list[Any]) -> None:
@@ -169,6 +224,8 @@ class Server:
             self._reply(identity, request_id, request_type, start, error=err)
             return
         if isinstance(result, Future):  # a deferred handler: reply when it completes
+            with self._queued_lock:
+                self._deferred += 1
             result.add_done_callback(
                 lambda done: self._reply_when_done(identity, request_id, request_type, start, done))
             return
@@ -176,14 +233,17 @@ class Server:
 
     def _reply_when_done(self, identity: bytes, request_id: bytes, request_type: RequestType,
                          start: float, done: Future) -> None:
-        if done.cancelled():
-            error: BaseException | None = ServerError(ErrorCode.SHUTTING_DOWN, "the daemon is stopping")
-        else:
-            error = done.exception()
-        if error is not None:
-            self._reply(identity, request_id, request_type, start, error=error)
-        else:
-            self._reply(identity, request_id, request_type, start, result=done.result())
+        try:
+            if done.cancelled():
+                error: BaseException | None = ServerError(ErrorCode.SHUTTING_DOWN, _STOPPING)
+            else:
+                error = done.exception()
+            if error is not None:
+                self._reply(identity, request_id, request_type, start, error=error)
+            else:
+                self._reply(identity, request_id, request_type, start, result=done.result())
+        finally:
+            self._count_done(deferred=True)
 
     def _reply(self, identity: bytes, request_id: bytes, request_type: RequestType, start: float, *,
                result: Any = None, error: BaseException | None = None) -> None:

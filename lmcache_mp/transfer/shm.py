@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from lmcache_mp.config import claim_socket_path
 from lmcache_mp.custom_types import SharedMemoryTensor, dtype_to_str
 
 logger = logging.getLogger(__name__)
@@ -136,7 +137,7 @@ class AttachListener:
         self._by_fd: dict[int, _Channel] = {}
         self._cond = threading.Condition()
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        path.unlink(missing_ok=True)
+        claim_socket_path(path, f"attach socket {path}")
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._server.bind(str(path))
         os.chmod(path, 0o600)
@@ -218,6 +219,10 @@ class AttachListener:
             msg, fds, _flags, _addr = socket.recv_fds(conn, TOKEN_BYTES + 4, MAX_FDS)
         except OSError as err:
             logger.warning("attach channel failed during hand-over: %s", err)
+            conn.close()
+            return
+        if not msg and not fds:  # closed before any hand-over: another daemon probing the path
+            logger.debug("an attach connection closed without a hand-over")
             conn.close()
             return
         if len(msg) != TOKEN_BYTES + 4 or struct.unpack("<I", msg[TOKEN_BYTES:])[0] != len(fds):
