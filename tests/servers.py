@@ -118,6 +118,7 @@ def redis_cluster(workdir: Path, masters: int = 3) -> Iterator[list[RedisServer]
 
 
 LISTENING = re.compile(r"listening on 127\.0\.0\.1:(\d+)")
+CLOSED = re.compile(r": closed$", re.MULTILINE)  # a connection's end, at DEBUG
 
 
 def command() -> list[str]:
@@ -168,4 +169,11 @@ def start_v1_server(tmp: Path, *args: str, size_gb: str = "0.05") -> ServerProce
         time.sleep(0.02)
     server = ServerProcess(proc, int(match.group(1)), log_path)
     server.connect().close()
+    # Wait until the server has seen this probe close: a test that counts connections (the
+    # --max-connections limit) must start from none.
+    deadline = time.monotonic() + 10
+    while not CLOSED.search(server.log()):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"remote-server never saw its probe close:\n{server.log()}")
+        time.sleep(0.01)
     return server
