@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import ipaddress
 import os
 import socket
@@ -42,10 +43,42 @@ class SocketInUseError(OSError):
     """A live process (another daemon) accepts connections on a Unix socket path we want."""
 
 
-def claim_socket_path(path: Path, what: str) -> None:
-    """Make way for a new Unix socket at `path`. A socket left by a daemon that died (nothing
-    accepts on it) is removed; one that still accepts belongs to a live daemon and is never
-    touched: binding over it would orphan that daemon, and our exit would delete its socket."""
+class SocketClaim:
+    """The right to serve one Unix socket path: an exclusive `flock` on PATH.lock, held for as
+    long as the daemon serves. The kernel drops it when the process dies, so a crashed daemon
+    never blocks its successor; two daemons started at the same moment cannot both pass the
+    liveness probe below and bind the same path. The lock file itself stays: unlinking it
+    would let a third process lock a fresh file while the second still holds the old one."""
+
+    def __init__(self, path: Path, what: str):
+        self._fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._fd)
+            raise _in_use(path, what) from None
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def claim_socket_path(path: Path, what: str) -> SocketClaim:
+    """Make way for a new Unix socket at `path`, and hold it (release the claim after the socket
+    is gone). A socket left by a daemon that died (nothing accepts on it) is removed; one that
+    still accepts belongs to a live daemon and is never touched: binding over it would orphan
+    that daemon, and our exit would delete its socket."""
+    claim = SocketClaim(path, what)
+    try:
+        _remove_if_stale(path, what)
+    except BaseException:
+        claim.release()
+        raise
+    return claim
+
+
+def _remove_if_stale(path: Path, what: str) -> None:
     if not os.path.lexists(path):
         return
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -59,8 +92,12 @@ def claim_socket_path(path: Path, what: str) -> None:
         pass
     finally:
         probe.close()
-    raise SocketInUseError(f"{what} is in use: another lmcache-mp daemon is serving {path}; "
-                           "stop that daemon first or choose another --listen path")
+    raise _in_use(path, what)  # a daemon of a version without the lock file
+
+
+def _in_use(path: Path, what: str) -> SocketInUseError:
+    return SocketInUseError(f"{what} is in use: another lmcache-mp daemon is serving {path}; "
+                            "stop that daemon first or choose another --listen path")
 
 
 def check_endpoint(url: str, allow_remote: bool) -> None:

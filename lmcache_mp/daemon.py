@@ -18,7 +18,14 @@ class Daemon:
         config.validate()
         # Before anything else (the pool, the attach socket): a second daemon started on a live
         # one's path must fail at once and leave that daemon's sockets alone.
-        prepare_ipc_endpoints(config.listen)
+        self._claims = prepare_ipc_endpoints(config.listen)
+        try:
+            self._build(config)
+        except BaseException:
+            self._release_claims()
+            raise
+
+    def _build(self, config: ServerConfig) -> None:
         # Copies run on the server's worker threads. torch's intra-op threads, started from
         # such threads, fight each other for the cores and halve copy throughput (measured:
         # 8 vs 16 GB/s gather on 2 cores); one torch thread per worker is the faster setup.
@@ -52,3 +59,8 @@ class Daemon:
     def stop(self) -> None:
         self.server.stop()
         self.engine.close()
+        self._release_claims()  # last: the sockets are gone, a successor may take the paths
+
+    def _release_claims(self) -> None:
+        for claim in self._claims:
+            claim.release()

@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 
 from lmcache_mp import __version__
-from lmcache_mp.config import ServerConfig, claim_socket_path, ipc_path
+from lmcache_mp.config import ServerConfig, SocketClaim, claim_socket_path, ipc_path
 from lmcache_mp.errors import ServerError
 from lmcache_mp.mq import REQUEST_ID, Codec, MessageQueueServer
 from lmcache_mp.observability import Metrics
@@ -46,14 +46,22 @@ Handler = Callable[..., Any]
 DRAIN_TIMEOUT_S = 5.0
 
 
-def prepare_ipc_endpoints(listen: list[str]) -> None:
-    """Create the private directories of the ipc:// endpoints and remove stale sockets there;
-    raises SocketInUseError where a live daemon still serves one."""
-    for url in listen:
-        path = ipc_path(url)
-        if path is not None:
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            claim_socket_path(path, url)
+def prepare_ipc_endpoints(listen: list[str]) -> list[SocketClaim]:
+    """Create the private directories of the ipc:// endpoints, claim their paths and remove stale
+    sockets there; raises SocketInUseError where another daemon serves (or claimed) one. Release
+    the claims once the server has stopped."""
+    claims: list[SocketClaim] = []
+    try:
+        for url in listen:
+            path = ipc_path(url)
+            if path is not None:
+                path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                claims.append(claim_socket_path(path, url))
+    except BaseException:
+        for claim in claims:
+            claim.release()
+        raise
+    return claims
 
 
 _STOPPING = "the daemon is stopping"
@@ -83,7 +91,6 @@ class Server:
         self._queued_lock = threading.Lock()
         self._drained = threading.Condition(self._queued_lock)  # both counters reached 0
         self._stopping = False
-        self._prepare_ipc_dirs()
         self._mq = MessageQueueServer(config.listen, self._on_request, on_tick=self._tick)
         self._secure_ipc_files()
         self.endpoints = self._mq.endpoints
@@ -113,9 +120,6 @@ class Server:
             path = ipc_path(url)
             if path is not None:
                 path.unlink(missing_ok=True)
-
-    def _prepare_ipc_dirs(self) -> None:
-        prepare_ipc_endpoints(self.config.listen)
 
     def _secure_ipc_files(self) -> None:
         for url in self.config.listen:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
@@ -69,6 +70,18 @@ def test_socket_stale_paths_of_a_killed_daemon_are_replaced(daemons: Callable, w
     assert len(status(second.url).registered_instances) == 1
     assert second.stop() == 0
     assert not sock.exists() and not attach.exists()
+
+
+def test_socket_claimed_path_is_refused_before_any_socket_exists(short_tmp: Path) -> None:
+    # A daemon that is starting holds the path's lock file before its socket exists: a second
+    # one started at that moment must not pass the (socket) liveness probe and bind too.
+    sock = short_tmp / "starting.sock"
+    with open(f"{sock}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        second = _serve(short_tmp, f"ipc://{sock}")
+    assert second.returncode != 0, second.stdout
+    assert "another lmcache-mp daemon is serving" in second.stdout, second.stdout
+    assert not sock.exists()
 
 
 def test_shutdown_answers_every_request_in_flight_or_queued(daemons: Callable) -> None:

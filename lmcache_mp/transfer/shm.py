@@ -137,7 +137,7 @@ class AttachListener:
         self._by_fd: dict[int, _Channel] = {}
         self._cond = threading.Condition()
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        claim_socket_path(path, f"attach socket {path}")
+        self._claim = claim_socket_path(path, f"attach socket {path}")
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._server.bind(str(path))
         os.chmod(path, 0o600)
@@ -164,6 +164,7 @@ class AttachListener:
         os.close(self._wake_r)
         os.close(self._wake_w)
         self.path.unlink(missing_ok=True)
+        self._claim.release()
 
     def claim(self, token: bytes, timeout_s: float = 5.0) -> list[int]:
         """The descriptors sent with `token`; the caller owns (and must close) them."""
