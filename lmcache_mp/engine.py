@@ -311,6 +311,7 @@ class Engine:
     def status(self) -> dict[str, object]:
         gauges = self.gauges()
         _, tiers = self.storage.stats()
+        copying, cancelled = self.fence.counts()
         return {
             "pool_bytes": gauges["pool_capacity_bytes"],
             "pool_used_bytes": gauges["pool_used_bytes"],
@@ -318,6 +319,7 @@ class Engine:
             "registered_instances": self.registry.instance_ids(),
             "sessions": gauges["lease_sessions"],
             "leases": gauges["leases"],
-            "cancelled_retrieves": self.fence.counts()[1],
+            "retrieves_copying": copying,
+            "cancelled_retrieves": cancelled,
             "tiers": tiers,
         }

@@ -138,7 +138,9 @@ class StatusReport(msgspec.Struct, gc=False):
     registered_instances: list[int] = []
     sessions: int = 0
     leases: int = 0
-    # (instance, request) pairs remembered as cancelled (CANCEL_RETRIEVE), bounded
+    # RETRIEVEs copying, per (instance, request), and those pairs remembered as cancelled
+    # (CANCEL_RETRIEVE; bounded)
+    retrieves_copying: int = 0
     cancelled_retrieves: int = 0
     requests_in_flight: int = 0
     tiers: list[TierStats] = []  # the tiers below the pool, in order

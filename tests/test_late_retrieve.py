@@ -15,7 +15,7 @@ import torch
 from lmcache_mp.custom_types import IPCCacheEngineKey
 from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import MessageQueueClient
-from lmcache_mp.protocol import RequestType, RetrieveResult
+from lmcache_mp.protocol import ChunkOutcome, RequestType, RetrieveResult
 from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes, freeze, status
 from tests.kv_worker import make_caches
 from tests.test_fault_paths import lease
@@ -168,3 +168,42 @@ def test_the_cancelled_record_is_bounded(daemons: Callable) -> None:
         assert status(daemon.url).cancelled_retrieves == 0
     finally:
         client.close()
+
+
+def test_cancel_stops_a_retrieve_that_is_copying(daemons: Callable) -> None:
+    """A RETRIEVE of many chunks (tens of ms of copying) is cancelled while it copies: the CANCEL
+    is answered once it has stopped (between chunks), and nothing is written after that."""
+    daemon: DaemonProcess = daemons(*DAEMON_ARGS)
+    blocks = 4096
+    worker = LMCacheMPWorkerAdapter(daemon.url, None, "m", 1, 0, BLOCK)
+    try:
+        caches = make_caches([blocks, 2, BLOCK, 64], torch.bfloat16, LAYERS, seed=1)
+        worker.register_kv_caches(caches, "CPU_ATTN")
+        client, iid = worker.mq_client, worker.instance_id
+        half = blocks // 2
+        hashes = block_hashes(list(range(half * BLOCK)))[CHUNK // BLOCK - 1::CHUNK // BLOCK]
+        assert ChunkOutcome.NO_SPACE not in store(client, iid, hashes, "s")
+        target = list(range(half, blocks))
+        caught = 0
+        for attempt in range(20):  # until a CANCEL comes while the copy runs (the first, mostly)
+            for cache in worker.kv_caches.values():
+                cache[target] = SENTINEL
+            request_id = f"r{attempt}"
+            keys = [IPCCacheEngineKey("m", 1, 0, chunk_hash=h, request_id=request_id) for h in hashes]
+            copy = client.submit(RequestType.RETRIEVE, [keys, iid, target, b""])
+            while status(daemon.url).retrieves_copying == 0 and not copy.query():
+                pass
+            stopped = cancel(client, iid, [request_id])
+            pages = torch.stack([cache[target].clone() for cache in worker.kv_caches.values()])
+            result: RetrieveResult = copy.result(10)
+            if stopped:
+                caught += 1
+                assert stopped == 1 and not result.ok and result.reason == "cancelled"
+                time.sleep(0.2)
+                assert torch.equal(torch.stack([cache[target] for cache in worker.kv_caches.values()]), pages)
+                assert bool(torch.any(pages == SENTINEL)), "the copy ran to its end"
+                break
+        assert caught, "no CANCEL came while a copy ran"
+        assert status(daemon.url).retrieves_copying == 0
+    finally:
+        worker.shutdown()

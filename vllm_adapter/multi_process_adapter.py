@@ -69,6 +69,9 @@ MAX_RETRY_S = 30.0
 _PERMANENT_REFUSALS = frozenset({ErrorCode.MALFORMED_MESSAGE, ErrorCode.UNKNOWN_REQUEST_TYPE,
                                  ErrorCode.BAD_PAYLOAD, ErrorCode.NOT_IMPLEMENTED,
                                  ErrorCode.INVALID_ARGUMENT})
+# CANCEL_RETRIEVE answers after which no confirmation will come from this daemon: it is stopping
+# (it closes the attach channels once its last copy is done), or does not know the request.
+_CANNOT_CANCEL = _PERMANENT_REFUSALS | {ErrorCode.SHUTTING_DOWN}
 # Finished request ids remembered to report each exactly once (bounded).
 _REPORTED_MEMORY = 100_000
 # A load fenced this long (the daemon neither confirms its CANCEL nor goes away) is logged as an ERROR.
@@ -263,15 +266,15 @@ class _PerRequestOps:
 
 @dataclass
 class _Fence:
-    """A load whose RETRIEVE got no reply in time: its blocks stay vLLM's-to-not-reuse until
+    """A load whose RETRIEVE got no reply in time: its blocks are not handed back to vLLM until
     the daemon answers a CANCEL_RETRIEVE for it, or is gone (see the module docstring)."""
 
     blocks: list[int]
     target: _Target
     since: float
     cancel: MessagingFuture[int] | None = None
-    # The daemon answered the CANCEL with an error (it is stopping, or does not know the request
-    # type): no confirmation will come from it, only its exit.
+    # The daemon answered the CANCEL with an error no retry changes (`_CANNOT_CANCEL`): only its
+    # exit releases the blocks.
     until_gone: bool = False
     overdue_logged: bool = False
 
@@ -282,12 +285,13 @@ class _Fence:
         if cancel is None or not cancel.query():
             return False
         error = cancel.exception()
-        if isinstance(error, ServerError):
+        if isinstance(error, ServerError) and error.code in _CANNOT_CANCEL:
             self.until_gone = True
         return error is None
 
     def needs_cancel(self) -> bool:
-        """Whether a CANCEL is due: none sent yet, or the last one timed out."""
+        """Whether a CANCEL is due: none sent yet, or the last one failed (a timeout, an
+        overloaded daemon) and its deadline passed: at most one try per `timeout_s`."""
         if self.until_gone:
             return False
         return self.cancel is None or (self.cancel.query() and self.cancel.exception() is not None
@@ -456,6 +460,7 @@ class LMCacheMPWorkerAdapter:
     def _submit(self, request_type: RequestType, tracker: _PerRequestOps, request_ids: list[str],
                 ops: list[LoadStoreOp], event: torch.cuda.Event | None) -> None:
         registered = self.ensure_registered()
+        target = None
         if not registered and self._refused and request_type is RequestType.STORE:
             # Serving without the cache, as the one ERROR said: a skipped store is no failure.
             future = MessagingFuture.settled(request_type, StoreResult(b"", []))
@@ -469,10 +474,9 @@ class LMCacheMPWorkerAdapter:
             event_handle = event.ipc_handle() if event is not None else b""
             future = send_lmcache_request(self.mq_client, request_type,
                                           [keys, self.instance_id, block_ids, event_handle])
-            assert self._channel is not None  # registered
-            tracker.add(request_ids, ops, future, _Target(self.instance_id, self._channel))
-            return
-        tracker.add(request_ids, ops, future)
+            if request_type is RequestType.RETRIEVE and self._channel is not None:
+                target = _Target(self.instance_id, self._channel)  # to fence it, should it time out
+        tracker.add(request_ids, ops, future, target)
 
     def retrieve_now(self, request_ids: list[str], ops: list[LoadStoreOp],
                      timeout_s: float) -> dict[str, list[int]]:
@@ -505,11 +509,11 @@ class LMCacheMPWorkerAdapter:
         """(requests whose stores are all done and which vLLM has finished, requests whose
         retrieves are done). Each id is returned once. Failed retrieves are also recorded
         for `take_failed_retrieves`."""
-        for request_id, failure in self._stores.poll().items():
+        for request_id, outcome in self._stores.poll().items():
             self._stores.take_blocks(request_id)
-            if failure:
-                self._note_error(failure)
-                logger.warning("store for request %s failed: %s", request_id, failure)
+            if outcome.failure:
+                self._note_error(outcome.failure)
+                logger.warning("store for request %s failed: %s", request_id, outcome.failure)
         finished_stores: set[str] = set()
         for request_id in finished_req_ids_from_engine | self._finished_by_engine:
             if self._stores.has(request_id):
