@@ -4,6 +4,7 @@ only once the daemon has answered CANCEL_RETRIEVE or is gone. Real daemons, real
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 import time
@@ -20,7 +21,7 @@ from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes, freeze, sta
 from tests.kv_worker import make_caches
 from tests.test_fault_paths import lease
 from tests.test_tiers import store
-from vllm_adapter import LMCacheMPWorkerAdapter, LoadStoreOp
+from vllm_adapter import LMCacheMPWorkerAdapter, LoadStoreOp, multi_process_adapter
 
 DAEMON_ARGS = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05")
 TIMEOUT_S = 0.5  # the worker's request timeout: short, so that loads time out while the daemon is stopped
@@ -108,14 +109,22 @@ def test_a_timed_out_sync_load_returns_once_the_daemon_confirms(stored) -> None:
     assert_stays(worker, target_pages(worker))
 
 
-def test_a_load_held_for_a_daemon_that_dies_is_released(stored) -> None:
+def test_a_load_held_for_a_daemon_that_dies_is_released(stored, monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
     daemon, worker = stored
+    monkeypatch.setattr(multi_process_adapter, "FENCE_ERROR_AFTER_S", 2 * TIMEOUT_S)
+    caplog.set_level(logging.WARNING, logger=multi_process_adapter.__name__)
     freeze(daemon.proc)
     worker.submit_retrieve_request("r", LoadStoreOp(TARGET, block_hashes=HASHES), None)
-    assert poll_load(worker, "r", 3 * TIMEOUT_S) is None
+    assert poll_load(worker, "r", 6 * TIMEOUT_S) is None
     daemon.stop(signal.SIGKILL)  # the stopped daemon is gone without ever confirming
     assert poll_load(worker, "r", 5) == {"r": TARGET}
     assert torch.all(target_pages(worker) == SENTINEL)
+    # One WARNING when the load was held, one ERROR once it was held too long; no more.
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(warnings) == 1 and "did not answer the loads of requests r " in warnings[0], warnings
+    assert len(errors) == 1 and "request r is still held" in errors[0], errors
 
 
 def test_an_answered_load_is_reported_at_once(stored) -> None:

@@ -592,7 +592,8 @@ class LMCacheMPWorkerAdapter:
             waiting = [self._fences[rid] for rid in request_ids if rid in self._fences]
             if not waiting:
                 return {rid: self._unfenced.pop(rid) for rid in request_ids}
-            cancel = next((f.cancel for f in waiting if f.cancel is not None and not f.until_gone), None)
+            # Wake up for the first CANCEL answered, or at the poll interval (the channel, a re-send).
+            cancel = next((f.cancel for f in waiting if f.cancel is not None and not f.cancel.query()), None)
             if cancel is not None:
                 cancel.wait(_FENCE_POLL_S)
             else:
