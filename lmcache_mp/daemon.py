@@ -40,6 +40,7 @@ class Daemon:
             RequestType.UNREGISTER_KV_CACHE: e.unregister,
             RequestType.STORE: e.store,
             RequestType.RETRIEVE: e.retrieve,
+            RequestType.CANCEL_RETRIEVE: e.cancel_retrieve,
             RequestType.CLEAR: e.clear,
         }
         try:

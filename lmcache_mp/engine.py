@@ -18,6 +18,7 @@ from concurrent.futures import Future
 
 import torch
 
+from lmcache_mp.cancellation import Pair, RetrieveFence
 from lmcache_mp.config import ServerConfig
 from lmcache_mp.custom_types import IPCCacheEngineKey, KVCache
 from lmcache_mp.keys import ChunkMapper, check_keys_for, check_same_model, invalid
@@ -42,6 +43,7 @@ _OUTCOMES = {ReserveFailure.ALREADY_PRESENT: ChunkOutcome.ALREADY_PRESENT,
 # Requests whose last chunk (looked up or stored) is remembered, so the next STORE of the
 # same request can link its first chunk to it (prefix-aware eviction). Bounded, oldest out.
 _MAX_REMEMBERED_REQUESTS = 65_536
+_CANCELLED = RetrieveResult(b"", False, "cancelled")
 
 
 class Engine:
@@ -61,6 +63,7 @@ class Engine:
             raise
         self.storage = StorageManager(pool, tiers, int(config.write_queue_gb * 2**30))
         self.leases = LeaseTable(pool, config.lease_ttl_s)
+        self.fence = RetrieveFence(config.queue_deadline_s)
         self.keys = ChunkMapper(config.chunk_size)
         self._last_chunk: OrderedDict[str, bytes] = OrderedDict()  # request id -> chunk hash
         # Requests with a LOOKUP in promotion -> whether END_SESSION came meanwhile (bounded by
@@ -179,15 +182,22 @@ class Engine:
             context = instance.context
             self._check_block_ids(context, block_ids, len(chunks.hashes), allow_skip=True)
             pool_keys = [instance.pool_key(h) for h in chunks.hashes]
-            return self._copy_out(context, pool_keys, block_ids, event_handle)
+            pairs = {(instance_id, rid) for rid in request_ids if rid is not None}
+            if not self.fence.begin(pairs):
+                return _CANCELLED
+            try:
+                return self._copy_out(context, pool_keys, block_ids, event_handle, pairs)
+            finally:
+                self.fence.end(pairs)
         finally:
             # Whatever happened, the leases this retrieve was for are spent, errors before the
             # copy included (an unknown instance, bad block ids, keys of another model).
             self._spend_leases(keys, request_ids, pool_keys)
 
     def _copy_out(self, context: TransferContext, pool_keys: list[tuple[bytes, bytes]], block_ids: list[int],
-                  event_handle: bytes) -> RetrieveResult:
-        """Copy the chunks (all of them, from L1, or none) into the worker's blocks."""
+                  event_handle: bytes, pairs: set[Pair]) -> RetrieveResult:
+        """Copy the chunks (all of them, from L1, or none) into the worker's blocks; stop
+        between chunks once the retrieve is cancelled (the worker treats it as failed)."""
         objects = self.storage.pin(pool_keys)
         self.metrics.retrieved(len(pool_keys), objects is not None, context.chunk_nbytes)
         if objects is None:
@@ -198,11 +208,13 @@ class Engine:
             bpc = context.blocks_per_chunk
             with self.storage.copying():
                 for i, obj in enumerate(objects):
+                    if pairs and self.fence.cancelled(pairs):
+                        break
                     context.scatter(context.chunk_view(obj.data), block_ids[i * bpc:(i + 1) * bpc])
                 self._finish_copies(context.device)
         finally:
             self.storage.unpin(objects)
-        return RetrieveResult(b"", True)
+        return _CANCELLED if pairs and self.fence.cancelled(pairs) else RetrieveResult(b"", True)
 
     def _spend_leases(self, keys: list[IPCCacheEngineKey], request_ids: list[str | None],
                       pool_keys: list[tuple[bytes, bytes]] | None) -> None:
@@ -218,6 +230,10 @@ class Engine:
             by_request.setdefault(request_id, []).append(pool_key)
         for request_id, request_keys in by_request.items():
             self.leases.release(request_id, request_keys)
+
+    def cancel_retrieve(self, instance_id: int, request_ids: list[str]) -> int | Future[int]:
+        """CANCEL_RETRIEVE (see protocol.py); a Future while retrieves of these requests copy."""
+        return self.fence.cancel(instance_id, request_ids)
 
     # ---- END_SESSION, CLEAR, maintenance -----------------------------------------------------
 
@@ -295,6 +311,7 @@ class Engine:
     def status(self) -> dict[str, object]:
         gauges = self.gauges()
         _, tiers = self.storage.stats()
+        copying, cancelled = self.fence.counts()
         return {
             "pool_bytes": gauges["pool_capacity_bytes"],
             "pool_used_bytes": gauges["pool_used_bytes"],
@@ -302,5 +319,7 @@ class Engine:
             "registered_instances": self.registry.instance_ids(),
             "sessions": gauges["lease_sessions"],
             "leases": gauges["leases"],
+            "retrieves_copying": copying,
+            "cancelled_retrieves": cancelled,
             "tiers": tiers,
         }

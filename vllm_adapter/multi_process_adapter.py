@@ -11,7 +11,20 @@ names). Differences, each fixing a known failure of the seed:
   containers sharing one daemon, and one worker's RETRIEVEs would land in another's cache);
 - a registration the daemon refuses as invalid (unsupported layout, a chunk larger than its
   pool) is not retried: one ERROR, then the worker serves without the cache; other failures
-  are retried with exponential backoff.
+  are retried with exponential backoff;
+- a RETRIEVE that got no reply in time is not reported failed at once: the daemon may still
+  run it (queued behind other work, or copying while it was slow or stopped), and once vLLM
+  has handed the blocks to another request that copy would overwrite their KV. The load is
+  *fenced* instead (one WARNING): the worker sends CANCEL_RETRIEVE (batched, each try bounded
+  by `timeout_s`, re-sent until answered) and reports the load failed only once the daemon has
+  answered it (no more writes will land) or is gone (its end of the attach channel the
+  registration lives on has closed: it closes only at exit, after its last copy). A daemon that
+  answers the CANCEL with an error (stopping, or too old to know CANCEL_RETRIEVE) is waited
+  out until it is gone. Fail closed: blocks the daemon might still write are never released,
+  so while a daemon is alive but silent (e.g. SIGSTOPped) its fenced loads hold their blocks
+  (one ERROR after `FENCE_ERROR_AFTER_S`), and are released once it is killed or restarted.
+  `retrieve_now` (synchronous loads) follows the same rule: it waits for that confirmation
+  before it returns such a load as failed, and so blocks as long as the daemon is stopped.
 """
 
 from __future__ import annotations
@@ -27,7 +40,7 @@ import torch
 import zmq
 
 from lmcache_mp.custom_types import IPCCacheEngineKey
-from lmcache_mp.errors import LMCacheMPError, ServerError
+from lmcache_mp.errors import LMCacheMPError, RequestTimeoutError, ServerError
 from lmcache_mp.mq import MessageQueueClient, MessagingFuture
 from lmcache_mp.protocol import (
     PROTOCOL_VERSION,
@@ -56,8 +69,15 @@ MAX_RETRY_S = 30.0
 _PERMANENT_REFUSALS = frozenset({ErrorCode.MALFORMED_MESSAGE, ErrorCode.UNKNOWN_REQUEST_TYPE,
                                  ErrorCode.BAD_PAYLOAD, ErrorCode.NOT_IMPLEMENTED,
                                  ErrorCode.INVALID_ARGUMENT})
+# CANCEL_RETRIEVE answers after which no confirmation will come from this daemon: it is stopping
+# (it closes the attach channels once its last copy is done), or does not know the request.
+_CANNOT_CANCEL = _PERMANENT_REFUSALS | {ErrorCode.SHUTTING_DOWN}
 # Finished request ids remembered to report each exactly once (bounded).
 _REPORTED_MEMORY = 100_000
+# A load fenced this long (the daemon neither confirms its CANCEL nor goes away) is logged as an ERROR.
+FENCE_ERROR_AFTER_S = 60.0
+# How often a synchronous load waiting for its fence checks whether the daemon has gone.
+_FENCE_POLL_S = 0.05
 
 
 def new_instance_id() -> int:
@@ -185,6 +205,20 @@ class LMCacheMPSchedulerAdapter:
         self.mq_client.close()
 
 
+@dataclass(frozen=True)
+class _Target:
+    """Where a request was sent: the registration its blocks were named under."""
+
+    instance_id: int
+    channel: AttachChannel
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    failure: str | None  # None: all of the request's operations succeeded
+    unanswered: bool  # some operation got no reply before its deadline (the daemon may still run it)
+
+
 class _PerRequestOps:
     """Outstanding operations per request id. A batched operation counts for each of its
     requests; a request is done when all of its operations are."""
@@ -192,11 +226,15 @@ class _PerRequestOps:
     def __init__(self) -> None:
         self._pending: dict[str, list[MessagingFuture]] = {}
         self._blocks: dict[str, list[int]] = {}
+        self._targets: dict[str, _Target] = {}
 
-    def add(self, request_ids: list[str], ops: list[LoadStoreOp], future: MessagingFuture) -> None:
+    def add(self, request_ids: list[str], ops: list[LoadStoreOp], future: MessagingFuture,
+            target: _Target | None = None) -> None:
         for request_id, op in zip(request_ids, ops, strict=True):
             self._pending.setdefault(request_id, []).append(future)
             self._blocks.setdefault(request_id, []).extend(b for b in op.block_ids if b >= 0)
+            if target is not None:
+                self._targets[request_id] = target
 
     def has(self, request_id: str) -> bool:
         return request_id in self._pending
@@ -208,18 +246,56 @@ class _PerRequestOps:
             for future in self._pending.get(request_id, ()):
                 future.wait(max(0.0, deadline - time.monotonic()))
 
-    def poll(self) -> dict[str, str | None]:
-        """Requests whose operations are all done -> None if all succeeded, else why not."""
-        done: dict[str, str | None] = {}
+    def poll(self) -> dict[str, _Outcome]:
+        """Requests whose operations are all done -> how they went."""
+        done: dict[str, _Outcome] = {}
         for request_id, futures in list(self._pending.items()):
             if not all(f.query() for f in futures):
                 continue
             del self._pending[request_id]
-            done[request_id] = next(filter(None, map(_failure, futures)), None)
+            done[request_id] = _Outcome(next(filter(None, map(_failure, futures)), None),
+                                        any(isinstance(f.exception(), RequestTimeoutError) for f in futures))
         return done
 
     def take_blocks(self, request_id: str) -> list[int]:
         return self._blocks.pop(request_id, [])
+
+    def take_target(self, request_id: str) -> _Target | None:
+        return self._targets.pop(request_id, None)
+
+
+@dataclass
+class _Fence:
+    """A load whose RETRIEVE got no reply in time: its blocks are not handed back to vLLM until
+    the daemon answers a CANCEL_RETRIEVE for it, or is gone (see the module docstring)."""
+
+    blocks: list[int]
+    target: _Target
+    since: float
+    cancel: MessagingFuture[int] | None = None
+    # The daemon answered the CANCEL with an error no retry changes (`_CANNOT_CANCEL`): only its
+    # exit releases the blocks.
+    until_gone: bool = False
+    overdue_logged: bool = False
+
+    def resolved(self) -> bool:
+        if not self.target.channel.is_open():
+            return True  # the daemon has exited: nothing of it writes any more
+        cancel = self.cancel
+        if cancel is None or not cancel.query():
+            return False
+        error = cancel.exception()
+        if isinstance(error, ServerError) and error.code in _CANNOT_CANCEL:
+            self.until_gone = True
+        return error is None
+
+    def needs_cancel(self) -> bool:
+        """Whether a CANCEL is due: none sent yet, or the last one failed (a timeout, an
+        overloaded daemon) and its deadline passed: at most one try per `timeout_s`."""
+        if self.until_gone:
+            return False
+        return self.cancel is None or (self.cancel.query() and self.cancel.exception() is not None
+                                       and time.monotonic() >= self.cancel.deadline)
 
 
 def _failure(future: MessagingFuture) -> str | None:
@@ -264,6 +340,11 @@ class LMCacheMPWorkerAdapter:
         self._finished_by_engine: set[str] = set()  # finished in vLLM, stores still in flight
         self._reported: OrderedDict[str, None] = OrderedDict()
         self._failed_retrieves: dict[str, list[int]] = {}
+        self._fences: dict[str, _Fence] = {}  # loads held until the daemon confirms (or is gone)
+        self._unfenced: dict[str, list[int]] = {}  # fences released, not reported yet -> blocks
+        # Channels of earlier registrations that fenced loads still watch: closed once no fence
+        # does (closing one makes the daemon drop that registration, not stop its copies).
+        self._retired_channels: list[AttachChannel] = []
 
     # ---- registration -------------------------------------------------------------------------
 
@@ -303,7 +384,8 @@ class LMCacheMPWorkerAdapter:
         handles, fds = export_kv_caches(self.kv_caches)
         hello = self.mq_client.handshake(f"vllm-worker-{self.worker_id}", timeout_s=self._timeout_s)
         if self._channel is not None:
-            self._channel.close()  # the daemon drops the registration it kept alive, if any
+            self._retire_channel(self._channel)  # the daemon drops the registration it kept alive
+            self._channel = None
         self._channel = AttachChannel.open(hello.attach_socket, fds, timeout_s=self._timeout_s)
         registration = KVCacheRegistration(self.model_name, self.world_size, self.worker_id,
                                            self._layout, self._channel.token)
@@ -378,6 +460,7 @@ class LMCacheMPWorkerAdapter:
     def _submit(self, request_type: RequestType, tracker: _PerRequestOps, request_ids: list[str],
                 ops: list[LoadStoreOp], event: torch.cuda.Event | None) -> None:
         registered = self.ensure_registered()
+        target = None
         if not registered and self._refused and request_type is RequestType.STORE:
             # Serving without the cache, as the one ERROR said: a skipped store is no failure.
             future = MessagingFuture.settled(request_type, StoreResult(b"", []))
@@ -391,31 +474,46 @@ class LMCacheMPWorkerAdapter:
             event_handle = event.ipc_handle() if event is not None else b""
             future = send_lmcache_request(self.mq_client, request_type,
                                           [keys, self.instance_id, block_ids, event_handle])
-        tracker.add(request_ids, ops, future)
+            if request_type is RequestType.RETRIEVE and self._channel is not None:
+                target = _Target(self.instance_id, self._channel)  # to fence it, should it time out
+        tracker.add(request_ids, ops, future, target)
 
     def retrieve_now(self, request_ids: list[str], ops: list[LoadStoreOp],
                      timeout_s: float) -> dict[str, list[int]]:
         """A synchronous load: retrieve and wait. Returns the requests that did not load
-        (failed, refused or timed out) -> their block ids. Not reported by `get_finished`."""
+        (failed, refused or timed out) -> their block ids. Not reported by `get_finished`.
+        One that got no reply in time is returned only once the daemon has confirmed that it
+        will not write into its blocks any more, or is gone (see the module docstring)."""
         tracker = _PerRequestOps()
         self._submit(RequestType.RETRIEVE, tracker, request_ids, ops, None)
         tracker.wait(request_ids, timeout_s)
         done = tracker.poll()
-        failed = {rid: tracker.take_blocks(rid) for rid in request_ids if done.get(rid, "timed out")}
-        for rid in failed:
-            logger.warning("load for request %s failed, vLLM will recompute: %s", rid,
-                           done.get(rid, "timed out"))
+        failed: dict[str, list[int]] = {}
+        fenced: list[str] = []
+        for rid in request_ids:
+            outcome = done.get(rid)
+            blocks, target = tracker.take_blocks(rid), tracker.take_target(rid)
+            if target is not None and (outcome is None or outcome.unanswered):
+                self._fence(rid, blocks, target)  # no reply yet: it may still run
+                fenced.append(rid)
+            elif outcome is None or outcome.failure:
+                failed[rid] = blocks
+                logger.warning("load for request %s failed, vLLM will recompute: %s", rid,
+                               "timed out" if outcome is None else outcome.failure)
+        if fenced:
+            self._warn_fenced(fenced)
+            failed.update(self._await_fences(fenced))
         return failed
 
     def get_finished(self, finished_req_ids_from_engine: set[str]) -> tuple[set[str], set[str]]:
         """(requests whose stores are all done and which vLLM has finished, requests whose
         retrieves are done). Each id is returned once. Failed retrieves are also recorded
         for `take_failed_retrieves`."""
-        for request_id, failure in self._stores.poll().items():
+        for request_id, outcome in self._stores.poll().items():
             self._stores.take_blocks(request_id)
-            if failure:
-                self._note_error(failure)
-                logger.warning("store for request %s failed: %s", request_id, failure)
+            if outcome.failure:
+                self._note_error(outcome.failure)
+                logger.warning("store for request %s failed: %s", request_id, outcome.failure)
         finished_stores: set[str] = set()
         for request_id in finished_req_ids_from_engine | self._finished_by_engine:
             if self._stores.has(request_id):
@@ -427,19 +525,89 @@ class LMCacheMPWorkerAdapter:
             else:
                 self._finished_by_engine.discard(request_id)
         finished_retrieves: set[str] = set()
-        for request_id, failure in self._retrieves.poll().items():
-            blocks = self._retrieves.take_blocks(request_id)
+        fenced: list[str] = []
+        for request_id, outcome in self._retrieves.poll().items():
+            blocks, target = self._retrieves.take_blocks(request_id), self._retrieves.take_target(request_id)
+            if outcome.unanswered and target is not None:
+                self._fence(request_id, blocks, target)
+                fenced.append(request_id)
+                continue
             finished_retrieves.add(request_id)
-            if failure:
-                self._note_error(failure)
-                logger.warning("retrieve for request %s failed, vLLM will recompute: %s", request_id, failure)
+            if outcome.failure:
+                self._note_error(outcome.failure)
+                logger.warning("retrieve for request %s failed, vLLM will recompute: %s", request_id,
+                               outcome.failure)
                 self._failed_retrieves[request_id] = blocks
+        if fenced:
+            self._warn_fenced(fenced)
+        self._advance_fences()
+        self._failed_retrieves.update(self._unfenced)
+        finished_retrieves.update(self._unfenced)
+        self._unfenced = {}
         return finished_stores, finished_retrieves
 
     def take_failed_retrieves(self) -> dict[str, list[int]]:
         """Requests whose retrieve failed since the last call -> the block ids not loaded."""
         failed, self._failed_retrieves = self._failed_retrieves, {}
         return failed
+
+    # ---- fenced loads (see the module docstring) ---------------------------------------------
+
+    def _fence(self, request_id: str, blocks: list[int], target: _Target) -> None:
+        self._fences[request_id] = _Fence(blocks, target, time.monotonic())
+
+    def _warn_fenced(self, request_ids: list[str]) -> None:
+        logger.warning("lmcache-mp at %s did not answer the loads of requests %s within %.1f s; it may still "
+                       "write into their blocks: holding them until it confirms the loads are cancelled "
+                       "(or exits), then vLLM recomputes them", self.server_url, ", ".join(request_ids),
+                       self._timeout_s)
+
+    def _advance_fences(self) -> None:
+        """Release the fences the daemon has resolved (into `_unfenced`); send CANCEL_RETRIEVE
+        for the others that need one, one per registration."""
+        now = time.monotonic()
+        due: dict[_Target, list[str]] = {}
+        for request_id, fence in list(self._fences.items()):
+            if fence.resolved():
+                self._unfenced[request_id] = self._fences.pop(request_id).blocks
+                continue
+            if fence.needs_cancel():
+                due.setdefault(fence.target, []).append(request_id)
+            if not fence.overdue_logged and now - fence.since > FENCE_ERROR_AFTER_S:
+                fence.overdue_logged = True
+                logger.error("the load of request %s is still held after %.0f s: lmcache-mp at %s neither "
+                             "confirms it is cancelled nor exits; its blocks stay unused until it does "
+                             "(restart or kill the daemon)", request_id, now - fence.since, self.server_url)
+        for target, request_ids in due.items():
+            cancel = self.mq_client.submit(RequestType.CANCEL_RETRIEVE, [target.instance_id, request_ids],
+                                           timeout_s=self._timeout_s)
+            for request_id in request_ids:
+                self._fences[request_id].cancel = cancel
+        self._close_retired_channels()
+
+    def _await_fences(self, request_ids: list[str]) -> dict[str, list[int]]:
+        """Wait until these fences are released; their blocks."""
+        while True:
+            self._advance_fences()
+            waiting = [self._fences[rid] for rid in request_ids if rid in self._fences]
+            if not waiting:
+                return {rid: self._unfenced.pop(rid) for rid in request_ids}
+            # Wake up for the first CANCEL answered, or at the poll interval (the channel, a re-send).
+            cancel = next((f.cancel for f in waiting if f.cancel is not None and not f.cancel.query()), None)
+            if cancel is not None:
+                cancel.wait(_FENCE_POLL_S)
+            else:
+                time.sleep(_FENCE_POLL_S)
+
+    def _retire_channel(self, channel: AttachChannel) -> None:
+        self._retired_channels.append(channel)
+        self._close_retired_channels()
+
+    def _close_retired_channels(self) -> None:
+        watched = {id(fence.target.channel) for fence in self._fences.values()}
+        for channel in [c for c in self._retired_channels if id(c) not in watched]:
+            self._retired_channels.remove(channel)
+            channel.close()
 
     def _note_error(self, failure: str) -> None:
         if ErrorCode.UNKNOWN_INSTANCE.name in failure:
@@ -466,7 +634,8 @@ class LMCacheMPWorkerAdapter:
         except (LMCacheMPError, ServerError) as err:
             logger.info("unregister at shutdown failed (%s); the daemon drops us anyway", err)
         finally:
-            if self._channel is not None:
-                self._channel.close()
+            for channel in [self._channel, *self._retired_channels]:
+                if channel is not None:
+                    channel.close()
             self.mq_client.close()
 

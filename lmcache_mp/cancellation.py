@@ -1,0 +1,124 @@
+"""CANCEL_RETRIEVE: which RETRIEVEs are copying, and which a worker has given up on.
+
+A worker whose RETRIEVE got no reply in time must not let vLLM reuse its blocks while that
+RETRIEVE may still run here (queued behind other work, or copying while the daemon was slow or
+stopped): its copy would land in blocks that belong to another request by then. So before it
+reports the load failed the worker sends CANCEL_RETRIEVE, and the reply means: no RETRIEVE of
+those requests into that instance writes anything more.
+
+`RetrieveFence` keeps the two facts that answer needs, per (instance id, request id):
+- how many RETRIEVEs are copying (`begin`/`end` around each copy); a CANCEL that finds some
+  is answered only once they have stopped (they check `cancelled` between chunks);
+- which pairs were cancelled, so that a RETRIEVE still queued refuses to start (`begin`).
+  The server refuses any request that waited in its queue longer than the queue deadline, and
+  a worker's requests reach the daemon in order, so every RETRIEVE sent before a CANCEL was
+  queued before it and starts within the deadline, or never: an entry is forgotten after twice
+  the deadline plus a second. The record is also capped in size (oldest out, with a warning).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from concurrent.futures import Future
+
+from lmcache_mp.errors import ServerError
+from lmcache_mp.protocol import ErrorCode
+
+logger = logging.getLogger(__name__)
+
+Pair = tuple[int, str]  # (instance id, request id)
+
+# Beyond the queue deadline: a RETRIEVE that passed the server's deadline check just in time
+# may still be on its way to `begin` (a descheduled thread); another deadline and this margin
+# cover it generously.
+KEEP_MARGIN_S = 1.0
+DEFAULT_MAX_CANCELLED = 65_536
+# CANCELs waiting for copies to stop (each a deferred reply); more are refused OVERLOADED.
+DEFAULT_MAX_WAITERS = 4_096
+
+
+class RetrieveFence:
+    def __init__(self, queue_deadline_s: float, max_cancelled: int = DEFAULT_MAX_CANCELLED,
+                 max_waiters: int = DEFAULT_MAX_WAITERS):
+        self._keep_s = 2 * queue_deadline_s + KEEP_MARGIN_S
+        self._max_cancelled = max_cancelled
+        self._max_waiters = max_waiters
+        self._copying: dict[Pair, int] = {}
+        self._cancelled: OrderedDict[Pair, float] = OrderedDict()  # -> when it is forgotten, oldest first
+        # (pairs still copying, the CANCEL's reply, its value): completed when `pairs` is empty.
+        self._waiters: list[tuple[set[Pair], Future[int], int]] = []
+        self._lock = threading.Lock()
+
+    def begin(self, pairs: Iterable[Pair]) -> bool:
+        """Count a RETRIEVE of these pairs as copying; False (nothing counted) if any was cancelled."""
+        pairs = set(pairs)
+        with self._lock:
+            self._forget_expired(time.monotonic())
+            if not pairs.isdisjoint(self._cancelled):
+                return False
+            for pair in pairs:
+                self._copying[pair] = self._copying.get(pair, 0) + 1
+        return True
+
+    def cancelled(self, pairs: Iterable[Pair]) -> bool:
+        with self._lock:
+            return any(pair in self._cancelled for pair in pairs)
+
+    def end(self, pairs: Iterable[Pair]) -> None:
+        """A RETRIEVE counted by `begin` wrote its last byte; answer the CANCELs it held up."""
+        done: list[tuple[Future[int], int]] = []
+        with self._lock:
+            for pair in set(pairs):
+                left = self._copying[pair] - 1
+                if left:
+                    self._copying[pair] = left
+                    continue
+                del self._copying[pair]
+                for waiting, _, _ in self._waiters:
+                    waiting.discard(pair)
+            done = [(reply, value) for waiting, reply, value in self._waiters if not waiting]
+            self._waiters = [w for w in self._waiters if w[0]]
+        for reply, value in done:
+            reply.set_result(value)
+
+    def cancel(self, instance_id: int, request_ids: list[str]) -> int | Future[int]:
+        """Record the cancellation; the number of requests with a copy running, as a Future that
+        completes once those copies have stopped (at once, as an int, when none runs)."""
+        pairs = {(instance_id, request_id) for request_id in request_ids}
+        now = time.monotonic()
+        with self._lock:
+            self._forget_expired(now)
+            for pair in pairs:
+                self._cancelled[pair] = now + self._keep_s
+                self._cancelled.move_to_end(pair)
+            dropped = max(0, len(self._cancelled) - self._max_cancelled)
+            for _ in range(dropped):
+                self._cancelled.popitem(last=False)
+            copying = {pair for pair in pairs if pair in self._copying}
+            reply: Future[int] | None = None
+            if copying and len(self._waiters) < self._max_waiters:
+                reply = Future()
+                self._waiters.append((copying, reply, len(copying)))
+        if dropped:
+            logger.warning("cancelled-retrieve record full (%d): forgot the %d oldest", self._max_cancelled,
+                           dropped)
+        if not copying:
+            return 0
+        if reply is None:
+            raise ServerError(ErrorCode.OVERLOADED, f"{self._max_waiters} CANCEL_RETRIEVEs already wait "
+                                                    "for copies to stop; retry")
+        return reply
+
+    def counts(self) -> tuple[int, int]:
+        """(pairs copying, pairs remembered as cancelled)."""
+        with self._lock:
+            self._forget_expired(time.monotonic())
+            return len(self._copying), len(self._cancelled)
+
+    def _forget_expired(self, now: float) -> None:
+        while self._cancelled and next(iter(self._cancelled.values())) <= now:
+            self._cancelled.popitem(last=False)

@@ -1,0 +1,218 @@
+"""Defect 7: a RETRIEVE still running after its client gave up must never write into blocks that
+vLLM has reused. A worker whose RETRIEVE timed out reports the load failed (freeing its blocks)
+only once the daemon has answered CANCEL_RETRIEVE or is gone. Real daemons, real workers."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from lmcache_mp.custom_types import IPCCacheEngineKey
+from lmcache_mp.launcher import DaemonProcess
+from lmcache_mp.mq import MessageQueueClient
+from lmcache_mp.protocol import ChunkOutcome, RequestType, RetrieveResult
+from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes, freeze, status
+from tests.kv_worker import make_caches
+from tests.test_fault_paths import lease
+from tests.test_tiers import store
+from vllm_adapter import LMCacheMPWorkerAdapter, LoadStoreOp, multi_process_adapter
+
+DAEMON_ARGS = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05")
+TIMEOUT_S = 0.5  # the worker's request timeout: short, so that loads time out while the daemon is stopped
+CHUNKS = 3
+HASHES = block_hashes(list(range(CHUNKS * CHUNK)))  # one per block
+CHUNK_HASHES = HASHES[CHUNK // BLOCK - 1::CHUNK // BLOCK]  # one per chunk, as the worker keys them
+SOURCE = list(range(CHUNKS * CHUNK // BLOCK))  # blocks the chunks are stored from
+TARGET = [b + 20 for b in SOURCE]  # blocks they are loaded into
+SENTINEL = -3.0
+
+
+@pytest.fixture
+def stored(daemons: Callable) -> Iterator[tuple[DaemonProcess, LMCacheMPWorkerAdapter]]:
+    """A daemon holding CHUNKS chunks stored from a worker (timeout TIMEOUT_S) whose TARGET blocks
+    hold SENTINEL; the chunks are leased to request "r"."""
+    daemon: DaemonProcess = daemons(*DAEMON_ARGS)
+    worker = LMCacheMPWorkerAdapter(daemon.url, None, "m", 1, 0, BLOCK, timeout_s=TIMEOUT_S)
+    try:
+        worker.register_kv_caches(make_caches(SHAPE, torch.bfloat16, LAYERS, seed=1), "CPU_ATTN")
+        store(worker.mq_client, worker.instance_id, CHUNK_HASHES, "s")
+        for cache in worker.kv_caches.values():
+            cache[TARGET] = SENTINEL
+        assert lease(worker.mq_client, CHUNK_HASHES, "r") == CHUNKS
+        yield daemon, worker
+    finally:
+        if daemon.proc.poll() is None:
+            daemon.proc.send_signal(signal.SIGCONT)  # a frozen daemon would never answer the shutdown
+        worker.shutdown()
+        assert "Traceback" not in daemon.log(), daemon.log()
+
+
+def target_pages(worker: LMCacheMPWorkerAdapter, blocks: list[int] = TARGET) -> torch.Tensor:
+    return torch.stack([cache[blocks].clone() for cache in worker.kv_caches.values()])
+
+
+def loaded(worker: LMCacheMPWorkerAdapter) -> bool:
+    return torch.equal(target_pages(worker), target_pages(worker, SOURCE))
+
+
+def poll_load(worker: LMCacheMPWorkerAdapter, request_id: str, seconds: float) -> dict[str, list[int]] | None:
+    """Poll `get_finished` for up to `seconds`: the failed loads once `request_id` is reported."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        _, loads = worker.get_finished(set())
+        if request_id in loads:
+            return worker.take_failed_retrieves()
+        assert worker.take_failed_retrieves() == {}, "a load was reported failed but not finished"
+        time.sleep(0.01)
+    return None
+
+
+def assert_stays(worker: LMCacheMPWorkerAdapter, pages: torch.Tensor, seconds: float = 1.0) -> None:
+    """Nothing writes into the target blocks any more."""
+    time.sleep(seconds)
+    assert torch.equal(target_pages(worker), pages), "the daemon wrote into them after the load was reported"
+
+
+def test_a_timed_out_load_is_held_until_the_daemon_confirms(stored) -> None:
+    daemon, worker = stored
+    freeze(daemon.proc)  # the RETRIEVE below waits, unread, for the daemon: it will run when it resumes
+    worker.submit_retrieve_request("r", LoadStoreOp(TARGET, block_hashes=HASHES), None)
+    # Long past the timeout, the daemon stopped: the blocks must not be handed back to vLLM.
+    assert poll_load(worker, "r", 4 * TIMEOUT_S) is None, "reported while the daemon could still write"
+
+    daemon.proc.send_signal(signal.SIGCONT)
+    failed = poll_load(worker, "r", 10)
+    assert failed == {"r": TARGET}  # cancelled (or done, but never answered in time): vLLM recomputes
+    assert_stays(worker, target_pages(worker))
+    report = status(daemon.url)
+    assert report.leases == 0 and report.cancelled_retrieves == 1
+
+
+def test_a_timed_out_sync_load_returns_once_the_daemon_confirms(stored) -> None:
+    daemon, worker = stored
+    freeze(daemon.proc)
+    returned: list[dict[str, list[int]]] = []
+    loader = threading.Thread(target=lambda: returned.append(
+        worker.retrieve_now(["r"], [LoadStoreOp(TARGET, block_hashes=HASHES)], TIMEOUT_S)))
+    loader.start()
+    loader.join(4 * TIMEOUT_S)
+    assert not returned, "the sync load returned while the daemon could still write"
+    daemon.proc.send_signal(signal.SIGCONT)
+    loader.join(10)
+    assert returned == [{"r": TARGET}]
+    assert_stays(worker, target_pages(worker))
+
+
+def test_a_load_held_for_a_daemon_that_dies_is_released(stored, monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    daemon, worker = stored
+    monkeypatch.setattr(multi_process_adapter, "FENCE_ERROR_AFTER_S", 2 * TIMEOUT_S)
+    caplog.set_level(logging.WARNING, logger=multi_process_adapter.__name__)
+    freeze(daemon.proc)
+    worker.submit_retrieve_request("r", LoadStoreOp(TARGET, block_hashes=HASHES), None)
+    assert poll_load(worker, "r", 6 * TIMEOUT_S) is None
+    daemon.stop(signal.SIGKILL)  # the stopped daemon is gone without ever confirming
+    assert poll_load(worker, "r", 5) == {"r": TARGET}
+    assert torch.all(target_pages(worker) == SENTINEL)
+    # One WARNING when the load was held, one ERROR once it was held too long; no more.
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(warnings) == 1 and "did not answer the loads of requests r " in warnings[0], warnings
+    assert len(errors) == 1 and "request r is still held" in errors[0], errors
+
+
+def test_an_answered_load_is_reported_at_once(stored) -> None:
+    """No fence without a timeout: a load the daemon answered is reported as before."""
+    _, worker = stored
+    worker.submit_retrieve_request("r", LoadStoreOp(TARGET, block_hashes=HASHES), None)
+    assert poll_load(worker, "r", 5) == {}
+    assert loaded(worker)
+
+
+# ---- the request itself --------------------------------------------------------------------
+
+
+def retrieve(client: MessageQueueClient, instance_id: int, request_id: str) -> RetrieveResult:
+    keys = [IPCCacheEngineKey("m", 1, 0, chunk_hash=h, request_id=request_id) for h in CHUNK_HASHES]
+    return client.submit(RequestType.RETRIEVE, [keys, instance_id, TARGET, b""]).result(10)
+
+
+def cancel(client: MessageQueueClient, instance_id: int, request_ids: list[str]) -> int:
+    return client.submit(RequestType.CANCEL_RETRIEVE, [instance_id, request_ids]).result(10)
+
+
+def test_cancel_refuses_a_retrieve_not_started_and_spends_its_leases(stored) -> None:
+    daemon, worker = stored
+    client, iid = worker.mq_client, worker.instance_id
+    started = time.monotonic()
+    assert cancel(client, iid, ["r", "never-seen"]) == 0  # nothing copying: answered at once
+    assert time.monotonic() - started < 1
+    assert status(daemon.url).leases == CHUNKS
+    result = retrieve(client, iid, "r")
+    assert not result.ok and result.reason == "cancelled"
+    assert status(daemon.url).leases == 0
+    assert torch.all(target_pages(worker) == SENTINEL)
+    # Only that request, only in that instance: others load as before.
+    assert cancel(client, iid + 1, ["r2"]) == 0
+    assert retrieve(client, iid, "r2").ok
+    assert loaded(worker)
+
+
+def test_the_cancelled_record_is_bounded(daemons: Callable) -> None:
+    daemon: DaemonProcess = daemons(*DAEMON_ARGS, "--queue-deadline-s", "0.5")
+    client = MessageQueueClient(daemon.url)
+    try:
+        assert cancel(client, 1, [f"r{i}" for i in range(70_000)]) == 0
+        assert status(daemon.url).cancelled_retrieves == 65_536  # capped: the oldest forgotten
+        assert cancel(client, 1, ["a", "b"]) == 0
+        assert status(daemon.url).cancelled_retrieves == 65_536
+        # Kept for twice the queue deadline plus a second: no RETRIEVE sent before can start later.
+        time.sleep(2.5)
+        assert status(daemon.url).cancelled_retrieves == 0
+    finally:
+        client.close()
+
+
+def test_cancel_stops_a_retrieve_that_is_copying(daemons: Callable) -> None:
+    """A RETRIEVE of many chunks (tens of ms of copying) is cancelled while it copies: the CANCEL
+    is answered once it has stopped (between chunks), and nothing is written after that."""
+    daemon: DaemonProcess = daemons(*DAEMON_ARGS)
+    blocks = 4096
+    worker = LMCacheMPWorkerAdapter(daemon.url, None, "m", 1, 0, BLOCK)
+    try:
+        caches = make_caches([blocks, 2, BLOCK, 64], torch.bfloat16, LAYERS, seed=1)
+        worker.register_kv_caches(caches, "CPU_ATTN")
+        client, iid = worker.mq_client, worker.instance_id
+        half = blocks // 2
+        hashes = block_hashes(list(range(half * BLOCK)))[CHUNK // BLOCK - 1::CHUNK // BLOCK]
+        assert ChunkOutcome.NO_SPACE not in store(client, iid, hashes, "s")
+        target = list(range(half, blocks))
+        caught = 0
+        for attempt in range(20):  # until a CANCEL comes while the copy runs (the first, mostly)
+            for cache in worker.kv_caches.values():
+                cache[target] = SENTINEL
+            request_id = f"r{attempt}"
+            keys = [IPCCacheEngineKey("m", 1, 0, chunk_hash=h, request_id=request_id) for h in hashes]
+            copy = client.submit(RequestType.RETRIEVE, [keys, iid, target, b""])
+            while status(daemon.url).retrieves_copying == 0 and not copy.query():
+                pass
+            stopped = cancel(client, iid, [request_id])
+            pages = torch.stack([cache[target].clone() for cache in worker.kv_caches.values()])
+            result: RetrieveResult = copy.result(10)
+            if stopped:
+                caught += 1
+                assert stopped == 1 and not result.ok and result.reason == "cancelled"
+                time.sleep(0.2)
+                assert torch.equal(torch.stack([cache[target] for cache in worker.kv_caches.values()]), pages)
+                assert bool(torch.any(pages == SENTINEL)), "the copy ran to its end"
+                break
+        assert caught, "no CANCEL came while a copy ran"
+        assert status(daemon.url).retrieves_copying == 0
+    finally:
+        worker.shutdown()
