@@ -1,17 +1,19 @@
-"""CANCEL_RETRIEVE: which RETRIEVEs are copying, and which a worker has given up on.
+"""CANCEL_TRANSFERS: which STOREs and RETRIEVEs are copying, and which a worker has given up on.
 
-A worker whose RETRIEVE got no reply in time must not let vLLM reuse its blocks while that
-RETRIEVE may still run here (queued behind other work, or copying while the daemon was slow or
-stopped): its copy would land in blocks that belong to another request by then. So before it
-reports the load failed the worker sends CANCEL_RETRIEVE, and the reply means: no RETRIEVE of
-those requests into that instance writes anything more.
+A worker whose STORE or RETRIEVE got no reply in time must not let vLLM reuse its blocks while
+that operation may still run here (queued behind other work, or copying while the daemon was
+slow or stopped): a late RETRIEVE would write into blocks that belong to another request by
+then, and a late STORE would publish that request's KV under this one's keys. So before it
+reports the operation failed the worker sends CANCEL_TRANSFERS, and the reply means: no STORE or
+RETRIEVE of those requests touches that instance's blocks any more.
 
-`RetrieveFence` keeps the two facts that answer needs, per (instance id, request id):
-- how many RETRIEVEs are copying (`begin`/`end` around each copy); a CANCEL that finds some
-  is answered only once they have stopped (they check `cancelled` between chunks);
-- which pairs were cancelled, so that a RETRIEVE still queued refuses to start (`begin`).
+`TransferFence` keeps the two facts that answer needs, per (instance id, request id):
+- how many STOREs and RETRIEVEs are copying (`begin`/`end` around each, a STORE's commit
+  included); a CANCEL that finds some is answered only once they have stopped (they check
+  `cancelled` between chunks);
+- which pairs were cancelled, so that an operation still queued refuses to start (`begin`).
   The server refuses any request that waited in its queue longer than the queue deadline, and
-  a worker's requests reach the daemon in order, so every RETRIEVE sent before a CANCEL was
+  a worker's requests reach the daemon in order, so every operation sent before a CANCEL was
   queued before it and starts within the deadline, or never: an entry is forgotten after twice
   the deadline plus a second. The record is also capped in size (oldest out, with a warning).
 """
@@ -32,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 Pair = tuple[int, str]  # (instance id, request id)
 
-# Beyond the queue deadline: a RETRIEVE that passed the server's deadline check just in time
+# Beyond the queue deadline: an operation that passed the server's deadline check just in time
 # may still be on its way to `begin` (a descheduled thread); another deadline and this margin
 # cover it generously.
 KEEP_MARGIN_S = 1.0
@@ -41,7 +43,7 @@ DEFAULT_MAX_CANCELLED = 65_536
 DEFAULT_MAX_WAITERS = 4_096
 
 
-class RetrieveFence:
+class TransferFence:
     def __init__(self, queue_deadline_s: float, max_cancelled: int = DEFAULT_MAX_CANCELLED,
                  max_waiters: int = DEFAULT_MAX_WAITERS):
         self._keep_s = 2 * queue_deadline_s + KEEP_MARGIN_S
@@ -54,7 +56,7 @@ class RetrieveFence:
         self._lock = threading.Lock()
 
     def begin(self, pairs: Iterable[Pair]) -> bool:
-        """Count a RETRIEVE of these pairs as copying; False (nothing counted) if any was cancelled."""
+        """Count an operation on these pairs as copying; False (nothing counted) if any was cancelled."""
         pairs = set(pairs)
         with self._lock:
             self._forget_expired(time.monotonic())
@@ -69,7 +71,7 @@ class RetrieveFence:
             return any(pair in self._cancelled for pair in pairs)
 
     def end(self, pairs: Iterable[Pair]) -> None:
-        """A RETRIEVE counted by `begin` wrote its last byte; answer the CANCELs it held up."""
+        """An operation counted by `begin` is done with the blocks; answer the CANCELs it held up."""
         done: list[tuple[Future[int], int]] = []
         with self._lock:
             for pair in set(pairs):
@@ -109,8 +111,8 @@ class RetrieveFence:
         if not copying:
             return 0
         if reply is None:
-            raise ServerError(ErrorCode.OVERLOADED, f"{self._max_waiters} CANCEL_RETRIEVEs already wait "
-                                                    "for copies to stop; retry")
+            raise ServerError(ErrorCode.OVERLOADED, f"{self._max_waiters} CANCEL_TRANSFERS requests "
+                                                    "already wait for copies to stop; retry")
         return reply
 
     def counts(self) -> tuple[int, int]:

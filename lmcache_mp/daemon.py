@@ -40,7 +40,7 @@ class Daemon:
             RequestType.UNREGISTER_KV_CACHE: e.unregister,
             RequestType.STORE: e.store,
             RequestType.RETRIEVE: e.retrieve,
-            RequestType.CANCEL_RETRIEVE: e.cancel_retrieve,
+            RequestType.CANCEL_TRANSFERS: e.cancel_transfers,
             RequestType.CLEAR: e.clear,
         }
         try:

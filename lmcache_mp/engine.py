@@ -18,20 +18,22 @@ from concurrent.futures import Future
 
 import torch
 
-from lmcache_mp.cancellation import Pair, RetrieveFence
+from lmcache_mp.cancellation import Pair, TransferFence
 from lmcache_mp.config import ServerConfig
 from lmcache_mp.custom_types import IPCCacheEngineKey, KVCache
-from lmcache_mp.keys import ChunkMapper, check_keys_for, check_same_model, invalid
+from lmcache_mp.errors import ServerError
+from lmcache_mp.keys import ChunkMapper, OpChunks, check_keys_for, check_same_model, invalid
 from lmcache_mp.leases import LeaseTable
 from lmcache_mp.observability import Metrics
 from lmcache_mp.protocol import (
     ChunkOutcome,
+    ErrorCode,
     KVCacheRegistration,
     RegisterReply,
     RetrieveResult,
     StoreResult,
 )
-from lmcache_mp.registry import Registry
+from lmcache_mp.registry import Instance, Registry
 from lmcache_mp.storage.manager import Hits, RankSpec, StorageManager
 from lmcache_mp.storage.pool import MemoryPool, PoolObject, ReserveFailure
 from lmcache_mp.storage.tiers import open_tier, redact_url
@@ -44,6 +46,16 @@ _OUTCOMES = {ReserveFailure.ALREADY_PRESENT: ChunkOutcome.ALREADY_PRESENT,
 # same request can link its first chunk to it (prefix-aware eviction). Bounded, oldest out.
 _MAX_REMEMBERED_REQUESTS = 65_536
 _CANCELLED = RetrieveResult(b"", False, "cancelled")
+
+
+def _pairs(instance_id: int, request_ids: list[str | None]) -> set[Pair]:
+    """What CANCEL_TRANSFERS names an operation by: (instance, request) of each of its chunks."""
+    return {(instance_id, rid) for rid in request_ids if rid is not None}
+
+
+def _store_cancelled() -> ServerError:
+    return ServerError(ErrorCode.CANCELLED, "the STORE was cancelled by its worker (CANCEL_TRANSFERS): "
+                                            "nothing of it was stored")
 
 
 class Engine:
@@ -63,7 +75,7 @@ class Engine:
             raise
         self.storage = StorageManager(pool, tiers, int(config.write_queue_gb * 2**30))
         self.leases = LeaseTable(pool, config.lease_ttl_s)
-        self.fence = RetrieveFence(config.queue_deadline_s)
+        self.fence = TransferFence(config.queue_deadline_s)
         self.keys = ChunkMapper(config.chunk_size)
         self._last_chunk: OrderedDict[str, bytes] = OrderedDict()  # request id -> chunk hash
         # Requests with a LOOKUP in promotion -> whether END_SESSION came meanwhile (bounded by
@@ -143,12 +155,27 @@ class Engine:
         instance = self.registry.instance(instance_id)
         check_keys_for(instance.registration, keys)
         chunks = self.keys.op_chunks(keys, lookup=False)
-        context = instance.context
-        self._check_block_ids(context, block_ids, len(chunks.hashes), allow_skip=False)
+        self._check_block_ids(instance.context, block_ids, len(chunks.hashes), allow_skip=False)
+        pairs = _pairs(instance_id, chunks.request_ids)
+        if not self.fence.begin(pairs):
+            raise _store_cancelled()
+        try:
+            slots = self._copy_in(instance, chunks, block_ids, event_handle, pairs)
+        finally:
+            self.fence.end(pairs)  # after the commit: a CANCEL answered now finds it stored or not
+        outcomes = [ChunkOutcome.STORED if isinstance(s, PoolObject) else _OUTCOMES[s] for s in slots]
+        self.metrics.stored(outcomes, instance.context.chunk_nbytes)
+        return StoreResult(b"", outcomes)
+
+    def _copy_in(self, instance: Instance, chunks: OpChunks, block_ids: list[int], event_handle: bytes,
+                 pairs: set[Pair]) -> list[PoolObject | ReserveFailure]:
+        """Copy the chunks the pool lacks out of the worker's blocks, then publish them, or none
+        of them if the store is cancelled meanwhile (its blocks may hold another request's KV)."""
         request_id = chunks.request_ids[0] if chunks.request_ids else None
         parent = chunks.parent
         if parent is None and request_id is not None:
             parent = self._recall(request_id)  # the chunk this request looked up or stored last
+        context = instance.context
         slots = self.storage.reserve(instance.fmt, chunks.hashes, context.chunk_nbytes, parent)
         fresh = [slot for slot in slots if isinstance(slot, PoolObject)]
         try:
@@ -156,9 +183,13 @@ class Engine:
             bpc = context.blocks_per_chunk
             with self.storage.copying():
                 for i, slot in enumerate(slots):
+                    if pairs and self.fence.cancelled(pairs):
+                        raise _store_cancelled()
                     if isinstance(slot, PoolObject):
                         context.gather(block_ids[i * bpc:(i + 1) * bpc], context.chunk_view(slot.data))
                 self._finish_copies(context.device)
+            if pairs and self.fence.cancelled(pairs):
+                raise _store_cancelled()
         except BaseException:
             self.storage.abort(fresh)
             raise
@@ -166,9 +197,7 @@ class Engine:
         self.storage.commit_store(instance.fmt, chunks.hashes, slots, parent)
         if request_id is not None and chunks.hashes:
             self._remember(request_id, chunks.hashes[-1])
-        outcomes = [ChunkOutcome.STORED if isinstance(s, PoolObject) else _OUTCOMES[s] for s in slots]
-        self.metrics.stored(outcomes, context.chunk_nbytes)
-        return StoreResult(b"", outcomes)
+        return slots
 
     def retrieve(self, keys: list[IPCCacheEngineKey], instance_id: int, block_ids: list[int],
                  event_handle: bytes) -> RetrieveResult:
@@ -182,7 +211,7 @@ class Engine:
             context = instance.context
             self._check_block_ids(context, block_ids, len(chunks.hashes), allow_skip=True)
             pool_keys = [instance.pool_key(h) for h in chunks.hashes]
-            pairs = {(instance_id, rid) for rid in request_ids if rid is not None}
+            pairs = _pairs(instance_id, request_ids)
             if not self.fence.begin(pairs):
                 return _CANCELLED
             try:
@@ -231,8 +260,8 @@ class Engine:
         for request_id, request_keys in by_request.items():
             self.leases.release(request_id, request_keys)
 
-    def cancel_retrieve(self, instance_id: int, request_ids: list[str]) -> int | Future[int]:
-        """CANCEL_RETRIEVE (see protocol.py); a Future while retrieves of these requests copy."""
+    def cancel_transfers(self, instance_id: int, request_ids: list[str]) -> int | Future[int]:
+        """CANCEL_TRANSFERS (see protocol.py); a Future while retrieves of these requests copy."""
         return self.fence.cancel(instance_id, request_ids)
 
     # ---- END_SESSION, CLEAR, maintenance -----------------------------------------------------
@@ -319,7 +348,7 @@ class Engine:
             "registered_instances": self.registry.instance_ids(),
             "sessions": gauges["lease_sessions"],
             "leases": gauges["leases"],
-            "retrieves_copying": copying,
-            "cancelled_retrieves": cancelled,
+            "transfers_running": copying,
+            "cancelled_transfers": cancelled,
             "tiers": tiers,
         }

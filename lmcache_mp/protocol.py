@@ -43,7 +43,7 @@ class RequestType(enum.IntEnum):
     RETRIEVE = 9
     END_SESSION = 10
     CLEAR = 11
-    CANCEL_RETRIEVE = 12
+    CANCEL_TRANSFERS = 12
 
 
 class ErrorCode(enum.IntEnum):
@@ -60,6 +60,7 @@ class ErrorCode(enum.IntEnum):
     # REGISTER_KV_CACHE under an instance id that is registered already: refused, never replaced
     # (another worker's id; a worker picks a fresh random id and registers again).
     ALREADY_REGISTERED = 10
+    CANCELLED = 11  # a STORE its worker cancelled (CANCEL_TRANSFERS) before it finished: nothing stored
 
 
 class ErrorReply(msgspec.Struct, array_like=True, gc=False):
@@ -138,10 +139,10 @@ class StatusReport(msgspec.Struct, gc=False):
     registered_instances: list[int] = []
     sessions: int = 0
     leases: int = 0
-    # RETRIEVEs copying, per (instance, request), and those pairs remembered as cancelled
-    # (CANCEL_RETRIEVE; bounded)
-    retrieves_copying: int = 0
-    cancelled_retrieves: int = 0
+    # STOREs and RETRIEVEs copying, per (instance, request), and those pairs remembered as
+    # cancelled (CANCEL_TRANSFERS; bounded)
+    transfers_running: int = 0
+    cancelled_transfers: int = 0
     requests_in_flight: int = 0
     tiers: list[TierStats] = []  # the tiers below the pool, in order
 
@@ -191,13 +192,14 @@ PROTOCOL: dict[RequestType, RequestSpec] = {
     # CLEAR() -> number of objects dropped from the CPU pool (objects under lease or being
     # written stay; lower tiers are persistent and keep theirs).
     RequestType.CLEAR: RequestSpec((), int, HandlerKind.WORKER),
-    # CANCEL_RETRIEVE(instance id, request ids) -> how many of these requests had a RETRIEVE
-    # copying that was stopped and waited for. Sent by a worker whose RETRIEVE got no reply in
-    # time, before it lets vLLM reuse the blocks. Once it is answered, no RETRIEVE of these
-    # requests into that instance writes anything more: one not started yet is refused
-    # (RetrieveResult ok=False, reason "cancelled", its leases spent), one copying stops at
-    # its next chunk and is waited for (deferred until then). Unknown requests answer 0 at once.
-    RequestType.CANCEL_RETRIEVE: RequestSpec((int, list[str]), int, HandlerKind.DEFERRED),
+    # CANCEL_TRANSFERS(instance id, request ids) -> how many of these requests had a STORE or
+    # RETRIEVE copying that was stopped and waited for. Sent by a worker whose STORE or RETRIEVE
+    # got no reply in time, before it lets vLLM reuse the blocks. Once it is answered, no STORE
+    # or RETRIEVE of these requests touches that instance's blocks any more: one not started yet
+    # is refused (a RETRIEVE: RetrieveResult ok=False, reason "cancelled", its leases spent; a
+    # STORE: CANCELLED, nothing stored), one copying stops at its next chunk and is waited for
+    # (deferred until then; a stopped STORE publishes nothing). Unknown requests answer 0 at once.
+    RequestType.CANCEL_TRANSFERS: RequestSpec((int, list[str]), int, HandlerKind.DEFERRED),
 }
 
 assert set(PROTOCOL) == set(RequestType), "every request type needs a spec"

@@ -1,6 +1,6 @@
 """Defect 7: a RETRIEVE still running after its client gave up must never write into blocks that
 vLLM has reused. A worker whose RETRIEVE timed out reports the load failed (freeing its blocks)
-only once the daemon has answered CANCEL_RETRIEVE or is gone. Real daemons, real workers."""
+only once the daemon has answered CANCEL_TRANSFERS or is gone. Real daemons, real workers."""
 
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def test_a_timed_out_load_is_held_until_the_daemon_confirms(stored) -> None:
     assert failed == {"r": TARGET}  # cancelled (or done, but never answered in time): vLLM recomputes
     assert_stays(worker, target_pages(worker))
     report = status(daemon.url)
-    assert report.leases == 0 and report.cancelled_retrieves == 1
+    assert report.leases == 0 and report.cancelled_transfers == 1
 
 
 def test_a_timed_out_sync_load_returns_once_the_daemon_confirms(stored) -> None:
@@ -144,7 +144,7 @@ def retrieve(client: MessageQueueClient, instance_id: int, request_id: str) -> R
 
 
 def cancel(client: MessageQueueClient, instance_id: int, request_ids: list[str]) -> int:
-    return client.submit(RequestType.CANCEL_RETRIEVE, [instance_id, request_ids]).result(10)
+    return client.submit(RequestType.CANCEL_TRANSFERS, [instance_id, request_ids]).result(10)
 
 
 def test_cancel_refuses_a_retrieve_not_started_and_spends_its_leases(stored) -> None:
@@ -169,12 +169,12 @@ def test_the_cancelled_record_is_bounded(daemons: Callable) -> None:
     client = MessageQueueClient(daemon.url)
     try:
         assert cancel(client, 1, [f"r{i}" for i in range(70_000)]) == 0
-        assert status(daemon.url).cancelled_retrieves == 65_536  # capped: the oldest forgotten
+        assert status(daemon.url).cancelled_transfers == 65_536  # capped: the oldest forgotten
         assert cancel(client, 1, ["a", "b"]) == 0
-        assert status(daemon.url).cancelled_retrieves == 65_536
+        assert status(daemon.url).cancelled_transfers == 65_536
         # Kept for twice the queue deadline plus a second: no RETRIEVE sent before can start later.
         time.sleep(2.5)
-        assert status(daemon.url).cancelled_retrieves == 0
+        assert status(daemon.url).cancelled_transfers == 0
     finally:
         client.close()
 
@@ -200,7 +200,7 @@ def test_cancel_stops_a_retrieve_that_is_copying(daemons: Callable) -> None:
             request_id = f"r{attempt}"
             keys = [IPCCacheEngineKey("m", 1, 0, chunk_hash=h, request_id=request_id) for h in hashes]
             copy = client.submit(RequestType.RETRIEVE, [keys, iid, target, b""])
-            while status(daemon.url).retrieves_copying == 0 and not copy.query():
+            while status(daemon.url).transfers_running == 0 and not copy.query():
                 pass
             stopped = cancel(client, iid, [request_id])
             pages = torch.stack([cache[target].clone() for cache in worker.kv_caches.values()])
@@ -213,6 +213,6 @@ def test_cancel_stops_a_retrieve_that_is_copying(daemons: Callable) -> None:
                 assert bool(torch.any(pages == SENTINEL)), "the copy ran to its end"
                 break
         assert caught, "no CANCEL came while a copy ran"
-        assert status(daemon.url).retrieves_copying == 0
+        assert status(daemon.url).transfers_running == 0
     finally:
         worker.shutdown()

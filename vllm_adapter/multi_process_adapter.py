@@ -15,11 +15,11 @@ names). Differences, each fixing a known failure of the seed:
 - a RETRIEVE that got no reply in time is not reported failed at once: the daemon may still
   run it (queued behind other work, or copying while it was slow or stopped), and once vLLM
   has handed the blocks to another request that copy would overwrite their KV. The load is
-  *fenced* instead (one WARNING): the worker sends CANCEL_RETRIEVE (batched, each try bounded
+  *fenced* instead (one WARNING): the worker sends CANCEL_TRANSFERS (batched, each try bounded
   by `timeout_s`, re-sent until answered) and reports the load failed only once the daemon has
   answered it (no more writes will land) or is gone (its end of the attach channel the
   registration lives on has closed: it closes only at exit, after its last copy). A daemon that
-  answers the CANCEL with an error (stopping, or too old to know CANCEL_RETRIEVE) is waited
+  answers the CANCEL with an error (stopping, or too old to know CANCEL_TRANSFERS) is waited
   out until it is gone. Fail closed: blocks the daemon might still write are never released,
   so while a daemon is alive but silent (e.g. SIGSTOPped) its fenced loads hold their blocks
   (one ERROR after `FENCE_ERROR_AFTER_S`), and are released once it is killed or restarted.
@@ -69,7 +69,7 @@ MAX_RETRY_S = 30.0
 _PERMANENT_REFUSALS = frozenset({ErrorCode.MALFORMED_MESSAGE, ErrorCode.UNKNOWN_REQUEST_TYPE,
                                  ErrorCode.BAD_PAYLOAD, ErrorCode.NOT_IMPLEMENTED,
                                  ErrorCode.INVALID_ARGUMENT})
-# CANCEL_RETRIEVE answers after which no confirmation will come from this daemon: it is stopping
+# CANCEL_TRANSFERS answers after which no confirmation will come from this daemon: it is stopping
 # (it closes the attach channels once its last copy is done), or does not know the request.
 _CANNOT_CANCEL = _PERMANENT_REFUSALS | {ErrorCode.SHUTTING_DOWN}
 # Finished request ids remembered to report each exactly once (bounded).
@@ -267,7 +267,7 @@ class _PerRequestOps:
 @dataclass
 class _Fence:
     """A load whose RETRIEVE got no reply in time: its blocks are not handed back to vLLM until
-    the daemon answers a CANCEL_RETRIEVE for it, or is gone (see the module docstring)."""
+    the daemon answers a CANCEL_TRANSFERS for it, or is gone (see the module docstring)."""
 
     blocks: list[int]
     target: _Target
@@ -563,7 +563,7 @@ class LMCacheMPWorkerAdapter:
                        self._timeout_s)
 
     def _advance_fences(self) -> None:
-        """Release the fences the daemon has resolved (into `_unfenced`); send CANCEL_RETRIEVE
+        """Release the fences the daemon has resolved (into `_unfenced`); send CANCEL_TRANSFERS
         for the others that need one, one per registration."""
         now = time.monotonic()
         due: dict[_Target, list[str]] = {}
@@ -579,7 +579,7 @@ class LMCacheMPWorkerAdapter:
                              "confirms it is cancelled nor exits; its blocks stay unused until it does "
                              "(restart or kill the daemon)", request_id, now - fence.since, self.server_url)
         for target, request_ids in due.items():
-            cancel = self.mq_client.submit(RequestType.CANCEL_RETRIEVE, [target.instance_id, request_ids],
+            cancel = self.mq_client.submit(RequestType.CANCEL_TRANSFERS, [target.instance_id, request_ids],
                                            timeout_s=self._timeout_s)
             for request_id in request_ids:
                 self._fences[request_id].cancel = cancel
