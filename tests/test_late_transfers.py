@@ -1,6 +1,7 @@
 """Defect 7: a RETRIEVE still running after its client gave up must never write into blocks that
-vLLM has reused. A worker whose RETRIEVE timed out reports the load failed (freeing its blocks)
-only once the daemon has answered CANCEL_TRANSFERS or is gone. Real daemons, real workers."""
+vLLM has reused, nor a STORE publish what they hold by then. A worker whose RETRIEVE timed out
+reports the load failed (freeing its blocks) only once the daemon has answered CANCEL_TRANSFERS
+or is gone. Real daemons, real workers."""
 
 from __future__ import annotations
 
@@ -14,13 +15,14 @@ import pytest
 import torch
 
 from lmcache_mp.custom_types import IPCCacheEngineKey
+from lmcache_mp.errors import ServerError
 from lmcache_mp.launcher import DaemonProcess
-from lmcache_mp.mq import MessageQueueClient
-from lmcache_mp.protocol import ChunkOutcome, RequestType, RetrieveResult
+from lmcache_mp.mq import MessageQueueClient, MessagingFuture
+from lmcache_mp.protocol import ChunkOutcome, ErrorCode, RequestType, RetrieveResult
 from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes, freeze, status
 from tests.kv_worker import make_caches
 from tests.test_fault_paths import lease
-from tests.test_tiers import store
+from tests.test_tiers import count_lookup, store
 from vllm_adapter import LMCacheMPWorkerAdapter, LoadStoreOp, multi_process_adapter
 
 DAEMON_ARGS = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05")
@@ -179,40 +181,80 @@ def test_the_cancelled_record_is_bounded(daemons: Callable) -> None:
         client.close()
 
 
-def test_cancel_stops_a_retrieve_that_is_copying(daemons: Callable) -> None:
-    """A RETRIEVE of many chunks (tens of ms of copying) is cancelled while it copies: the CANCEL
-    is answered once it has stopped (between chunks), and nothing is written after that."""
+BIG_BLOCKS = 4096  # a cache whose half is 2048 chunks: tens of ms of copying
+
+
+@pytest.fixture
+def big_worker(daemons: Callable) -> Iterator[tuple[DaemonProcess, LMCacheMPWorkerAdapter, list[bytes]]]:
+    """A worker with a BIG_BLOCKS cache; chunk hashes for half of it."""
     daemon: DaemonProcess = daemons(*DAEMON_ARGS)
-    blocks = 4096
     worker = LMCacheMPWorkerAdapter(daemon.url, None, "m", 1, 0, BLOCK)
     try:
-        caches = make_caches([blocks, 2, BLOCK, 64], torch.bfloat16, LAYERS, seed=1)
-        worker.register_kv_caches(caches, "CPU_ATTN")
-        client, iid = worker.mq_client, worker.instance_id
-        half = blocks // 2
-        hashes = block_hashes(list(range(half * BLOCK)))[CHUNK // BLOCK - 1::CHUNK // BLOCK]
-        assert ChunkOutcome.NO_SPACE not in store(client, iid, hashes, "s")
-        target = list(range(half, blocks))
-        caught = 0
-        for attempt in range(20):  # until a CANCEL comes while the copy runs (the first, mostly)
-            for cache in worker.kv_caches.values():
-                cache[target] = SENTINEL
-            request_id = f"r{attempt}"
-            keys = [IPCCacheEngineKey("m", 1, 0, chunk_hash=h, request_id=request_id) for h in hashes]
-            copy = client.submit(RequestType.RETRIEVE, [keys, iid, target, b""])
-            while status(daemon.url).transfers_running == 0 and not copy.query():
-                pass
-            stopped = cancel(client, iid, [request_id])
-            pages = torch.stack([cache[target].clone() for cache in worker.kv_caches.values()])
-            result: RetrieveResult = copy.result(10)
-            if stopped:
-                caught += 1
-                assert stopped == 1 and not result.ok and result.reason == "cancelled"
-                time.sleep(0.2)
-                assert torch.equal(torch.stack([cache[target] for cache in worker.kv_caches.values()]), pages)
-                assert bool(torch.any(pages == SENTINEL)), "the copy ran to its end"
-                break
-        assert caught, "no CANCEL came while a copy ran"
+        worker.register_kv_caches(make_caches([BIG_BLOCKS, 2, BLOCK, 64], torch.bfloat16, LAYERS, seed=1),
+                                  "CPU_ATTN")
+        hashes = block_hashes(list(range(BIG_BLOCKS // 2 * BLOCK)))[CHUNK // BLOCK - 1::CHUNK // BLOCK]
+        yield daemon, worker, hashes
         assert status(daemon.url).transfers_running == 0
     finally:
         worker.shutdown()
+
+
+def cancel_while_copying(daemon: DaemonProcess, worker: LMCacheMPWorkerAdapter, request_type: RequestType,
+                         hashes: list[bytes], blocks: list[int],
+                         before_each: Callable[[], None]) -> tuple[MessagingFuture, torch.Tensor]:
+    """Send `request_type` for `hashes` and cancel it while it copies (retrying with a new
+    request id until a CANCEL lands mid-copy, mostly the first time): its future and the blocks
+    as they were when the CANCEL was answered."""
+    client, iid = worker.mq_client, worker.instance_id
+    for attempt in range(20):
+        before_each()
+        request_id = f"r{attempt}"
+        keys = [IPCCacheEngineKey("m", 1, 0, chunk_hash=h, request_id=request_id) for h in hashes]
+        op = client.submit(request_type, [keys, iid, blocks, b""])
+        while status(daemon.url).transfers_running == 0 and not op.query():
+            pass
+        stopped = cancel(client, iid, [request_id])
+        pages = torch.stack([cache[blocks].clone() for cache in worker.kv_caches.values()])
+        op.wait(10)
+        if stopped:
+            assert stopped == 1
+            return op, pages
+    raise AssertionError(f"no CANCEL came while a {request_type.name} ran")
+
+
+def test_cancel_stops_a_retrieve_that_is_copying(big_worker) -> None:
+    """A RETRIEVE of many chunks is cancelled while it copies: the CANCEL is answered once it has
+    stopped (between chunks), and nothing is written after that."""
+    daemon, worker, hashes = big_worker
+    assert ChunkOutcome.NO_SPACE not in store(worker.mq_client, worker.instance_id, hashes, "s")
+    target = list(range(BIG_BLOCKS // 2, BIG_BLOCKS))
+
+    def fill() -> None:
+        for cache in worker.kv_caches.values():
+            cache[target] = SENTINEL
+
+    copy, pages = cancel_while_copying(daemon, worker, RequestType.RETRIEVE, hashes, target, fill)
+    result: RetrieveResult = copy.result()
+    assert not result.ok and result.reason == "cancelled"
+    time.sleep(0.2)
+    assert torch.equal(torch.stack([cache[target] for cache in worker.kv_caches.values()]), pages)
+    assert bool(torch.any(pages == SENTINEL)), "the copy ran to its end"
+
+
+def test_cancel_stops_a_store_and_publishes_nothing(big_worker) -> None:
+    """A STORE cancelled before it starts, or while it copies, stores nothing: its blocks may hold
+    another request's KV by the time it would have run."""
+    daemon, worker, hashes = big_worker
+    client, iid = worker.mq_client, worker.instance_id
+    assert cancel(client, iid, ["early"]) == 0
+    with pytest.raises(ServerError) as refused:
+        store(client, iid, hashes[:2], "early")
+    assert refused.value.code is ErrorCode.CANCELLED
+    assert count_lookup(client, hashes[:2]) == 0
+
+    source = list(range(BIG_BLOCKS // 2))
+    copy, _ = cancel_while_copying(daemon, worker, RequestType.STORE, hashes, source, lambda: None)
+    error = copy.exception()
+    assert isinstance(error, ServerError) and error.code is ErrorCode.CANCELLED, error
+    assert count_lookup(client, hashes) == 0  # not even the chunks copied before the CANCEL
+    assert status(daemon.url).objects == 0  # and their slots were freed
