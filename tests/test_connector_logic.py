@@ -263,6 +263,35 @@ def test_sync_loads_complete_before_the_forward_pass(daemon: DaemonProcess) -> N
 
 
 @pytest.mark.daemon_args(*DAEMON_ARGS)
+@pytest.mark.parametrize("load_mode", ["async", "sync"])
+def test_leases_outside_the_planned_load_are_released_at_once(daemon: DaemonProcess, load_mode: str) -> None:
+    """The lookup leases all 4 hit chunks. Async: vLLM holds the first 2 itself, the load reads
+    chunks 2-3. Sync: vLLM holds chunk 0 and computes the last chunk itself, the load reads
+    chunks 1-2. Either way 2 leases are released as the load is planned, not at the request's end."""
+    settings = ConnectorSettings(url=daemon.url, reconnect_interval_s=0.3, load_mode=load_mode)
+    scheduler, worker = SchedulerSide(settings, "m", 1, 0, BLOCK), Worker(settings, seed=3)
+    try:
+        tokens = list(range(700, 700 + 4 * CHUNK))
+        tables = {"w": list(range(9)), "r": list(range(20, 28))}
+        store_prompt(scheduler, worker, request("w", [*tokens, 1]), tables)
+        reader = request("r", tokens)
+        local = 2 * CHUNK if load_mode == "async" else CHUNK
+        assert match(scheduler, reader, local=local) == (2 * CHUNK, load_mode == "async")
+        assert status(daemon.url).leases == 4
+        scheduler.update_state_after_alloc(reader, Blocks(tables["r"]), 2 * CHUNK)
+        until(lambda: status(daemon.url).leases == 2)
+        meta = scheduler.build_connector_meta(step(tables, new=((reader, local + 2 * CHUNK, 1),)))
+        worker.run(meta)
+        if load_mode == "async":
+            worker.wait_reported("received", "r")
+        assert worker.reported["failed"] == {} and worker.load_errors == set()
+        assert status(daemon.url).leases == 0  # the load spent the rest
+    finally:
+        worker.side.shutdown()
+        scheduler.shutdown()
+
+
+@pytest.mark.daemon_args(*DAEMON_ARGS)
 def test_preempted_request_gets_no_reload_and_its_stores_land_first(
         halves: tuple[SchedulerSide, Worker], daemon: DaemonProcess) -> None:
     scheduler, worker = halves

@@ -9,6 +9,7 @@ retrieve.
 from __future__ import annotations
 
 import logging
+import signal
 import time
 
 import pytest
@@ -18,7 +19,7 @@ from lmcache_mp.custom_types import IPCCacheEngineKey
 from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import ChunkOutcome, RequestType
-from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes, status
+from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes, freeze, status
 from tests.kv_worker import make_caches
 from tests.test_fault_paths import lease
 from tests.test_tiers import count_lookup, store
@@ -27,6 +28,11 @@ from vllm_adapter import LMCacheMPWorkerAdapter, LoadStoreOp
 # A pool of a few dozen chunks (16 KiB each), quick to fill with pinned ones.
 DAEMON_ARGS = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.0005")
 BLOCKS_PER_CHUNK = CHUNK // BLOCK
+
+
+def chunk_hashes(tokens: list[int]) -> list[bytes]:
+    """The chunk keys of `tokens`' full chunks: the hash of each chunk's last block."""
+    return block_hashes(tokens)[BLOCKS_PER_CHUNK - 1::BLOCKS_PER_CHUNK]
 
 
 def store_op(tokens: list[int], first_block: int = 0) -> LoadStoreOp:
@@ -51,7 +57,7 @@ def fill_with_pinned_chunks(client: MessageQueueClient, instance_id: int, reques
     how many are pinned."""
     pinned = 0
     for i in range(1000):
-        hashes = block_hashes([10**6 + i * 100 + t for t in range(CHUNK)])[BLOCKS_PER_CHUNK - 1::BLOCKS_PER_CHUNK]
+        hashes = chunk_hashes([10**6 + i * 100 + t for t in range(CHUNK)])
         if store(client, instance_id, hashes, "filler") == [ChunkOutcome.NO_SPACE]:
             return pinned
         pinned += lease(client, hashes, request_id)
@@ -69,7 +75,7 @@ def test_store_that_found_no_space_is_retried_once_space_frees(daemon: DaemonPro
     worker.submit_store_request("r", store_op(tokens), None)
     # While every chunk is pinned the store cannot land: vLLM must keep the blocks.
     assert not finished_within(worker, "r", 0.5)
-    hashes = block_hashes(tokens)[BLOCKS_PER_CHUNK - 1::BLOCKS_PER_CHUNK]
+    hashes = chunk_hashes(tokens)
     assert count_lookup(client, hashes) == 0
 
     client.submit(RequestType.END_SESSION, ["pins"]).result(10)
@@ -91,10 +97,36 @@ def test_store_made_while_the_daemon_restarts_lands_once_it_is_back(daemons) -> 
         assert finished_within(worker, "r", 15)
         client = MessageQueueClient(second.url)
         try:
-            hashes = block_hashes(tokens)[BLOCKS_PER_CHUNK - 1::BLOCKS_PER_CHUNK]
+            hashes = chunk_hashes(tokens)
             assert count_lookup(client, hashes) == 2
         finally:
             client.close()
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.daemon_args(*DAEMON_ARGS)
+def test_store_that_timed_out_is_sent_again(daemon: DaemonProcess, caplog: pytest.LogCaptureFixture) -> None:
+    """A frozen daemon: the STORE times out on the client (0.5 s), and is sent again until the
+    daemon answers; the request is reported only then, and nothing is given up."""
+    worker = LMCacheMPWorkerAdapter(daemon.url, None, "m", 1, 0, BLOCK, timeout_s=0.5, store_retry_s=10)
+    try:
+        worker.register_kv_caches(make_caches(SHAPE, torch.bfloat16, LAYERS, seed=1), "CPU_ATTN")
+        caplog.set_level(logging.WARNING, logger="vllm_adapter.multi_process_adapter")
+        tokens = list(range(900, 900 + 2 * CHUNK))
+        freeze(daemon.proc)
+        try:
+            worker.submit_store_request("r", store_op(tokens), None)
+            assert not finished_within(worker, "r", 1.2)  # timed out at least once meanwhile
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        assert finished_within(worker, "r", 10)
+        client = MessageQueueClient(daemon.url)
+        try:
+            assert count_lookup(client, chunk_hashes(tokens)) == 2
+        finally:
+            client.close()
+        assert not [r for r in caplog.records if "gave up" in r.getMessage()]
     finally:
         worker.shutdown()
 
@@ -131,7 +163,7 @@ def test_held_stores_are_bounded_in_number_and_age(daemons, caplog: pytest.LogCa
 def test_release_leases_drops_only_the_named_chunks(daemon: DaemonProcess, worker_for) -> None:
     worker = worker_for(daemon.url)
     client = worker.mq_client
-    hashes = block_hashes(list(range(4 * CHUNK)))[BLOCKS_PER_CHUNK - 1::BLOCKS_PER_CHUNK]
+    hashes = chunk_hashes(list(range(4 * CHUNK)))
     assert store(client, worker.instance_id, hashes, "s") == [ChunkOutcome.STORED] * 4
     assert lease(client, hashes, "r") == 4
 

@@ -387,7 +387,7 @@ class LMCacheMPWorkerAdapter:
         self._store_retry_s = timeout_s if store_retry_s is None else store_retry_s
         self._stores = _StoreTracker(max_held_stores)
         self._retrieves = _PerRequestOps()
-        self._finished_by_engine: set[str] = set()  # finished in vLLM, stores still in flight
+        self._finished_by_engine: set[str] = set()  # finished in vLLM, stores in flight or held
         self._reported: OrderedDict[str, None] = OrderedDict()
         self._failed_retrieves: dict[str, list[int]] = {}
 
