@@ -495,18 +495,19 @@ class LMCacheMPWorkerAdapter:
 
     def batched_submit_store_requests(self, request_ids: list[str], ops: list[LoadStoreOp],
                                       event: torch.cuda.Event | None) -> None:
+        registered = self.ensure_registered()
+        if not registered and self._refused:
+            return  # serving without the cache, as the one ERROR said: a skipped store is no failure
         parts = [_PendingStore(rid, op, event) for rid, op in zip(request_ids, ops, strict=True)]
-        if self.ensure_registered():
-            self._stores.add(parts)
+        self._stores.add(parts)
+        if registered:
             self._send_stores(parts, event)
-        elif not self._refused:
-            # The daemon is away (restarting, say): held, and sent once the worker has
-            # registered again, so that no chunk vLLM still holds is lost to the restart.
-            self._stores.add(parts)
-            now = time.monotonic()
-            for part in parts:
-                self._hold(part, part.op, now, "lmcache-mp daemon unavailable")
-        # else serving without the cache, as the one ERROR said: a skipped store is no failure
+            return
+        # The daemon is away (restarting, say): held, and sent once the worker has registered
+        # again, so that a restart loses no chunk that vLLM still holds.
+        now = time.monotonic()
+        for part in parts:
+            self._hold(part, part.op, now, "lmcache-mp daemon unavailable")
 
     def batched_submit_retrieve_requests(self, request_ids: list[str], ops: list[LoadStoreOp],
                                          event: torch.cuda.Event | None) -> None:
