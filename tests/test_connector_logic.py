@@ -31,7 +31,7 @@ from tests.helpers import block_hashes, freeze, status
 from tests.kv_worker import make_caches, pages
 from vllm_adapter.connector_common import ConnectorSettings, LMCacheMPConnectorMetadata
 from vllm_adapter.connector_scheduler import SchedulerSide
-from vllm_adapter.connector_worker import WorkerSide
+from vllm_adapter.connector_worker import IDLE_STEP_PAUSE_S, WorkerSide
 from vllm_adapter.multi_process_adapter import LoadStoreOp
 
 BLOCK, CHUNK = 16, 32  # the hashes of tests.test_data_path are over 16-token blocks
@@ -64,6 +64,7 @@ def step(tables: dict[str, list[int]], new: tuple = (), cached: tuple = (), pree
         scheduled_cached_reqs=SimpleNamespace(req_ids=[r.request_id for r, _, _ in cached],
                                               num_computed_tokens=[c for _, c, _ in cached]),
         num_scheduled_tokens={r.request_id: n for r, _, n in (*new, *cached)},
+        total_num_scheduled_tokens=sum(n for _, _, n in (*new, *cached)),
         preempted_req_ids=set(preempted),
         kv_connector_block_state=SimpleNamespace(get_block_ids=lambda rid: (tables[rid],)))
 
@@ -289,6 +290,31 @@ def test_leases_outside_the_planned_load_are_released_at_once(daemon: DaemonProc
     finally:
         worker.side.shutdown()
         scheduler.shutdown()
+
+
+@pytest.mark.daemon_args(*DAEMON_ARGS)
+def test_empty_steps_are_paced_while_stores_are_held(halves: tuple[SchedulerSide, Worker],
+                                                     daemon: DaemonProcess) -> None:
+    """A finished request whose store is held (the daemon is away) keeps vLLM stepping with
+    nothing to compute: those steps are paced, not spun."""
+    scheduler, worker = halves
+    tokens = list(range(1200, 1200 + 2 * CHUNK + 1))
+    tables = {"h": list(range(5))}
+    req = request("h", tokens)
+    assert match(scheduler, req) == (0, False)
+    prefill = scheduler.build_connector_meta(step(tables, new=((req, 0, len(tokens)),)))
+    assert not prefill.idle and list(prefill.stores) == ["h"]
+    assert daemon.stop() == 0
+    worker.run(prefill)
+    assert scheduler.request_finished(req) is True
+    idle = scheduler.build_connector_meta(step(tables))
+    assert idle.idle
+    started = time.monotonic()
+    worker.run(idle, {"h"})
+    for _ in range(19):
+        worker.run(idle)
+    assert time.monotonic() - started >= 20 * IDLE_STEP_PAUSE_S
+    assert "h" not in worker.reported["sent"]  # its store is still held for the daemon's return
 
 
 @pytest.mark.daemon_args(*DAEMON_ARGS)

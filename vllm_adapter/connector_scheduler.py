@@ -207,7 +207,8 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> LMCacheMPConnectorMetadata:
         meta = LMCacheMPConnectorMetadata(loads=self._pending_loads,
                                           preempted=set(scheduler_output.preempted_req_ids or ()),
-                                          sync_loads=self._sync_loads)
+                                          sync_loads=self._sync_loads,
+                                          idle=scheduler_output.total_num_scheduled_tokens == 0)
         self._pending_loads = {}
         if self._connected() is None:
             return meta  # never connected yet: nobody to store to

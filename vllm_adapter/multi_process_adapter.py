@@ -528,6 +528,10 @@ class LMCacheMPWorkerAdapter:
                                           [keys, self.instance_id, block_ids, event_handle])
         tracker.add(request_ids, ops, future)
 
+    def holds_stores(self) -> bool:
+        """Whether stores are held for another try (or for the daemon's return)."""
+        return self._stores.num_held > 0
+
     def _send_stores(self, parts: list[_PendingStore], event: torch.cuda.Event | None) -> None:
         keys = [k for p in parts for k in self._keys.keys_for(p.request_id, p.op)]
         block_ids = [b for p in parts for b in p.op.block_ids]
