@@ -1,4 +1,4 @@
-"""The daemon's semantics: LOOKUP / STORE / RETRIEVE / END_SESSION / CLEAR.
+"""The daemon's semantics: LOOKUP / STORE / RETRIEVE / RELEASE_LEASES / END_SESSION / CLEAR.
 
 A chunk is keyed by `(chunk hash, fingerprint)`, where the fingerprint is the registering
 worker's `ChunkFormat` (model, world size, rank, layout, dtype, geometry, chunk size): bytes
@@ -261,10 +261,21 @@ class Engine:
             self.leases.release(request_id, request_keys)
 
     def cancel_transfers(self, instance_id: int, request_ids: list[str]) -> int | Future[int]:
-        """CANCEL_TRANSFERS (see protocol.py); a Future while retrieves of these requests copy."""
+        """CANCEL_TRANSFERS (see protocol.py); a Future while transfers of these requests copy."""
         return self.fence.cancel(instance_id, request_ids)
 
-    # ---- END_SESSION, CLEAR, maintenance -----------------------------------------------------
+    # ---- RELEASE_LEASES, END_SESSION, CLEAR, maintenance -------------------------------------
+
+    def release_leases(self, keys: list[IPCCacheEngineKey]) -> None:
+        """Release the leases the keys' requests hold on the chunks the keys name (on every rank):
+        chunks a request will not retrieve need not stay pinned until its END_SESSION."""
+        chunks = self.keys.op_chunks(keys, lookup=False)
+        by_request: dict[str, set[bytes]] = {}
+        for request_id, chunk_hash in zip(chunks.request_ids, chunks.hashes, strict=True):
+            if request_id is not None:  # keys without a request id lease nothing
+                by_request.setdefault(request_id, set()).add(chunk_hash)
+        for request_id, hashes in by_request.items():
+            self.leases.release_chunks(request_id, hashes)
 
     def end_session(self, request_id: str) -> None:
         self.leases.end(request_id)

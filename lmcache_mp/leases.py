@@ -1,9 +1,9 @@
 """Leases: the pool objects a request holds pinned between its LOOKUP and its RETRIEVE.
 
 A LOOKUP pins its hits so they cannot be evicted before the RETRIEVE that follows. Every
-lease has a way out: the RETRIEVE releases what it read, END_SESSION releases the rest of
-that request, and a TTL releases what a vanished client never will. The table is bounded:
-past `max_sessions`, the oldest session is ended to admit a new one.
+lease has a way out: the RETRIEVE releases what it read, RELEASE_LEASES what the request will
+not read, END_SESSION the rest of that request, and a TTL what a vanished client never will.
+The table is bounded: past `max_sessions`, the oldest session is ended to admit a new one.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
+from typing import cast
 
 from lmcache_mp.storage.pool import MemoryPool, PoolObject
 
@@ -74,6 +75,15 @@ class LeaseTable:
                 del self._sessions[request_id]
         self._pool.unpin(released)
         return len(released)
+
+    def release_chunks(self, request_id: str, chunk_hashes: Iterable[bytes]) -> int:
+        """Drop this request's pins on these chunks, on every rank and chunk format (the held
+        keys are pool keys, `(chunk hash, fingerprint)`); returns how many pins were released."""
+        wanted = set(chunk_hashes)
+        with self._lock:
+            session = self._sessions.get(request_id)
+            keys = [] if session is None else [k for k in session.held if cast(tuple, k)[0] in wanted]
+        return self.release(request_id, keys)  # a key released meanwhile is skipped there
 
     def end(self, request_id: str) -> int:
         with self._lock:

@@ -44,6 +44,7 @@ class RequestType(enum.IntEnum):
     END_SESSION = 10
     CLEAR = 11
     CANCEL_TRANSFERS = 12
+    RELEASE_LEASES = 13
 
 
 class ErrorCode(enum.IntEnum):
@@ -189,6 +190,11 @@ PROTOCOL: dict[RequestType, RequestSpec] = {
                                          HandlerKind.WORKER),
     # END_SESSION(request id): release everything the request still holds.
     RequestType.END_SESSION: RequestSpec((str,), None, HandlerKind.INLINE),
+    # RELEASE_LEASES(keys without worker id, as for LOOKUP, request id set; a token key names
+    # the chunks from its `start`): release the leases the keys' requests hold on those chunks,
+    # on every rank: chunks a request will not retrieve (e.g. inside vLLM's own prefix hit).
+    # Its other leases stay until RETRIEVE / END_SESSION. Fire and forget, like END_SESSION.
+    RequestType.RELEASE_LEASES: RequestSpec((Keys,), None, HandlerKind.INLINE),
     # CLEAR() -> number of objects dropped from the CPU pool (objects under lease or being
     # written stay; lower tiers are persistent and keep theirs).
     RequestType.CLEAR: RequestSpec((), int, HandlerKind.WORKER),

@@ -31,7 +31,7 @@ from tests.helpers import block_hashes, freeze, status
 from tests.kv_worker import make_caches, pages
 from vllm_adapter.connector_common import ConnectorSettings, LMCacheMPConnectorMetadata
 from vllm_adapter.connector_scheduler import SchedulerSide
-from vllm_adapter.connector_worker import WorkerSide
+from vllm_adapter.connector_worker import IDLE_STEP_PAUSE_S, WorkerSide
 from vllm_adapter.multi_process_adapter import LoadStoreOp
 
 BLOCK, CHUNK = 16, 32  # the hashes of tests.test_data_path are over 16-token blocks
@@ -64,6 +64,7 @@ def step(tables: dict[str, list[int]], new: tuple = (), cached: tuple = (), pree
         scheduled_cached_reqs=SimpleNamespace(req_ids=[r.request_id for r, _, _ in cached],
                                               num_computed_tokens=[c for _, c, _ in cached]),
         num_scheduled_tokens={r.request_id: n for r, _, n in (*new, *cached)},
+        total_num_scheduled_tokens=sum(n for _, _, n in (*new, *cached)),
         preempted_req_ids=set(preempted),
         kv_connector_block_state=SimpleNamespace(get_block_ids=lambda rid: (tables[rid],)))
 
@@ -260,6 +261,60 @@ def test_sync_loads_complete_before_the_forward_pass(daemon: DaemonProcess) -> N
     finally:
         worker.side.shutdown()
         scheduler.shutdown()
+
+
+@pytest.mark.daemon_args(*DAEMON_ARGS)
+@pytest.mark.parametrize("load_mode", ["async", "sync"])
+def test_leases_outside_the_planned_load_are_released_at_once(daemon: DaemonProcess, load_mode: str) -> None:
+    """The lookup leases all 4 hit chunks. Async: vLLM holds the first 2 itself, the load reads
+    chunks 2-3. Sync: vLLM holds chunk 0 and computes the last chunk itself, the load reads
+    chunks 1-2. Either way 2 leases are released as the load is planned, not at the request's end."""
+    settings = ConnectorSettings(url=daemon.url, reconnect_interval_s=0.3, load_mode=load_mode)
+    scheduler, worker = SchedulerSide(settings, "m", 1, 0, BLOCK), Worker(settings, seed=3)
+    try:
+        tokens = list(range(700, 700 + 4 * CHUNK))
+        tables = {"w": list(range(9)), "r": list(range(20, 28))}
+        store_prompt(scheduler, worker, request("w", [*tokens, 1]), tables)
+        reader = request("r", tokens)
+        local = 2 * CHUNK if load_mode == "async" else CHUNK
+        assert match(scheduler, reader, local=local) == (2 * CHUNK, load_mode == "async")
+        assert status(daemon.url).leases == 4
+        scheduler.update_state_after_alloc(reader, Blocks(tables["r"]), 2 * CHUNK)
+        until(lambda: status(daemon.url).leases == 2)
+        meta = scheduler.build_connector_meta(step(tables, new=((reader, local + 2 * CHUNK, 1),)))
+        worker.run(meta)
+        if load_mode == "async":
+            worker.wait_reported("received", "r")
+        assert worker.reported["failed"] == {} and worker.load_errors == set()
+        assert status(daemon.url).leases == 0  # the load spent the rest
+    finally:
+        worker.side.shutdown()
+        scheduler.shutdown()
+
+
+@pytest.mark.daemon_args(*DAEMON_ARGS)
+def test_empty_steps_are_paced_while_stores_are_held(halves: tuple[SchedulerSide, Worker],
+                                                     daemon: DaemonProcess) -> None:
+    """A finished request whose store is held (the daemon is away) keeps vLLM stepping with
+    nothing to compute: those steps are paced, not spun."""
+    scheduler, worker = halves
+    tokens = list(range(1200, 1200 + 2 * CHUNK + 1))
+    tables = {"h": list(range(5))}
+    req = request("h", tokens)
+    assert match(scheduler, req) == (0, False)
+    prefill = scheduler.build_connector_meta(step(tables, new=((req, 0, len(tokens)),)))
+    assert not prefill.idle and list(prefill.stores) == ["h"]
+    assert daemon.stop() == 0
+    worker.run(prefill)
+    assert scheduler.request_finished(req) is True
+    idle = scheduler.build_connector_meta(step(tables))
+    assert idle.idle
+    started = time.monotonic()
+    worker.run(idle, {"h"})
+    for _ in range(19):
+        worker.run(idle)
+    assert time.monotonic() - started >= 20 * IDLE_STEP_PAUSE_S
+    assert "h" not in worker.reported["sent"]  # its store is still held for the daemon's return
 
 
 @pytest.mark.daemon_args(*DAEMON_ARGS)

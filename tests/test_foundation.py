@@ -57,6 +57,7 @@ PAYLOADS = {
     RequestType.RETRIEVE: [[TOKEN_KEY], 1, [3, 4], b"evt"],
     RequestType.END_SESSION: ["req-1"],
     RequestType.CLEAR: [],
+    RequestType.RELEASE_LEASES: [[HASH_KEY, TOKEN_KEY]],
 }
 REPLIES = {
     RequestType.HELLO: HelloReply(PROTOCOL_VERSION, "0.1.0", 256, "/tmp/x.attach"),
@@ -70,6 +71,7 @@ REPLIES = {
     RequestType.RETRIEVE: RetrieveResult(b"", False, "lease expired"),
     RequestType.END_SESSION: None,
     RequestType.CLEAR: 5,
+    RequestType.RELEASE_LEASES: None,
 }
 
 

@@ -230,18 +230,25 @@ def test_engine_keeps_serving_while_the_daemon_restarts(engine1: list[list[int]]
                                                         baseline: list[list[int]]) -> None:
     """One engine, four rounds: daemon up, daemon killed, daemon back empty (twice). vLLM's
     own prefix cache is off here, so num_cached_tokens counts the daemon's hits only. The
-    worker registers again by itself within the first steps after the restart; stores of
-    steps before that are dropped (best effort), so the last round makes sure they land."""
+    worker holds the stores made while the daemon is away for `timeout_s` (2 s here): the
+    daemon restarts only after they were given up, so that it comes back empty. The worker
+    registers again by itself within the first steps after the restart."""
     barrier = work_dir / "barrier"
     barrier.mkdir()
     spec = engine_spec(tiny_model, daemon, [PROMPTS, PROMPTS, HEADS, HEADS], prefix_caching=False,
                        barrier_dir=str(barrier))
+    spec["connector"]["lmcache.mp.timeout_s"] = 2
     engine = Engine(spec, work_dir / "engine-restart.log")
     try:
         up = engine.round(0)
         daemon.kill()
         (barrier / "go-1").touch()
         down = engine.round(1)
+        deadline = time.monotonic() + 30
+        while "gave up" not in engine.log_path.read_text(errors="replace"):
+            assert time.monotonic() < deadline, f"the held stores were never given up:\n{engine.log_tail()}"
+            time.sleep(0.1)
+        time.sleep(1.0)  # the round's other stores were held within the same second
         daemon.start()
         (barrier / "go-2").touch()
         back = engine.round(2)

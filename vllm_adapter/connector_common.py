@@ -79,6 +79,9 @@ class LMCacheMPConnectorMetadata(KVConnectorMetadata):
     preempted: set[str] = field(default_factory=set)
     # The loads must complete before this step's forward pass (load_mode "sync").
     sync_loads: bool = False
+    # Nothing is scheduled: vLLM steps only to collect transfers (finished requests whose
+    # blocks wait for their stores).
+    idle: bool = False
 
 
 class _Client(Protocol):

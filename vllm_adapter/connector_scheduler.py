@@ -183,6 +183,18 @@ class SchedulerSide:
         hashes = list(request.block_hashes[start:end])
         self._pending_loads[request.request_id] = LoadStoreOp(ids, block_hashes=hashes)
         state.load_planned = True
+        self._release_unloaded(state, start, end)
+
+    def _release_unloaded(self, state: _RequestState, start: int, end: int) -> None:
+        """The lookup leased every hit chunk, but the load reads only blocks [start, end):
+        the hit chunks before it (inside vLLM's own prefix hit) and after it (a sync load
+        stops a chunk short) are released now, not pinned until the request ends."""
+        adapter = self._link.get()
+        hit_blocks = (state.hit_tokens or 0) // self._block_size
+        hashes = state.request.block_hashes
+        unloaded = [*hashes[:start], *hashes[end:hit_blocks]]  # whole chunks: both bounds are aligned
+        if unloaded and adapter is not None:
+            adapter.release_leases(state.request.request_id, unloaded)
 
     def _release_leases(self, state: _RequestState) -> None:
         adapter = self._link.get()
@@ -195,7 +207,8 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> LMCacheMPConnectorMetadata:
         meta = LMCacheMPConnectorMetadata(loads=self._pending_loads,
                                           preempted=set(scheduler_output.preempted_req_ids or ()),
-                                          sync_loads=self._sync_loads)
+                                          sync_loads=self._sync_loads,
+                                          idle=scheduler_output.total_num_scheduled_tokens == 0)
         self._pending_loads = {}
         if self._connected() is None:
             return meta  # never connected yet: nobody to store to

@@ -10,6 +10,7 @@ that vLLM recomputes instead of attending over KV that never arrived.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -28,6 +29,9 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 logger = logging.getLogger(__name__)
+
+# The pace of vLLM's empty steps while stores are held for another try (see wait_for_save).
+IDLE_STEP_PAUSE_S = 0.01
 
 
 def attention_backend_name(vllm_config: VllmConfig, layer_names: list[str]) -> str:
@@ -116,10 +120,15 @@ class WorkerSide:
 
     def wait_for_save(self, meta: LMCacheMPConnectorMetadata) -> None:
         """Submit this step's stores; the forward pass that computed their KV is done."""
+        adapter = self._adapter()
+        if meta.idle and adapter is not None and adapter.holds_stores():
+            # vLLM steps on, with nothing to compute, for as long as finished requests wait
+            # for their held stores (up to timeout_s while the daemon is away): pace those
+            # empty steps instead of spinning a core, which a restarting daemon needs.
+            time.sleep(IDLE_STEP_PAUSE_S)
         if not meta.stores:
             return
         self._with_stores.update(meta.stores)
-        adapter = self._adapter()
         if adapter is not None:
             adapter.batched_submit_store_requests(list(meta.stores), list(meta.stores.values()), None)
 

@@ -5,8 +5,12 @@ names). Differences, each fixing a known failure of the seed:
 - every operation is tracked per request, also inside batches, so no request id is lost;
 - a failed or refused retrieve is reported (`take_failed_retrieves`), never passed off as
   loaded, so vLLM recomputes instead of attending over garbage;
-- when the daemon is unreachable the adapters fail closed: lookups count 0 hits, stores are
-  skipped, retrieves fail; the worker re-registers by itself when the daemon comes back;
+- when the daemon is unreachable the adapters fail closed: lookups count 0 hits, retrieves
+  fail; the worker re-registers by itself when the daemon comes back, and sends then the
+  stores it held meanwhile (bounded in number and age);
+- a store whose chunks did not land for a reason that may pass (no space, an overloaded or
+  restarting daemon, a timeout) is sent again with backoff, and its request is reported
+  finished only after that (vLLM keeps its blocks until then);
 - a worker registers under a random 63-bit instance id, never its pid (pids repeat across
   containers sharing one daemon, and one worker's RETRIEVEs would land in another's cache);
 - a registration the daemon refuses as invalid (unsupported layout, a chunk larger than its
@@ -30,11 +34,13 @@ names). Differences, each fixing a known failure of the seed:
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import time
-from collections import OrderedDict
-from collections.abc import Iterable
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import zmq
@@ -44,6 +50,7 @@ from lmcache_mp.errors import LMCacheMPError, RequestTimeoutError, ServerError
 from lmcache_mp.mq import MessageQueueClient, MessagingFuture
 from lmcache_mp.protocol import (
     PROTOCOL_VERSION,
+    ChunkOutcome,
     ErrorCode,
     KVCacheRegistration,
     RegisterReply,
@@ -55,6 +62,7 @@ from lmcache_mp.transfer.shm import AttachChannel
 from vllm_adapter.utils import export_kv_caches, send_lmcache_request, striding_block_hashes
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 DEFAULT_TIMEOUT_S = 30.0
 REREGISTER_INTERVAL_S = 1.0
@@ -78,6 +86,16 @@ _REPORTED_MEMORY = 100_000
 FENCE_ERROR_AFTER_S = 60.0
 # How often a synchronous load waiting for its fence checks whether the daemon has gone.
 _FENCE_POLL_S = 0.05
+# A store's chunks that did not land for a reason that may pass (NO_SPACE: the pool is full of
+# pinned chunks; an overloaded, restarting or slow daemon) are sent again after a delay doubling
+# from the first to the last, at most `MAX_STORE_SENDS` times in all, within the worker's
+# `store_retry_s`. Safe: the blocks of a request's computed chunks do not change while vLLM
+# keeps them, and the daemon only reads them (a chunk that did land meanwhile: ALREADY_PRESENT).
+STORE_FIRST_RETRY_S = 0.05
+STORE_MAX_RETRY_S = 2.0
+MAX_STORE_SENDS = 8
+# Stores held for another try (or for the daemon's return), at most: the oldest is given up.
+MAX_HELD_STORES = 1024
 
 
 def new_instance_id() -> int:
@@ -197,6 +215,14 @@ class LMCacheMPSchedulerAdapter:
     def cleanup_lookup_result(self, request_id: str) -> None:
         self.lookup_futures.pop(request_id, None)
 
+    def release_leases(self, request_id: str, block_hashes: list[bytes]) -> None:
+        """Release the leases the request's lookup took on these chunks (their vLLM block
+        hashes, whole chunks as in the lookup): chunks it will not retrieve need not stay
+        pinned until `end_session` (fire and forget)."""
+        keys = self._keys.keys_for(request_id, LoadStoreOp([], block_hashes=block_hashes))
+        if keys:
+            send_lmcache_request(self.mq_client, RequestType.RELEASE_LEASES, [keys])
+
     def end_session(self, request_id: str) -> None:
         """Release whatever the request still holds at the daemon (fire and forget)."""
         send_lmcache_request(self.mq_client, RequestType.END_SESSION, [request_id])
@@ -308,12 +334,111 @@ def _failure(future: MessagingFuture) -> str | None:
     return None
 
 
+@dataclass
+class _PendingStore:
+    """One request's part of a store, followed until its chunks have landed or are given up."""
+
+    request_id: str
+    op: LoadStoreOp  # the chunks still to store
+    event: torch.cuda.Event | None  # kept alive: every send hands the daemon its IPC handle
+    sends: int = 0
+    give_up_at: float = math.inf  # set when first held: the retry window starts then
+    next_try: float = 0.0
+    dropped: bool = False  # its blocks were freed (preemption): never sent again
+
+
+@dataclass
+class _StoreBatch:
+    """One STORE on the wire and the request parts it carries, in key order."""
+
+    future: MessagingFuture[StoreResult]
+    parts: list[_PendingStore]
+
+
+class _StoreTracker:
+    """Stores per request: on the wire, or held for another try. A request's stores are done
+    when none of its parts is either. Held parts are bounded in number (the oldest goes first)."""
+
+    def __init__(self, max_held: int):
+        self._max_held = max_held
+        self._in_flight: list[_StoreBatch] = []
+        self._held: list[_PendingStore] = []  # oldest first
+        self._open: Counter[str] = Counter()  # request id -> its parts on the wire or held
+
+    def add(self, parts: list[_PendingStore]) -> None:
+        """Follow these parts until `done`; they are then `sent` or `held`."""
+        self._open.update(p.request_id for p in parts)
+
+    def sent(self, future: MessagingFuture[StoreResult], parts: list[_PendingStore]) -> None:
+        self._in_flight.append(_StoreBatch(future, parts))
+
+    def held(self, part: _PendingStore) -> list[_PendingStore]:
+        """Hold a part; returns those pushed out by the bound (the oldest), for the caller to
+        give up."""
+        self._held.append(part)
+        excess = len(self._held) - self._max_held
+        if excess <= 0:
+            return []
+        pushed_out, self._held = self._held[:excess], self._held[excess:]
+        return pushed_out
+
+    def done(self, part: _PendingStore) -> None:
+        self._open[part.request_id] -= 1
+        if self._open[part.request_id] <= 0:
+            del self._open[part.request_id]
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self._open
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    def take_completed(self) -> list[_StoreBatch]:
+        completed, self._in_flight = _partition(self._in_flight, lambda b: b.future.query())
+        return completed
+
+    def take_held(self, chosen: Callable[[_PendingStore], bool]) -> list[_PendingStore]:
+        taken, self._held = _partition(self._held, chosen)
+        return taken
+
+    def wait(self, request_ids: Iterable[str], timeout_s: float) -> None:
+        """Block until the stores of these requests on the wire are done, or `timeout_s` passed."""
+        deadline = time.monotonic() + timeout_s
+        wanted = set(request_ids)
+        for batch in self._in_flight:
+            if any(p.request_id in wanted for p in batch.parts):
+                batch.future.wait(max(0.0, deadline - time.monotonic()))
+
+    def drop(self, request_ids: Iterable[str]) -> None:
+        """These requests' blocks are freed: none of their chunks is sent again."""
+        wanted = set(request_ids)
+        for batch in self._in_flight:
+            for part in batch.parts:
+                part.dropped = part.dropped or part.request_id in wanted
+        for part in self.take_held(lambda p: p.request_id in wanted):
+            self.done(part)
+
+
+def _partition(items: list[_T], chosen: Callable[[_T], bool]) -> tuple[list[_T], list[_T]]:
+    """(the items chosen, the rest), each in order; `chosen` is asked once per item."""
+    picked: list[_T] = []
+    rest: list[_T] = []
+    for item in items:
+        (picked if chosen(item) else rest).append(item)
+    return picked, rest
+
+
 class LMCacheMPWorkerAdapter:
     def __init__(self, server_url: str, context: zmq.Context | None, model_name: str, world_size: int,
                  kv_rank: int, vllm_block_size: int, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  connect_timeout_s: float | None = None,
-                 reregister_interval_s: float = REREGISTER_INTERVAL_S, instance_id: int | None = None):
-        """`instance_id`: the id to register under (default: a random one, `new_instance_id`)."""
+                 reregister_interval_s: float = REREGISTER_INTERVAL_S, instance_id: int | None = None,
+                 store_retry_s: float | None = None, max_held_stores: int = MAX_HELD_STORES):
+        """`instance_id`: the id to register under (default: a random one, `new_instance_id`).
+        `store_retry_s`: how long a store that did not land (or went unsent while the daemon
+        was away) is tried again (default `timeout_s`); `max_held_stores`: how many such
+        stores are held at most."""
         self.server_url = server_url
         self._context = context
         self._timeout_s = timeout_s
@@ -335,9 +460,10 @@ class LMCacheMPWorkerAdapter:
         self._retry_s = FIRST_RETRY_S  # delay after the next failed registration attempt
         self._next_try = 0.0  # no probe (and so no registration attempt) before this time
         self._probe: MessagingFuture | None = None  # HELLO sent while the daemon was away
-        self._stores = _PerRequestOps()
+        self._store_retry_s = timeout_s if store_retry_s is None else store_retry_s
+        self._stores = _StoreTracker(max_held_stores)
         self._retrieves = _PerRequestOps()
-        self._finished_by_engine: set[str] = set()  # finished in vLLM, stores still in flight
+        self._finished_by_engine: set[str] = set()  # finished in vLLM, stores in flight or held
         self._reported: OrderedDict[str, None] = OrderedDict()
         self._failed_retrieves: dict[str, list[int]] = {}
         self._fences: dict[str, _Fence] = {}  # loads held until the daemon confirms (or is gone)
@@ -451,7 +577,19 @@ class LMCacheMPWorkerAdapter:
 
     def batched_submit_store_requests(self, request_ids: list[str], ops: list[LoadStoreOp],
                                       event: torch.cuda.Event | None) -> None:
-        self._submit(RequestType.STORE, self._stores, request_ids, ops, event)
+        registered = self.ensure_registered()
+        if not registered and self._refused:
+            return  # serving without the cache, as the one ERROR said: a skipped store is no failure
+        parts = [_PendingStore(rid, op, event) for rid, op in zip(request_ids, ops, strict=True)]
+        self._stores.add(parts)
+        if registered:
+            self._send_stores(parts, event)
+            return
+        # The daemon is away (restarting, say): held, and sent once the worker has registered
+        # again, so that a restart loses no chunk that vLLM still holds.
+        now = time.monotonic()
+        for part in parts:
+            self._hold(part, part.op, now, "lmcache-mp daemon unavailable")
 
     def batched_submit_retrieve_requests(self, request_ids: list[str], ops: list[LoadStoreOp],
                                          event: torch.cuda.Event | None) -> None:
@@ -461,10 +599,7 @@ class LMCacheMPWorkerAdapter:
                 ops: list[LoadStoreOp], event: torch.cuda.Event | None) -> None:
         registered = self.ensure_registered()
         target = None
-        if not registered and self._refused and request_type is RequestType.STORE:
-            # Serving without the cache, as the one ERROR said: a skipped store is no failure.
-            future = MessagingFuture.settled(request_type, StoreResult(b"", []))
-        elif not registered:
+        if not registered:
             unavailable = LMCacheMPError("lmcache-mp refused this worker's KV caches" if self._refused
                                          else "lmcache-mp daemon unavailable")
             future = MessagingFuture.settled(request_type, error=unavailable)
@@ -474,9 +609,98 @@ class LMCacheMPWorkerAdapter:
             event_handle = event.ipc_handle() if event is not None else b""
             future = send_lmcache_request(self.mq_client, request_type,
                                           [keys, self.instance_id, block_ids, event_handle])
-            if request_type is RequestType.RETRIEVE and self._channel is not None:
+            if self._channel is not None:
                 target = _Target(self.instance_id, self._channel)  # to fence it, should it time out
         tracker.add(request_ids, ops, future, target)
+
+    def holds_stores(self) -> bool:
+        """Whether stores are held for another try (or for the daemon's return)."""
+        return self._stores.num_held > 0
+
+    def _send_stores(self, parts: list[_PendingStore], event: torch.cuda.Event | None) -> None:
+        keys = [k for p in parts for k in self._keys.keys_for(p.request_id, p.op)]
+        block_ids = [b for p in parts for b in p.op.block_ids]
+        event_handle = event.ipc_handle() if event is not None else b""
+        for part in parts:
+            part.sends += 1
+        future = send_lmcache_request(self.mq_client, RequestType.STORE,
+                                      [keys, self.instance_id, block_ids, event_handle])
+        self._stores.sent(future, parts)
+
+    def _advance_stores(self) -> None:
+        """Settle the stores whose replies came (holding what did not land), give up held ones
+        past their time, and send again those due, once the worker is registered."""
+        now = time.monotonic()
+        for batch in self._stores.take_completed():
+            self._settle_store(batch, now)
+        for part in self._stores.take_held(lambda p: p.give_up_at <= now):
+            self._give_up(part, f"not stored within {self._store_retry_s:g} s")
+        if not self._stores.num_held:
+            return
+        if self.ensure_registered():
+            for part in self._stores.take_held(lambda p: p.next_try <= now):
+                self._send_stores([part], part.event)
+        elif self._refused:  # serving without the cache from now on: skipped, as new stores are
+            for part in self._stores.take_held(lambda p: True):
+                self._stores.done(part)
+
+    def _settle_store(self, batch: _StoreBatch, now: float) -> None:
+        error = batch.future.exception()
+        if error is not None:
+            self._note_error(str(error))
+            for part in batch.parts:
+                if isinstance(error, ServerError) and error.code in _PERMANENT_REFUSALS:
+                    self._give_up(part, str(error))
+                else:  # a timed-out STORE may still run, but it only reads the blocks: resent
+                    self._hold(part, part.op, now, str(error))
+            return
+        outcomes = batch.future.result().outcomes
+        for part in batch.parts:
+            count = self._num_chunks(part.op)
+            mine, outcomes = outcomes[:count], outcomes[count:]
+            no_space = [i for i, outcome in enumerate(mine) if outcome == ChunkOutcome.NO_SPACE]
+            if no_space:
+                why = f"no space for {len(no_space)} chunk(s) in the daemon's pool"
+                self._hold(part, self._chunks_of(part.op, no_space), now, why)
+            else:
+                self._stores.done(part)
+
+    def _hold(self, part: _PendingStore, op: LoadStoreOp, now: float, why: str) -> None:
+        """Hold what is left of a part for another try, unless its tries are spent."""
+        if part.dropped:
+            self._stores.done(part)
+            return
+        part.op = op
+        part.give_up_at = min(part.give_up_at, now + self._store_retry_s)
+        if part.sends >= MAX_STORE_SENDS or now >= part.give_up_at:
+            self._give_up(part, why)
+            return
+        part.next_try = now + min(STORE_FIRST_RETRY_S * 2 ** max(part.sends - 1, 0), STORE_MAX_RETRY_S)
+        for old in self._stores.held(part):
+            self._give_up(old, "too many stores held for another try")
+
+    def _give_up(self, part: _PendingStore, why: str) -> None:
+        logger.warning("store for request %s gave up after %d attempt(s), %d chunk(s) not stored: %s",
+                       part.request_id, part.sends, self._num_chunks(part.op), why)
+        self._stores.done(part)
+
+    def _num_chunks(self, op: LoadStoreOp) -> int:
+        """The chunks a store of `op` covers: one outcome each in its reply."""
+        if op.block_hashes is not None:
+            return len(op.block_hashes) // self.blocks_in_chunk
+        chunk_tokens = self.blocks_in_chunk * self._vllm_block_size
+        end = min(op.end or len(op.token_ids or ()), len(op.token_ids or ()))
+        return max(0, end // chunk_tokens - op.start // chunk_tokens)
+
+    def _chunks_of(self, op: LoadStoreOp, chunks: list[int]) -> LoadStoreOp:
+        """An op of just these chunks of `op`. A token-mode op is kept whole: its key names a
+        token range (the chunks that landed come back ALREADY_PRESENT)."""
+        if op.block_hashes is None:
+            return op
+        n = self.blocks_in_chunk
+        spans = [slice(i * n, (i + 1) * n) for i in chunks]
+        return LoadStoreOp([b for s in spans for b in op.block_ids[s]],
+                           block_hashes=[h for s in spans for h in op.block_hashes[s]])
 
     def retrieve_now(self, request_ids: list[str], ops: list[LoadStoreOp],
                      timeout_s: float) -> dict[str, list[int]]:
@@ -509,11 +733,7 @@ class LMCacheMPWorkerAdapter:
         """(requests whose stores are all done and which vLLM has finished, requests whose
         retrieves are done). Each id is returned once. Failed retrieves are also recorded
         for `take_failed_retrieves`."""
-        for request_id, outcome in self._stores.poll().items():
-            self._stores.take_blocks(request_id)
-            if outcome.failure:
-                self._note_error(outcome.failure)
-                logger.warning("store for request %s failed: %s", request_id, outcome.failure)
+        self._advance_stores()
         finished_stores: set[str] = set()
         for request_id in finished_req_ids_from_engine | self._finished_by_engine:
             if self._stores.has(request_id):
@@ -620,8 +840,11 @@ class LMCacheMPWorkerAdapter:
 
     def wait_for_stores(self, request_ids: Iterable[str], timeout_s: float) -> None:
         """Block until the stores of these requests are done (or `timeout_s` passed): their
-        blocks are about to be reused, e.g. after a preemption."""
+        blocks are about to be reused, e.g. after a preemption. None of their chunks is sent
+        again after that."""
+        request_ids = list(request_ids)
         self._stores.wait(request_ids, timeout_s)
+        self._stores.drop(request_ids)
 
     def num_blocks_per_chunk(self) -> int:
         return self.blocks_in_chunk

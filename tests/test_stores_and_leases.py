@@ -1,0 +1,181 @@
+"""Stores that do not land at once, and leases a request will not spend; real daemons.
+
+A worker retries a store's chunks that found no space, and holds the stores made while the
+daemon is away until it is back, reporting the request finished only once its chunks landed
+(or were given up, within bounds). RELEASE_LEASES drops the pins on chunks a request will not
+retrieve.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+
+import pytest
+import torch
+
+from lmcache_mp.custom_types import IPCCacheEngineKey
+from lmcache_mp.launcher import DaemonProcess
+from lmcache_mp.mq import MessageQueueClient
+from lmcache_mp.protocol import ChunkOutcome, RequestType
+from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes, freeze, status
+from tests.kv_worker import make_caches
+from tests.test_fault_paths import lease
+from tests.test_tiers import count_lookup, store
+from vllm_adapter import LMCacheMPWorkerAdapter, LoadStoreOp
+
+# A pool of a few dozen chunks (16 KiB each), quick to fill with pinned ones.
+DAEMON_ARGS = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.0005")
+BLOCKS_PER_CHUNK = CHUNK // BLOCK
+
+
+def chunk_hashes(tokens: list[int]) -> list[bytes]:
+    """The chunk keys of `tokens`' full chunks: the hash of each chunk's last block."""
+    return block_hashes(tokens)[BLOCKS_PER_CHUNK - 1::BLOCKS_PER_CHUNK]
+
+
+def store_op(tokens: list[int], first_block: int = 0) -> LoadStoreOp:
+    """A vLLM-like store of the full chunks of `tokens`, from consecutive blocks."""
+    hashes = block_hashes(tokens)
+    return LoadStoreOp(list(range(first_block, first_block + len(hashes))), block_hashes=hashes)
+
+
+def finished_within(worker: LMCacheMPWorkerAdapter, request_id: str, seconds: float) -> bool:
+    """Whether the worker reports `request_id` (finished by vLLM) as done storing in time."""
+    deadline = time.monotonic() + seconds
+    while True:
+        if request_id in worker.get_finished({request_id})[0]:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+
+
+def fill_with_pinned_chunks(client: MessageQueueClient, instance_id: int, request_id: str) -> int:
+    """Store chunks and lease each to `request_id` until the pool has no room left; returns
+    how many are pinned."""
+    pinned = 0
+    for i in range(1000):
+        hashes = chunk_hashes([10**6 + i * 100 + t for t in range(CHUNK)])
+        if store(client, instance_id, hashes, "filler") == [ChunkOutcome.NO_SPACE]:
+            return pinned
+        pinned += lease(client, hashes, request_id)
+    raise AssertionError("the pool never filled up")
+
+
+@pytest.mark.daemon_args(*DAEMON_ARGS)
+def test_store_that_found_no_space_is_retried_once_space_frees(daemon: DaemonProcess, worker_for) -> None:
+    worker = worker_for(daemon.url)
+    client = worker.mq_client
+    pinned = fill_with_pinned_chunks(client, worker.instance_id, "pins")
+    assert pinned > 0 and status(daemon.url).leases == pinned
+
+    tokens = list(range(2 * CHUNK))
+    worker.submit_store_request("r", store_op(tokens), None)
+    # While every chunk is pinned the store cannot land: vLLM must keep the blocks.
+    assert not finished_within(worker, "r", 0.5)
+    hashes = chunk_hashes(tokens)
+    assert count_lookup(client, hashes) == 0
+
+    client.submit(RequestType.END_SESSION, ["pins"]).result(10)
+    assert finished_within(worker, "r", 10)
+    assert count_lookup(client, hashes) == 2  # landed before the request was reported
+
+
+def test_store_made_while_the_daemon_restarts_lands_once_it_is_back(daemons) -> None:
+    first: DaemonProcess = daemons(*DAEMON_ARGS)
+    worker = LMCacheMPWorkerAdapter(first.url, None, "m", 1, 0, BLOCK, reregister_interval_s=0.1)
+    try:
+        worker.register_kv_caches(make_caches(SHAPE, torch.bfloat16, LAYERS, seed=1), "CPU_ATTN")
+        assert first.stop() == 0
+        tokens = list(range(500, 500 + 2 * CHUNK))
+        worker.submit_store_request("r", store_op(tokens), None)
+        assert not finished_within(worker, "r", 0.3)  # held, not dropped
+
+        second: DaemonProcess = daemons(*DAEMON_ARGS, url=first.url)
+        assert finished_within(worker, "r", 15)
+        client = MessageQueueClient(second.url)
+        try:
+            hashes = chunk_hashes(tokens)
+            assert count_lookup(client, hashes) == 2
+        finally:
+            client.close()
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.daemon_args(*DAEMON_ARGS)
+def test_store_that_timed_out_is_sent_again(daemon: DaemonProcess, caplog: pytest.LogCaptureFixture) -> None:
+    """A frozen daemon: the STORE times out on the client (0.5 s), and is sent again until the
+    daemon answers; the request is reported only then, and nothing is given up."""
+    worker = LMCacheMPWorkerAdapter(daemon.url, None, "m", 1, 0, BLOCK, timeout_s=0.5, store_retry_s=10)
+    try:
+        worker.register_kv_caches(make_caches(SHAPE, torch.bfloat16, LAYERS, seed=1), "CPU_ATTN")
+        caplog.set_level(logging.WARNING, logger="vllm_adapter.multi_process_adapter")
+        tokens = list(range(900, 900 + 2 * CHUNK))
+        freeze(daemon.proc)
+        try:
+            worker.submit_store_request("r", store_op(tokens), None)
+            assert not finished_within(worker, "r", 1.2)  # timed out at least once meanwhile
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        assert finished_within(worker, "r", 10)
+        client = MessageQueueClient(daemon.url)
+        try:
+            assert count_lookup(client, chunk_hashes(tokens)) == 2
+        finally:
+            client.close()
+        assert not [r for r in caplog.records if "gave up" in r.getMessage()]
+    finally:
+        worker.shutdown()
+
+
+def test_held_stores_are_bounded_in_number_and_age(daemons, caplog: pytest.LogCaptureFixture) -> None:
+    daemon: DaemonProcess = daemons(*DAEMON_ARGS)
+    worker = LMCacheMPWorkerAdapter(daemon.url, None, "m", 1, 0, BLOCK, store_retry_s=1.0, max_held_stores=2)
+    try:
+        worker.register_kv_caches(make_caches(SHAPE, torch.bfloat16, LAYERS, seed=1), "CPU_ATTN")
+        assert daemon.stop() == 0
+        caplog.set_level(logging.WARNING, logger="vllm_adapter.multi_process_adapter")
+        started = time.monotonic()
+        for i, rid in enumerate(("a", "b", "c")):
+            worker.submit_store_request(rid, store_op(list(range(i * 1000, i * 1000 + 2 * CHUNK))), None)
+        reported_at: dict[str, float] = {}  # vLLM finished all three: when each was reported
+        finished = {"a", "b", "c"}
+        while len(reported_at) < 3 and time.monotonic() - started < 5:
+            reported_at.update((rid, time.monotonic() - started) for rid in worker.get_finished(finished)[0])
+            finished = set()  # vLLM names a finished request once
+            time.sleep(0.01)
+        # Three held, two allowed: the oldest is given up at once, the others at their age.
+        assert reported_at["a"] < 0.5
+        assert 1.0 <= reported_at["b"] < 3 and 1.0 <= reported_at["c"] < 3
+        gave_up = [r.getMessage() for r in caplog.records if "gave up" in r.getMessage()]
+        assert len(gave_up) == 3, gave_up
+        assert "request a" in gave_up[0] and "2 chunk(s) not stored" in gave_up[0]
+        assert "too many stores held" in gave_up[0]
+        assert all("not stored within 1 s" in m for m in gave_up[1:])
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.daemon_args(*DAEMON_ARGS)
+def test_release_leases_drops_only_the_named_chunks(daemon: DaemonProcess, worker_for) -> None:
+    worker = worker_for(daemon.url)
+    client = worker.mq_client
+    hashes = chunk_hashes(list(range(4 * CHUNK)))
+    assert store(client, worker.instance_id, hashes, "s") == [ChunkOutcome.STORED] * 4
+    assert lease(client, hashes, "r") == 4
+
+    def release(request_id: str, chunks: list[bytes]) -> None:
+        keys = [IPCCacheEngineKey("m", 1, None, chunk_hash=h, request_id=request_id) for h in chunks]
+        assert client.submit(RequestType.RELEASE_LEASES, [keys]).result(10) is None
+
+    release("other", hashes)  # another request's: untouched
+    assert status(daemon.url).leases == 4
+    release("r", hashes[:2])
+    assert status(daemon.url).leases == 2
+    release("r", hashes[:2])  # released already: nothing more
+    assert status(daemon.url).leases == 2
+    client.submit(RequestType.END_SESSION, ["r"]).result(10)
+    assert status(daemon.url).leases == 0
