@@ -16,19 +16,21 @@ names). Differences, each fixing a known failure of the seed:
 - a registration the daemon refuses as invalid (unsupported layout, a chunk larger than its
   pool) is not retried: one ERROR, then the worker serves without the cache; other failures
   are retried with exponential backoff;
-- a RETRIEVE that got no reply in time is not reported failed at once: the daemon may still
+- a RETRIEVE or STORE that got no reply in time is not given up at once: the daemon may still
   run it (queued behind other work, or copying while it was slow or stopped), and once vLLM
-  has handed the blocks to another request that copy would overwrite their KV. The load is
-  *fenced* instead (one WARNING): the worker sends CANCEL_TRANSFERS (batched, each try bounded
-  by `timeout_s`, re-sent until answered) and reports the load failed only once the daemon has
-  answered it (no more writes will land) or is gone (its end of the attach channel the
-  registration lives on has closed: it closes only at exit, after its last copy). A daemon that
-  answers the CANCEL with an error (stopping, or too old to know CANCEL_TRANSFERS) is waited
-  out until it is gone. Fail closed: blocks the daemon might still write are never released,
-  so while a daemon is alive but silent (e.g. SIGSTOPped) its fenced loads hold their blocks
-  (one ERROR after `FENCE_ERROR_AFTER_S`), and are released once it is killed or restarted.
-  `retrieve_now` (synchronous loads) follows the same rule: it waits for that confirmation
-  before it returns such a load as failed, and so blocks as long as the daemon is stopped.
+  has handed the blocks to another request a late RETRIEVE would overwrite their KV, a late
+  STORE would cache it under this request's keys. It is *fenced* instead (one WARNING; a
+  store is sent again meanwhile, as above): the worker sends CANCEL_TRANSFERS (batched, each
+  try bounded by `timeout_s`, re-sent until answered) and hands the blocks back (the load
+  reported failed, the store's request reported finished) only once the daemon has answered
+  it or is gone (its end of the attach channel the registration lives on has closed: it closes
+  only at exit, after its last copy). A daemon that answers the CANCEL with an error
+  (stopping, or too old to know CANCEL_TRANSFERS) is waited out until it is gone. Fail closed:
+  blocks the daemon might still touch are never released, so while a daemon is alive but
+  silent (e.g. SIGSTOPped) fenced requests hold their blocks (one ERROR after
+  `FENCE_ERROR_AFTER_S`), released once it is killed or restarted. `retrieve_now` (synchronous
+  loads) and `wait_for_stores` (preemption) follow the same rule, and so block as long as the
+  daemon is stopped.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import secrets
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
@@ -290,14 +292,17 @@ class _PerRequestOps:
         return self._targets.pop(request_id, None)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Fence:
-    """A load whose RETRIEVE got no reply in time: its blocks are not handed back to vLLM until
-    the daemon answers a CANCEL_TRANSFERS for it, or is gone (see the module docstring)."""
+    """A load or store of a request that got no reply in time: its blocks are not handed back to
+    vLLM (`release` runs) until the daemon answers a CANCEL_TRANSFERS for it, or is gone (see
+    the module docstring)."""
 
-    blocks: list[int]
+    request_id: str
+    what: str  # "load" or "store", for the logs
     target: _Target
-    since: float
+    release: Callable[[], None]
+    since: float = field(default_factory=time.monotonic)
     cancel: MessagingFuture[int] | None = None
     # The daemon answered the CANCEL with an error no retry changes (`_CANNOT_CANCEL`): only its
     # exit releases the blocks.
@@ -345,6 +350,9 @@ class _PendingStore:
     give_up_at: float = math.inf  # set when first held: the retry window starts then
     next_try: float = 0.0
     dropped: bool = False  # its blocks were freed (preemption): never sent again
+    # Registrations a send of it went to without an answer: the daemon may still run that STORE
+    # (reading the blocks), so the part is done only once each has confirmed the cancel.
+    unanswered: set[_Target] = field(default_factory=set)
 
 
 @dataclass
@@ -353,6 +361,7 @@ class _StoreBatch:
 
     future: MessagingFuture[StoreResult]
     parts: list[_PendingStore]
+    target: _Target | None
 
 
 class _StoreTracker:
@@ -369,8 +378,9 @@ class _StoreTracker:
         """Follow these parts until `done`; they are then `sent` or `held`."""
         self._open.update(p.request_id for p in parts)
 
-    def sent(self, future: MessagingFuture[StoreResult], parts: list[_PendingStore]) -> None:
-        self._in_flight.append(_StoreBatch(future, parts))
+    def sent(self, future: MessagingFuture[StoreResult], parts: list[_PendingStore],
+             target: _Target | None) -> None:
+        self._in_flight.append(_StoreBatch(future, parts, target))
 
     def held(self, part: _PendingStore) -> list[_PendingStore]:
         """Hold a part; returns those pushed out by the bound (the oldest), for the caller to
@@ -410,14 +420,14 @@ class _StoreTracker:
             if any(p.request_id in wanted for p in batch.parts):
                 batch.future.wait(max(0.0, deadline - time.monotonic()))
 
-    def drop(self, request_ids: Iterable[str]) -> None:
-        """These requests' blocks are freed: none of their chunks is sent again."""
+    def drop(self, request_ids: Iterable[str]) -> list[_PendingStore]:
+        """These requests' blocks are about to be freed: none of their chunks is sent again.
+        Returns their held parts, for the caller to finish."""
         wanted = set(request_ids)
         for batch in self._in_flight:
             for part in batch.parts:
                 part.dropped = part.dropped or part.request_id in wanted
-        for part in self.take_held(lambda p: p.request_id in wanted):
-            self.done(part)
+        return self.take_held(lambda p: p.request_id in wanted)
 
 
 def _partition(items: list[_T], chosen: Callable[[_T], bool]) -> tuple[list[_T], list[_T]]:
@@ -466,8 +476,8 @@ class LMCacheMPWorkerAdapter:
         self._finished_by_engine: set[str] = set()  # finished in vLLM, stores in flight or held
         self._reported: OrderedDict[str, None] = OrderedDict()
         self._failed_retrieves: dict[str, list[int]] = {}
-        self._fences: dict[str, _Fence] = {}  # loads held until the daemon confirms (or is gone)
-        self._unfenced: dict[str, list[int]] = {}  # fences released, not reported yet -> blocks
+        self._fences: list[_Fence] = []  # loads and stores held until the daemon confirms (or is gone)
+        self._unfenced: dict[str, list[int]] = {}  # loads released, not reported yet -> blocks
         # Channels of earlier registrations that fenced loads still watch: closed once no fence
         # does (closing one makes the daemon drop that registration, not stop its copies).
         self._retired_channels: list[AttachChannel] = []
@@ -625,7 +635,8 @@ class LMCacheMPWorkerAdapter:
             part.sends += 1
         future = send_lmcache_request(self.mq_client, RequestType.STORE,
                                       [keys, self.instance_id, block_ids, event_handle])
-        self._stores.sent(future, parts)
+        target = _Target(self.instance_id, self._channel) if self._channel is not None else None
+        self._stores.sent(future, parts, target)
 
     def _advance_stores(self) -> None:
         """Settle the stores whose replies came (holding what did not land), give up held ones
@@ -642,16 +653,18 @@ class LMCacheMPWorkerAdapter:
                 self._send_stores([part], part.event)
         elif self._refused:  # serving without the cache from now on: skipped, as new stores are
             for part in self._stores.take_held(lambda p: True):
-                self._stores.done(part)
+                self._finish_store(part)
 
     def _settle_store(self, batch: _StoreBatch, now: float) -> None:
         error = batch.future.exception()
         if error is not None:
             self._note_error(str(error))
             for part in batch.parts:
+                if isinstance(error, RequestTimeoutError) and batch.target is not None:
+                    part.unanswered.add(batch.target)  # it may still run: fenced before it is done
                 if isinstance(error, ServerError) and error.code in _PERMANENT_REFUSALS:
                     self._give_up(part, str(error))
-                else:  # a timed-out STORE may still run, but it only reads the blocks: resent
+                else:  # sent again: the daemon only reads the blocks, which vLLM keeps meanwhile
                     self._hold(part, part.op, now, str(error))
             return
         outcomes = batch.future.result().outcomes
@@ -663,12 +676,12 @@ class LMCacheMPWorkerAdapter:
                 why = f"no space for {len(no_space)} chunk(s) in the daemon's pool"
                 self._hold(part, self._chunks_of(part.op, no_space), now, why)
             else:
-                self._stores.done(part)
+                self._finish_store(part)
 
     def _hold(self, part: _PendingStore, op: LoadStoreOp, now: float, why: str) -> None:
         """Hold what is left of a part for another try, unless its tries are spent."""
         if part.dropped:
-            self._stores.done(part)
+            self._finish_store(part)
             return
         part.op = op
         part.give_up_at = min(part.give_up_at, now + self._store_retry_s)
@@ -682,7 +695,25 @@ class LMCacheMPWorkerAdapter:
     def _give_up(self, part: _PendingStore, why: str) -> None:
         logger.warning("store for request %s gave up after %d attempt(s), %d chunk(s) not stored: %s",
                        part.request_id, part.sends, self._num_chunks(part.op), why)
-        self._stores.done(part)
+        self._finish_store(part)
+
+    def _finish_store(self, part: _PendingStore) -> None:
+        """The part is done (stored, given up, or dropped): its request may be reported finished
+        and its blocks freed, once each daemon registration that left a send of it unanswered
+        has confirmed it will not read them any more (or is gone)."""
+        targets, part.unanswered = part.unanswered, set()
+        if not targets:
+            self._stores.done(part)
+            return
+        left = [len(targets)]
+
+        def release() -> None:
+            left[0] -= 1
+            if not left[0]:
+                self._stores.done(part)
+
+        self._fences.extend(_Fence(part.request_id, "store", target, release) for target in targets)
+        self._warn_fenced("store", [part.request_id])
 
     def _num_chunks(self, op: LoadStoreOp) -> int:
         """The chunks a store of `op` covers: one outcome each in its reply."""
@@ -725,8 +756,9 @@ class LMCacheMPWorkerAdapter:
                 logger.warning("load for request %s failed, vLLM will recompute: %s", rid,
                                "timed out" if outcome is None else outcome.failure)
         if fenced:
-            self._warn_fenced(fenced)
-            failed.update(self._await_fences(fenced))
+            self._warn_fenced("load", fenced)
+            self._await_fences(set(fenced))
+            failed.update((rid, self._unfenced.pop(rid)) for rid in fenced)
         return failed
 
     def get_finished(self, finished_req_ids_from_engine: set[str]) -> tuple[set[str], set[str]]:
@@ -759,7 +791,7 @@ class LMCacheMPWorkerAdapter:
                                outcome.failure)
                 self._failed_retrieves[request_id] = blocks
         if fenced:
-            self._warn_fenced(fenced)
+            self._warn_fenced("load", fenced)
         self._advance_fences()
         self._failed_retrieves.update(self._unfenced)
         finished_retrieves.update(self._unfenced)
@@ -774,44 +806,47 @@ class LMCacheMPWorkerAdapter:
     # ---- fenced loads (see the module docstring) ---------------------------------------------
 
     def _fence(self, request_id: str, blocks: list[int], target: _Target) -> None:
-        self._fences[request_id] = _Fence(blocks, target, time.monotonic())
+        self._fences.append(_Fence(request_id, "load", target,
+                                   lambda: self._unfenced.__setitem__(request_id, blocks)))
 
-    def _warn_fenced(self, request_ids: list[str]) -> None:
-        logger.warning("lmcache-mp at %s did not answer the loads of requests %s within %.1f s; it may still "
-                       "write into their blocks: holding them until it confirms the loads are cancelled "
-                       "(or exits), then vLLM recomputes them", self.server_url, ", ".join(request_ids),
-                       self._timeout_s)
+    def _warn_fenced(self, what: str, request_ids: list[str]) -> None:
+        logger.warning("lmcache-mp at %s did not answer a %s of requests %s within %.1f s; it may still "
+                       "touch their blocks: holding them until it confirms the %s is cancelled (or exits)",
+                       self.server_url, what, ", ".join(request_ids), self._timeout_s, what)
 
     def _advance_fences(self) -> None:
-        """Release the fences the daemon has resolved (into `_unfenced`); send CANCEL_TRANSFERS
-        for the others that need one, one per registration."""
+        """Release the fences the daemon has resolved; send CANCEL_TRANSFERS for the others that
+        need one, one per registration."""
         now = time.monotonic()
-        due: dict[_Target, list[str]] = {}
-        for request_id, fence in list(self._fences.items()):
+        due: dict[_Target, list[_Fence]] = {}
+        for fence in list(self._fences):
             if fence.resolved():
-                self._unfenced[request_id] = self._fences.pop(request_id).blocks
+                self._fences.remove(fence)
+                fence.release()
                 continue
             if fence.needs_cancel():
-                due.setdefault(fence.target, []).append(request_id)
+                due.setdefault(fence.target, []).append(fence)
             if not fence.overdue_logged and now - fence.since > FENCE_ERROR_AFTER_S:
                 fence.overdue_logged = True
-                logger.error("the load of request %s is still held after %.0f s: lmcache-mp at %s neither "
+                logger.error("the %s of request %s is still held after %.0f s: lmcache-mp at %s neither "
                              "confirms it is cancelled nor exits; its blocks stay unused until it does "
-                             "(restart or kill the daemon)", request_id, now - fence.since, self.server_url)
-        for target, request_ids in due.items():
+                             "(restart or kill the daemon)", fence.what, fence.request_id,
+                             now - fence.since, self.server_url)
+        for target, fences in due.items():
+            request_ids = sorted({fence.request_id for fence in fences})
             cancel = self.mq_client.submit(RequestType.CANCEL_TRANSFERS, [target.instance_id, request_ids],
                                            timeout_s=self._timeout_s)
-            for request_id in request_ids:
-                self._fences[request_id].cancel = cancel
+            for fence in fences:
+                fence.cancel = cancel
         self._close_retired_channels()
 
-    def _await_fences(self, request_ids: list[str]) -> dict[str, list[int]]:
-        """Wait until these fences are released; their blocks."""
+    def _await_fences(self, request_ids: set[str]) -> None:
+        """Wait until the fences of these requests are released."""
         while True:
             self._advance_fences()
-            waiting = [self._fences[rid] for rid in request_ids if rid in self._fences]
+            waiting = [f for f in self._fences if f.request_id in request_ids]
             if not waiting:
-                return {rid: self._unfenced.pop(rid) for rid in request_ids}
+                return
             # Wake up for the first CANCEL answered, or at the poll interval (the channel, a re-send).
             cancel = next((f.cancel for f in waiting if f.cancel is not None and not f.cancel.query()), None)
             if cancel is not None:
@@ -824,7 +859,7 @@ class LMCacheMPWorkerAdapter:
         self._close_retired_channels()
 
     def _close_retired_channels(self) -> None:
-        watched = {id(fence.target.channel) for fence in self._fences.values()}
+        watched = {id(fence.target.channel) for fence in self._fences}
         for channel in [c for c in self._retired_channels if id(c) not in watched]:
             self._retired_channels.remove(channel)
             channel.close()
@@ -839,12 +874,16 @@ class LMCacheMPWorkerAdapter:
             self._reported.popitem(last=False)
 
     def wait_for_stores(self, request_ids: Iterable[str], timeout_s: float) -> None:
-        """Block until the stores of these requests are done (or `timeout_s` passed): their
-        blocks are about to be reused, e.g. after a preemption. None of their chunks is sent
-        again after that."""
-        request_ids = list(request_ids)
+        """Block until the stores of these requests are done: their blocks are about to be
+        reused, e.g. after a preemption. None of their chunks is sent again after that. Sends
+        on the wire get their reply or time out (within `timeout_s`); one that timed out is
+        waited for until the daemon confirms it will not read the blocks (or is gone)."""
+        request_ids = set(request_ids)
         self._stores.wait(request_ids, timeout_s)
-        self._stores.drop(request_ids)
+        for part in self._stores.drop(request_ids):
+            self._finish_store(part)
+        self._advance_stores()  # settles the replies (and timeouts) that came meanwhile
+        self._await_fences(request_ids)
 
     def num_blocks_per_chunk(self) -> int:
         return self.blocks_in_chunk
