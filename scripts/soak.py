@@ -58,11 +58,12 @@ from bench_report import finish
 from lmcache_mp.custom_types import IPCCacheEngineKey, get_customized_encoder
 from lmcache_mp.errors import LMCacheMPError
 from lmcache_mp.launcher import DaemonProcess, daemon_status, start_daemon
-from lmcache_mp.mq import REQUEST_ID
-from lmcache_mp.protocol import ErrorCode, RequestType, StatusReport
+from lmcache_mp.mq import MAX_FRAME_BYTES, REQUEST_ID
+from lmcache_mp.protocol import ErrorCode, KVCacheRegistration, RequestType, StatusReport
 from tests.helpers import BLOCK, CHUNK, LAYERS, NUM_BLOCKS, SHAPE, block_hashes
 from tests.kv_worker import make_caches, pages
 from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp
+from vllm_adapter.utils import export_kv_caches
 
 MODEL = "soak-model"
 LAYOUT = "CPU_ATTN"
@@ -76,6 +77,7 @@ RSS_TOLERANCE_MIB = 48.0
 FD_TOLERANCE = 4
 PR_SET_PDEATHSIG = 1
 RESTORE_FRACTION = 0.2
+FAILED_ROUND_PAUSE_S = 0.05
 
 
 # ---- prompts and their content, identical in every process ---------------------------------
@@ -201,7 +203,13 @@ class SoakClient:
 
     def run(self) -> None:
         while time.time() < self.cfg.end_time:
+            errors = self.stats.errors.total()
             self.one_round(self.rng.randrange(len(self.prompts)))
+            if self.stats.errors.total() > errors:
+                # Failures while the daemon is away come back at once: a client spinning on them
+                # would starve the restarting daemon of the machine's CPUs. vLLM, too, spends a
+                # forward pass between two steps.
+                time.sleep(FAILED_ROUND_PAUSE_S)
             if time.time() >= self.next_snapshot:
                 self.snapshot()
         self.scheduler.shutdown()
@@ -377,7 +385,9 @@ class GarbageSender:
         self.next_id = 1 << 40
         self.sent = 0
         self.replies: Counter = Counter()  # by status name
-        self.unreplied = 0
+        self.unreplied_kinds: Counter = Counter()
+        self.oversized = 0  # messages over the daemon's size limit: dropped with their connection
+        self.handles, _ = export_kv_caches(make_caches([4, *SHAPE[1:]], DTYPE, LAYERS, seed=None))
 
     def _key(self) -> IPCCacheEngineKey:
         return IPCCacheEngineKey("garbage-model", 1, 0, chunk_hash=self.rng.randbytes(32),
@@ -387,51 +397,76 @@ class GarbageSender:
         self.next_id += 1
         return [REQUEST_ID.pack(self.next_id), self.encode(request_type), *(self.encode(p) for p in payload)]
 
-    def messages(self, instances: list[int]) -> list[list[bytes]]:
+    def messages(self, instances: list[int]) -> dict[str, list[bytes]]:
+        """One message of each kind, by what is wrong with it."""
         r = self.rng
         real = r.choice(instances) if instances else r.getrandbits(63)
+        nobody = r.getrandbits(63)  # an instance id that is not registered
         keys = [self._key() for _ in range(r.randint(1, 4))]
-        blocks_for_keys = len(keys) * BLOCKS_PER_CHUNK
+        n = len(keys) * BLOCKS_PER_CHUNK  # block ids that go with the keys
         store, retrieve = int(RequestType.STORE), int(RequestType.RETRIEVE)
-        return [
-            [r.randbytes(r.randrange(64)) for _ in range(r.randint(1, 4))],  # noise
-            [r.randbytes(8)],  # an id and nothing else
-            self._request(999),  # unknown request type
-            [REQUEST_ID.pack(r.getrandbits(64)), r.randbytes(5)],  # undecodable type
-            self._request(int(RequestType.LOOKUP)),  # too few payload frames
-            [*self._request(int(RequestType.STORE)), r.randbytes(40), b"x", b"y", b"z"],
-            self._request(int(RequestType.REGISTER_KV_CACHE), r.getrandbits(63), [r.randbytes(9)], "no"),
-            self._request(store, keys, r.getrandbits(63), list(range(blocks_for_keys)), b""),  # unknown id
-            self._request(retrieve, keys, r.getrandbits(63), list(range(blocks_for_keys)), b""),
-            self._request(store, keys, real, [NUM_BLOCKS + r.randrange(10**6)] * blocks_for_keys, b""),
-            self._request(retrieve, keys, real, [-(2**40)] * blocks_for_keys, b""),  # bad block ids
-            self._request(retrieve, keys, real, list(range(blocks_for_keys - 1)), b""),  # too few ids
-            self._request(store, keys, real, [0] * blocks_for_keys, b"not an event handle"),
-            self._request(int(RequestType.LOOKUP), keys),  # misses of another model
-            self._request(int(RequestType.END_SESSION), f"garbage-{r.randrange(1000)}"),
-            self._request(int(RequestType.UNREGISTER_KV_CACHE), r.getrandbits(63)),
-            self._request(int(RequestType.PING), r.getrandbits(63)),
-        ]
+        return {
+            "noise": [r.randbytes(r.randrange(64)) for _ in range(r.randint(1, 4))],
+            "an id alone": [r.randbytes(8)],
+            "unknown type": self._request(999),
+            "undecodable type": [REQUEST_ID.pack(r.getrandbits(64)), r.randbytes(5)],
+            "no payload": self._request(int(RequestType.LOOKUP)),
+            "garbage payload": [*self._request(store), r.randbytes(40), b"x", b"y", b"z"],
+            "garbage registration": self._request(int(RequestType.REGISTER_KV_CACHE), r.getrandbits(63),
+                                                  [r.randbytes(9)], "no"),
+            "STORE, unknown instance": self._request(store, keys, nobody, list(range(n)), b""),
+            "RETRIEVE, unknown instance": self._request(retrieve, keys, nobody, list(range(n)), b""),
+            "STORE, block ids out of range": self._request(store, keys, real,
+                                                           [NUM_BLOCKS + r.randrange(10**6)] * n, b""),
+            "RETRIEVE, negative block ids": self._request(retrieve, keys, real, [-(2**40)] * n, b""),
+            "RETRIEVE, too few block ids": self._request(retrieve, keys, real, list(range(n - 1)), b""),
+            "STORE, bogus event handle": self._request(store, keys, real, [0] * n, b"not an event handle"),
+            "LOOKUP, another model": self._request(int(RequestType.LOOKUP), keys),
+            "END_SESSION, unknown": self._request(int(RequestType.END_SESSION), f"garbage-{nobody}"),
+            "UNREGISTER, unknown": self._request(int(RequestType.UNREGISTER_KV_CACHE), nobody),
+            "PING": self._request(int(RequestType.PING), r.getrandbits(63)),
+            # Well-formed caches whose attach channel never opens: the daemon waits for it.
+            "REGISTER, attach channel never opened": self._request(
+                int(RequestType.REGISTER_KV_CACHE), r.getrandbits(63), self.handles,
+                KVCacheRegistration("garbage-model", 1, 0, LAYOUT, r.randbytes(16))),
+        }
 
-    def burst(self, instances: list[int], timeout_s: float) -> None:
-        """Send one round of every kind, then wait for one reply per message."""
+    def _socket(self) -> zmq.Socket:
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.url)
+        return sock
+
+    def oversize(self) -> None:
+        """One message over the daemon's size limit; libzmq drops it with the connection, so
+        it gets no reply: its own socket, and nothing waited for."""
+        sock = self._socket()
+        try:
+            sock.send_multipart([*self._request(int(RequestType.LOOKUP)), bytes(MAX_FRAME_BYTES + 1)])
+            self.oversized += 1
+            sock.poll(100)
+        finally:
+            sock.close(linger=0)
+
+    def burst(self, instances: list[int], timeout_s: float) -> None:
+        """Send one round of every kind, then wait for one reply per message."""
+        self.oversize()
+        sock = self._socket()
         try:
             batch = self.messages(instances)
-            for frames in batch:
+            waiting = {}  # first frame (echoed in the reply) -> kind
+            for kind, frames in batch.items():
                 sock.send_multipart(frames)
+                waiting[frames[0]] = kind
             self.sent += len(batch)
-            got = 0
             deadline = time.monotonic() + timeout_s
-            while got < len(batch) and sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+            while waiting and sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
                 reply = sock.recv_multipart()
-                got += 1
+                waiting.pop(reply[0], None)
                 status = msgspec.msgpack.decode(reply[1]) if len(reply) == 3 else -1
                 self.replies[ErrorCode(status).name if status in ErrorCode._value2member_map_
                              else f"malformed reply {len(reply)} frames"] += 1
-            self.unreplied += len(batch) - got
+            self.unreplied_kinds.update(waiting.values())
         finally:
             sock.close(linger=0)
 
@@ -558,7 +593,7 @@ class Soak:
             if time.time() < next_chaos or time.time() > chaos_end:
                 continue
             report = try_status(self.url)
-            self.garbage.burst(report.registered_instances if report else [], a.timeout_s)
+            self.garbage.burst(report.registered_instances if report else [], a.timeout_s + a.grace_s)
             if tick % 2 and time.time() < restarts_end:
                 self.restart_daemon()
             else:
@@ -663,7 +698,9 @@ class Soak:
             "clients_hung": hung_crashed[0],
             "clients_crashed": hung_crashed[1],
             "clients_exited_cleanly": sum(s["clean_exit"] for s in stats),
-            "garbage": {"sent": self.garbage.sent, "unreplied": self.garbage.unreplied,
+            "garbage": {"sent": self.garbage.sent, "unreplied": self.garbage.unreplied_kinds.total(),
+                        "unreplied_kinds": dict(self.garbage.unreplied_kinds),
+                        "oversized_sent": self.garbage.oversized,
                         "replies": dict(self.garbage.replies)},
             "restarts": self.recoveries(),
             "daemon_tracebacks": sum(log.count("Traceback") for log in logs),
@@ -715,8 +752,11 @@ def print_report(f: dict) -> None:
         print(f"\n{'failed (typed) operation':<40}{'count':>8}")
         for name, count in sorted(f["errors"].items()):
             print(f"{name:<40}{count:>8}")
-    print(f"\nmalformed requests: {f['garbage']['sent']} sent, {f['garbage']['unreplied']} unanswered, "
-          f"replies {f['garbage']['replies']}")
+    g = f["garbage"]
+    print(f"\nmalformed requests: {g['sent']} sent, {g['unreplied']} unanswered, replies {g['replies']}; "
+          f"{g['oversized_sent']} oversized (no reply expected)")
+    if g["unreplied_kinds"]:
+        print(f"   unanswered: {g['unreplied_kinds']}")
     print(f"\n{'restart at s':>12}{'signal':>9}{'exit':>6}{'down s':>8}{'recovery s':>12}")
     for r in f["restarts"]:
         rec = "NEVER" if r["recovery_s"] is None else f"{r['recovery_s']:.2f}"
