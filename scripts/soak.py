@@ -41,6 +41,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -524,6 +525,9 @@ class Soak:
         self.restarts: list[dict] = []
         self.client_kills: list[float] = []
         self.killed: set[int] = set()
+        self.restarting = threading.Lock()  # held by a restart, and by a burst of malformed requests
+        self.stopping = threading.Event()
+        self.garbage_error: Exception | None = None
         self.start = 0.0
         self.end_time = 0.0
 
@@ -574,32 +578,53 @@ class Soak:
 
     def restart_daemon(self) -> None:
         sig = self.rng.choice((signal.SIGTERM, signal.SIGKILL))
-        killed = time.time()
-        exit_code = self.daemon.stop(sig, timeout=30)
-        self.start_daemon()
-        ready = time.time()
+        with self.restarting:
+            killed = time.time()
+            exit_code = self.daemon.stop(sig, timeout=30)
+            self.start_daemon()
+            ready = time.time()
         self.restarts.append({"t": killed - self.start, "signal": sig.name, "exit_code": exit_code,
                               "down_s": ready - killed, "killed": killed, "ready": ready})
 
     def chaos_loop(self) -> None:
+        """Alternately SIGKILL a client and restart the daemon (restarts only before the last
+        daemon's window); malformed traffic comes from a thread of its own meanwhile."""
         a = self.args
         next_chaos = time.time() + a.chaos_interval_s
         chaos_end = self.end_time - a.settle_s
         restarts_end = self.end_time - max(a.settle_s, a.last_daemon_frac * a.duration_s)
+        garbage = threading.Thread(target=self.garbage_loop, args=(chaos_end,), name="garbage")
+        garbage.start()
         tick = 0
-        while time.time() < self.end_time:
-            time.sleep(min(1.0, max(0.0, self.end_time - time.time())))
-            self.sample()
-            if time.time() < next_chaos or time.time() > chaos_end:
-                continue
-            report = try_status(self.url)
-            self.garbage.burst(report.registered_instances if report else [], a.timeout_s + a.grace_s)
-            if tick % 2 and time.time() < restarts_end:
-                self.restart_daemon()
-            else:
-                self.kill_client()
-            tick += 1
-            next_chaos = time.time() + a.chaos_interval_s
+        try:
+            while time.time() < self.end_time:
+                time.sleep(min(1.0, max(0.0, self.end_time - time.time())))
+                self.sample()
+                if time.time() < next_chaos or time.time() > chaos_end:
+                    continue
+                if tick % 2 and time.time() < restarts_end:
+                    self.restart_daemon()
+                else:
+                    self.kill_client()
+                tick += 1
+                next_chaos = time.time() + a.chaos_interval_s
+        finally:
+            self.stopping.set()
+            garbage.join()
+        if self.garbage_error is not None:
+            raise self.garbage_error
+
+    def garbage_loop(self, until: float) -> None:
+        """A burst of malformed requests every half chaos interval, never across a restart (the
+        replies to requests in flight die with the daemon)."""
+        a = self.args
+        try:
+            while not self.stopping.wait(a.chaos_interval_s / 2) and time.time() < until:
+                with self.restarting:
+                    report = try_status(self.url)
+                    self.garbage.burst(report.registered_instances if report else [], a.timeout_s + a.grace_s)
+        except Exception as err:  # handed to the main thread, which fails the run with it
+            self.garbage_error = err
 
     def timeouts_while_up(self, stats: list[dict]) -> int:
         """Client timeouts that no restart explains: the request was sent while the daemon was
