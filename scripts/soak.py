@@ -61,7 +61,7 @@ from lmcache_mp.errors import LMCacheMPError
 from lmcache_mp.launcher import DaemonProcess, daemon_status, start_daemon
 from lmcache_mp.mq import MAX_FRAME_BYTES, REQUEST_ID
 from lmcache_mp.protocol import ErrorCode, KVCacheRegistration, RequestType, StatusReport
-from tests.helpers import BLOCK, CHUNK, LAYERS, NUM_BLOCKS, SHAPE, block_hashes
+from tests.helpers import BLOCK, CHUNK, LAYERS, NUM_BLOCKS, SHAPE, block_hashes, freeze
 from tests.kv_worker import make_caches, pages
 from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp
 from vllm_adapter.utils import export_kv_caches
@@ -581,14 +581,29 @@ class Soak:
         with self.restarting:
             killed = time.time()
             exit_code = self.daemon.stop(sig, timeout=30)
+            stopped = time.time()
             self.start_daemon()
             ready = time.time()
         self.restarts.append({"t": killed - self.start, "signal": sig.name, "exit_code": exit_code,
-                              "down_s": ready - killed, "killed": killed, "ready": ready})
+                              "stop_s": stopped - killed, "down_s": ready - killed,
+                              "killed": killed, "ready": ready})
+
+    def freeze_daemon(self) -> None:
+        """SIGSTOP the daemon past the clients' timeouts, then SIGCONT: it wakes up to requests
+        whose clients gave up on them. Listed with the restarts (signal SIGSTOP)."""
+        with self.restarting:
+            frozen = time.time()
+            freeze(self.daemon.proc)
+            time.sleep(self.args.freeze_s)
+            self.daemon.proc.send_signal(signal.SIGCONT)
+            thawed = time.time()
+        self.restarts.append({"t": frozen - self.start, "signal": "SIGSTOP", "exit_code": None,
+                              "stop_s": 0.0, "down_s": thawed - frozen, "killed": frozen, "ready": thawed})
 
     def chaos_loop(self) -> None:
-        """Alternately SIGKILL a client and restart the daemon (restarts only before the last
-        daemon's window); malformed traffic comes from a thread of its own meanwhile."""
+        """SIGKILL a client every other event; in between, restart the daemon or freeze it
+        (restarts only before the last daemon's window); malformed traffic comes from a thread
+        of its own meanwhile."""
         a = self.args
         next_chaos = time.time() + a.chaos_interval_s
         chaos_end = self.end_time - a.settle_s
@@ -602,8 +617,10 @@ class Soak:
                 self.sample()
                 if time.time() < next_chaos or time.time() > chaos_end:
                     continue
-                if tick % 2 and time.time() < restarts_end:
+                if tick % 4 == 1 and time.time() < restarts_end:
                     self.restart_daemon()
+                elif tick % 2 and a.freeze_s > 0 and time.time() + a.freeze_s < chaos_end:
+                    self.freeze_daemon()
                 else:
                     self.kill_client()
                 tick += 1
@@ -782,10 +799,13 @@ def print_report(f: dict) -> None:
           f"{g['oversized_sent']} oversized (no reply expected)")
     if g["unreplied_kinds"]:
         print(f"   unanswered: {g['unreplied_kinds']}")
-    print(f"\n{'restart at s':>12}{'signal':>9}{'exit':>6}{'down s':>8}{'recovery s':>12}")
+    # down: from the signal until the new daemon answered HELLO (stop: until the old one exited);
+    # recovery: from then until a client's first STORE + read-back of a prompt.
+    print(f"\n{'restart at s':>12}{'signal':>9}{'exit':>6}{'stop s':>8}{'down s':>8}{'recovery s':>12}")
     for r in f["restarts"]:
         rec = "NEVER" if r["recovery_s"] is None else f"{r['recovery_s']:.2f}"
-        print(f"{r['t']:>12.1f}{r['signal']:>9}{r['exit_code']:>6}{r['down_s']:>8.2f}{rec:>12}")
+        print(f"{r['t']:>12.1f}{r['signal']:>9}{r['exit_code']!s:>6}{r['stop_s']:>8.2f}{r['down_s']:>8.2f}"
+              f"{rec:>12}")
     start, end = f["resources"]["start"], f["resources"]["end"]
     print(f"\ndaemon at start (fresh) / at end (idle, uptime {end['daemon_uptime_s'] or 0:.0f} s): "
           f"RSS {start['rss_mib']:.1f} / {end['rss_mib'] or 0:.1f} MiB, fds {start['fds']} / {end['fds']}, "
@@ -841,6 +861,10 @@ def main() -> int:
                         help="no daemon restart in this last fraction of the load: the last daemon serves "
                         "that long (client kills and malformed traffic go on) before its idle RSS and "
                         "descriptors are compared with a fresh daemon's")
+    parser.add_argument("--freeze-s", type=float, default=None,
+                        help="how long a freeze (SIGSTOP ... SIGCONT) of the daemon lasts; default "
+                        "3 x --timeout-s + 1, so each client gives up on a few requests in a row and "
+                        "reuses their blocks meanwhile; 0: no freezes")
     parser.add_argument("--prompts", type=int, default=300, help="distinct prompts the clients draw from")
     parser.add_argument("--prefixes", type=int, default=8,
                         help="shared 2-chunk prefixes the prompts start with")
@@ -856,6 +880,8 @@ def main() -> int:
                         help="where to write soak.json and soak.png")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures (JSON) here")
     args = parser.parse_args()
+    if args.freeze_s is None:
+        args.freeze_s = 3 * args.timeout_s + 1
     args.out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="lmc-soak-", dir="/tmp"))
     soak = Soak(args, tmp)
