@@ -79,6 +79,7 @@ FD_TOLERANCE = 4
 PR_SET_PDEATHSIG = 1
 RESTORE_FRACTION = 0.2
 FAILED_ROUND_PAUSE_S = 0.05
+MAX_KEYS_KEPT = 2000  # per client, of the chunk-key lists in its stats
 
 
 # ---- prompts and their content, identical in every process ---------------------------------
@@ -138,6 +139,8 @@ class ClientStats:
     wrong_bytes: int = 0
     unreplied: int = 0
     timeouts_sent_at: list[float] = field(default_factory=list)  # time.time() of the request
+    timed_out_store_keys: list[str] = field(default_factory=list)  # chunk keys of STOREs timed out
+    wrong_keys: list[str] = field(default_factory=list)  # chunk keys that were served wrong
     wrong_examples: list[str] = field(default_factory=list)
     other_reasons: list[str] = field(default_factory=list)
     clean_exit: bool = False
@@ -255,17 +258,18 @@ class SoakClient:
         """Every future settles within the adapter's timeout; past this it never will."""
         return time.monotonic() + self.cfg.timeout_s + self.cfg.grace_s
 
-    def _failed(self, op: str, rid: str, sent: float) -> bool:
+    def _failed(self, op: str, rid: str, sent: float) -> str:
+        """Why the operation failed ("" if it did not): its reason class."""
         reason = self.failures.reasons.pop((op, rid), None)
         if reason is None:
-            return False
+            return ""
         kind = reason_class(reason)
         self.stats.errors[f"{op}: {kind}"] += 1
         if kind == "timeout" and len(self.stats.timeouts_sent_at) < 10_000:
             self.stats.timeouts_sent_at.append(sent)
         if kind == "other" and len(self.stats.other_reasons) < 10:
             self.stats.other_reasons.append(f"{op}: {reason}")
-        return True
+        return kind
 
     def _unreplied(self, op: str, rid: str) -> None:
         self.stats.unreplied += 1
@@ -325,6 +329,8 @@ class SoakClient:
             if wrong:
                 wrong_chunks += 1
                 self.stats.wrong_bytes += wrong
+                if key.hex() not in self.stats.wrong_keys and len(self.stats.wrong_keys) < MAX_KEYS_KEPT:
+                    self.stats.wrong_keys.append(key.hex())
                 if len(self.stats.wrong_examples) < 10:
                     self.stats.wrong_examples.append(
                         f"client {self.cfg.index}: chunk {c} ({key.hex()[:16]}) of {len(keys)} in block ids "
@@ -352,7 +358,11 @@ class SoakClient:
                 return False
             time.sleep(0.0005)
         self.stats.ops["STORE"] += 1
-        if self._failed("STORE", rid, sent):
+        failure = self._failed("STORE", rid, sent)
+        if failure == "timeout" and len(self.stats.timed_out_store_keys) < MAX_KEYS_KEPT:
+            # The daemon may still run it, later, from blocks reused since: see the report.
+            self.stats.timed_out_store_keys.extend(k.hex() for k in chunk_keys(tail))
+        if failure:
             return False
         self.stats.ops["STORE ok"] += 1
         return True
@@ -724,6 +734,8 @@ class Soak:
             ops.update(s["ops"])
             errors.update(s["errors"])
         logs = [d.log() for d in self.daemons]
+        wrong_keys = {k for s in stats for k in s["wrong_keys"]}
+        timed_out = {k for s in stats for k in s["timed_out_store_keys"]}
         return {
             "config": {k: v for k, v in vars(self.args).items() if k not in ("out", "json")},
             "duration_s": self.args.duration_s,
@@ -732,6 +744,8 @@ class Soak:
             "wrong_chunks": sum(s["wrong_chunks"] for s in stats),
             "wrong_bytes": sum(s["wrong_bytes"] for s in stats),
             "wrong_examples": [e for s in stats for e in s["wrong_examples"]],
+            "wrong_keys": len(wrong_keys),
+            "wrong_keys_stored_by_a_timed_out_store": len(wrong_keys & timed_out),
             "unreplied": sum(s["unreplied"] for s in stats),
             "timeouts_while_daemon_up": self.timeouts_while_up(stats),
             "other_reasons": [e for s in stats for e in s["other_reasons"]],
@@ -810,6 +824,10 @@ def print_report(f: dict) -> None:
     print(f"\ndaemon at start (fresh) / at end (idle, uptime {end['daemon_uptime_s'] or 0:.0f} s): "
           f"RSS {start['rss_mib']:.1f} / {end['rss_mib'] or 0:.1f} MiB, fds {start['fds']} / {end['fds']}, "
           f"leases {start['leases']} / {end['leases']}")
+    if f["wrong_chunks"]:
+        print(f"\nwrong chunks served: {f['wrong_chunks']}, under {f['wrong_keys']} distinct keys, "
+              f"{f['wrong_keys_stored_by_a_timed_out_store']} of which a STORE that timed out had sent "
+              "(the daemon may have run it later, reading blocks the client had reused)")
     for line in f["wrong_examples"] + f["other_reasons"]:
         print("  ", line)
 

@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -62,25 +63,36 @@ def test_soak_45_s_of_chaos_serves_no_wrong_byte_and_leaks_nothing(tmp_path: Pat
 # the daemon can refuse requests past their client's deadline (a protocol change).
 
 LATE = pytest.mark.xfail(strict=True, reason="the daemon runs STOREs and RETRIEVEs whose client gave up")
+# One worker thread: requests run in the order sent, so a request answered after the thaw means
+# that every one sent before it has run.
+LATE_DAEMON = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05", "--max-workers", "1")
 
 
-def _given_up(daemon: DaemonProcess, submit: Callable[[], None], settled: Callable[[], bool]) -> None:
-    """Submit while the daemon is frozen and wait until the client's timeout settles the request."""
+@contextlib.contextmanager
+def _frozen(daemon: DaemonProcess) -> Iterator[None]:
     freeze(daemon.proc)
     try:
-        submit()
-        deadline = time.monotonic() + 10
-        while not settled():
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        yield
     finally:
         daemon.proc.send_signal(signal.SIGCONT)
+
+
+def _wait(settled: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 10
+    while not settled():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
 
 
 def _worker(daemon: DaemonProcess) -> LMCacheMPWorkerAdapter:
     worker = LMCacheMPWorkerAdapter(daemon.url, None, "m", 1, 0, BLOCK, timeout_s=1.0)
     worker.register_kv_caches(make_caches(SHAPE, torch.bfloat16, LAYERS, seed=1), "CPU_ATTN")
     return worker
+
+
+def _after_the_thaw(worker: LMCacheMPWorkerAdapter, hashes: list[bytes]) -> None:
+    """Returns once the daemon has run everything this worker sent before (see LATE_DAEMON)."""
+    worker.retrieve_now(["barrier"], [LoadStoreOp([6, 7], block_hashes=hashes)], timeout_s=10)
 
 
 def _fill(worker: LMCacheMPWorkerAdapter, blocks: list[int], value: float) -> None:
@@ -93,7 +105,7 @@ def _values(worker: LMCacheMPWorkerAdapter, blocks: list[int]) -> list[float]:
 
 
 @LATE
-@pytest.mark.daemon_args("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05")
+@pytest.mark.daemon_args(*LATE_DAEMON)
 def test_a_retrieve_the_client_gave_up_on_does_not_land_later(daemon: DaemonProcess) -> None:
     worker = _worker(daemon)
     try:
@@ -102,35 +114,33 @@ def test_a_retrieve_the_client_gave_up_on_does_not_land_later(daemon: DaemonProc
         worker.submit_store_request("s", op, None)
         worker.wait_for_stores(["s"], 10)
         _fill(worker, [0, 1], 0.0)
-        _given_up(daemon, lambda: worker.submit_retrieve_request("r", op, None),
-                  lambda: "r" in worker.get_finished(set())[1])
-        assert "r" in worker.take_failed_retrieves()
-        _fill(worker, [0, 1], 5.0)  # vLLM recomputes the KV the retrieve did not load
-        time.sleep(1.0)  # the daemon, thawed, gets to the RETRIEVE
+        with _frozen(daemon):
+            worker.submit_retrieve_request("r", op, None)
+            _wait(lambda: "r" in worker.get_finished(set())[1])  # the client's timeout
+            assert "r" in worker.take_failed_retrieves()
+            _fill(worker, [0, 1], 5.0)  # vLLM recomputes the KV the retrieve did not load
+        _after_the_thaw(worker, op.block_hashes)
         assert _values(worker, [0, 1]) == [5.0]
     finally:
         worker.shutdown()
 
 
 @LATE
-@pytest.mark.daemon_args("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05")
+@pytest.mark.daemon_args(*LATE_DAEMON)
 def test_a_store_the_client_gave_up_on_does_not_cache_reused_blocks(daemon: DaemonProcess) -> None:
     worker = _worker(daemon)
     scheduler = LMCacheMPSchedulerAdapter(daemon.url, None, "m", 1, 0, BLOCK)
     try:
         hashes = block_hashes(list(range(CHUNK)))
         _fill(worker, [0, 1], 1.0)
-        _given_up(daemon,
-                  lambda: worker.submit_store_request("s", LoadStoreOp([0, 1], block_hashes=hashes), None),
-                  lambda: "s" in worker.get_finished({"s"})[0])
-        _fill(worker, [0, 1], 9.0)  # the blocks go to another request
-        time.sleep(1.0)  # the daemon, thawed, gets to the STORE
+        with _frozen(daemon):
+            worker.submit_store_request("s", LoadStoreOp([0, 1], block_hashes=hashes), None)
+            _wait(lambda: "s" in worker.get_finished({"s"})[0])  # the client's timeout
+            _fill(worker, [0, 1], 9.0)  # the blocks go to another request
+        _after_the_thaw(worker, hashes)
         if lookup(scheduler, "q", block_hashes=hashes):  # cached after all: it must be what was sent
             worker.submit_retrieve_request("q", LoadStoreOp([2, 3], block_hashes=hashes), None)
-            deadline = time.monotonic() + 10
-            while "q" not in worker.get_finished(set())[1]:
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
+            _wait(lambda: "q" in worker.get_finished(set())[1])
             assert _values(worker, [2, 3]) == [1.0]
     finally:
         scheduler.shutdown()
