@@ -11,12 +11,15 @@ process): LOOKUP (leasing the hits), RETRIEVE of the hits into poisoned blocks, 
 rest, END_SESSION, then a read-back (LOOKUP + RETRIEVE of the whole prompt). A chunk's content
 is a function of its key, so any client can check any chunk, whoever stored it.
 
-Meanwhile the parent's chaos loop, every --chaos-interval-s, sends a burst of malformed traffic
-from a raw ZeroMQ socket (garbage frames, unknown types, bad payloads, bad block ids, unknown
-instance ids) and, alternately, SIGKILLs a client (a replacement starts) or restarts the daemon
-(SIGTERM or SIGKILL, then a new daemon on the same socket, with the same disk tier, so chunks
-survive). Chaos stops --settle-s before the end; then the clients stop, their leases are
-released, and the daemon's RSS, open descriptors and leases are compared with a fresh daemon's.
+Meanwhile the parent's chaos loop, every --chaos-interval-s, SIGKILLs a client (a replacement
+starts) and, every other time, restarts the daemon (SIGTERM or SIGKILL, then a new daemon on the
+same socket with the same disk tier, so chunks survive) or freezes it (SIGSTOP past the clients'
+timeouts, then SIGCONT). A thread sends, every half interval, a burst of malformed traffic from
+a raw ZeroMQ socket (garbage frames, unknown types, bad payloads, bad block ids, unknown
+instance ids, an oversized message, a registration whose attach channel never opens). Restarts
+stop for the last --last-daemon-frac of the run, all chaos --settle-s before the end; then the
+clients stop, their leases are released, and the last daemon's RSS, open descriptors and leases
+are compared with a fresh daemon's.
 
 Fails (exit 1) on: any wrong byte served, any request without a reply (a future that did not
 settle within its timeout plus a grace period, or a malformed request the daemon never
@@ -64,7 +67,7 @@ from lmcache_mp.protocol import ErrorCode, KVCacheRegistration, RequestType, Sta
 from tests.helpers import BLOCK, CHUNK, LAYERS, NUM_BLOCKS, SHAPE, block_hashes, freeze
 from tests.kv_worker import make_caches, pages
 from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp
-from vllm_adapter.utils import export_kv_caches
+from vllm_adapter.utils import export_kv_caches, striding_block_hashes
 
 MODEL = "soak-model"
 LAYOUT = "CPU_ATTN"
@@ -106,8 +109,8 @@ def expected_block(chunk_key: bytes, index_in_chunk: int) -> torch.Tensor:
 
 
 def chunk_keys(hashes: list[bytes]) -> list[bytes]:
-    """The key of each chunk: the hash of its last block (see `striding_block_hashes`)."""
-    return hashes[BLOCKS_PER_CHUNK - 1 :: BLOCKS_PER_CHUNK]
+    """The key of each chunk, as the adapters make it."""
+    return list(striding_block_hashes(hashes, BLOCKS_PER_CHUNK))
 
 
 # ---- a client process -----------------------------------------------------------------------
@@ -627,10 +630,12 @@ class Soak:
                 self.sample()
                 if time.time() < next_chaos or time.time() > chaos_end:
                     continue
-                if tick % 4 == 1 and time.time() < restarts_end:
-                    self.restart_daemon()
-                elif tick % 2 and a.freeze_s > 0 and time.time() + a.freeze_s < chaos_end:
+                can_restart = time.time() < restarts_end
+                can_freeze = a.freeze_s > 0 and time.time() + a.freeze_s < chaos_end
+                if tick % 2 and can_freeze and (tick % 4 == 3 or not can_restart):
                     self.freeze_daemon()
+                elif tick % 2 and can_restart:
+                    self.restart_daemon()
                 else:
                     self.kill_client()
                 tick += 1
@@ -832,6 +837,9 @@ def print_report(f: dict) -> None:
         print("  ", line)
 
 
+RESTART_STYLES = {"SIGKILL": ("red", "-"), "SIGTERM": ("red", "--"), "SIGSTOP": ("purple", "-")}
+
+
 def plot(f: dict, path: Path) -> None:
     import matplotlib
 
@@ -848,11 +856,13 @@ def plot(f: dict, path: Path) -> None:
         ax.plot(t, [float("nan") if y is None else y for y in ys], linewidth=1)
         ax.set_ylabel(label, fontsize=8)
         for r in f["restarts"]:
-            style = "--" if r["signal"] == "SIGTERM" else "-"
-            ax.axvline(r["t"], color="red", linewidth=0.8, linestyle=style)
+            color, style = RESTART_STYLES[r["signal"]]
+            ax.axvline(r["t"], color=color, linewidth=0.8, linestyle=style)
         for k in f["client_kill_times_s"]:
             ax.axvline(k, color="gray", linewidth=0.6, linestyle=":")
-    axes[-1].set_xlabel("seconds (red: daemon restart, solid SIGKILL / dashed SIGTERM; gray: client SIGKILL)")
+    axes[-1].set_xlabel("seconds (daemon: red SIGKILL, dashed red SIGTERM, purple freeze; "
+                        "gray: client SIGKILL)",
+                        fontsize=8)
     axes[0].set_title("lmcache-mp chaos soak")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
