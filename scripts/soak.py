@@ -127,6 +127,7 @@ class ClientConfig:
     end_time: float  # time.time() at which the client stops its load and shuts down
     timeout_s: float
     grace_s: float
+    freeze_s: float
     stats_path: str
     pairs_path: str
     log_path: str
@@ -257,9 +258,10 @@ class SoakClient:
         self.seq += 1
         return f"soak-{self.cfg.index}-{self.seq}"
 
-    def _deadline(self) -> float:
-        """Every future settles within the adapter's timeout; past this it never will."""
-        return time.monotonic() + self.cfg.timeout_s + self.cfg.grace_s
+    def _deadline(self, held_s: float = 0.0) -> float:
+        """Every future settles within the adapter's timeout; past this (and `held_s` more, for
+        a report the adapter may hold back) it never will."""
+        return time.monotonic() + self.cfg.timeout_s + self.cfg.grace_s + held_s
 
     def _failed(self, op: str, rid: str, sent: float) -> str:
         """Why the operation failed ("" if it did not): its reason class."""
@@ -307,7 +309,9 @@ class SoakClient:
             layer[block_ids] = POISON
         sent = time.time()
         self.worker.submit_retrieve_request(rid, LoadStoreOp(block_ids, block_hashes=hashes), None)
-        deadline = self._deadline()
+        # A RETRIEVE that timed out is reported only once the daemon confirms that it has been
+        # cancelled: after a freeze, when the daemon is thawed.
+        deadline = self._deadline(held_s=self.cfg.freeze_s)
         while rid not in self.worker.get_finished(set())[1]:
             if time.monotonic() > deadline:
                 self._unreplied("RETRIEVE", rid)
@@ -555,7 +559,8 @@ class Soak:
     def start_client(self, index: int) -> None:
         a = self.args
         cfg = ClientConfig(index, self.url, a.seed * 1000 + index, a.seed, a.prompts, a.prefixes,
-                           self.end_time, a.timeout_s, a.grace_s, str(self.tmp / f"client-{index}.json"),
+                           self.end_time, a.timeout_s, a.grace_s, a.freeze_s,
+                           str(self.tmp / f"client-{index}.json"),
                            str(self.tmp / f"client-{index}.pairs"), str(self.tmp / f"client-{index}.log"))
         proc = self.ctx.Process(target=client_main, args=(cfg,), name=f"soak-client-{index}")
         proc.start()

@@ -28,7 +28,7 @@ def test_soak_45_s_of_chaos_serves_no_wrong_byte_and_leaks_nothing(tmp_path: Pat
     # Chaos every 3 s: the daemon restarts in the first 75% of the run (at least twice, even on a
     # busy machine, where a restart takes up to ~13 s), clients are killed throughout; the last
     # 25% is one daemon's, whose idle resources end the run. No freezes of the daemon: they
-    # serve wrong KV until the defect the xfail tests below show is fixed.
+    # serve wrong KV until the defect the xfail test below shows is fixed.
     out = subprocess.run([sys.executable, str(SOAK), "--duration-s", "45", "--chaos-interval-s", "3",
                           "--last-daemon-frac", "0.25", "--freeze-s", "0", "--seed", "1",
                           "--out", str(tmp_path),
@@ -55,15 +55,15 @@ def test_soak_45_s_of_chaos_serves_no_wrong_byte_and_leaks_nothing(tmp_path: Pat
 
 
 # ---- what the soak found ----------------------------------------------------------------------
-# A STORE or RETRIEVE that the client gave up on (its timeout fired) still runs when the daemon
-# gets to it: the daemon cannot tell that nobody waits for it any more. Meanwhile vLLM has reused
-# the blocks (recomputed into them, or freed them after `wait_for_stores` timed out), so a late
-# RETRIEVE overwrites KV that vLLM computed, and a late STORE caches whatever the blocks hold by
-# then under the old key, for every client. The soak's daemon freezes (SIGSTOP past the clients'
-# timeouts, then SIGCONT) produce exactly this; the test above runs the soak without them until
-# the daemon can refuse requests past their client's deadline (a protocol change).
+# A STORE that the client gave up on (its timeout fired) still runs when the daemon gets to it
+# (e.g. after a SIGSTOP, or a stall, past the client's timeout). The worker reports such a store
+# finished at once, so vLLM frees its blocks and hands them to another request; the late STORE
+# then caches that request's KV under the old keys, for every client. The soak's daemon freezes
+# (SIGSTOP past the clients' timeouts, then SIGCONT) produce exactly this. The daemon can stop
+# STOREs (CANCEL_TRANSFERS), but the worker fences and cancels only its timed-out RETRIEVEs
+# (tests/test_late_retrieve.py); until it does the same for STOREs, the soak in the test suite
+# runs without freezes.
 
-LATE = pytest.mark.xfail(strict=True, reason="the daemon runs STOREs and RETRIEVEs whose client gave up")
 # One worker thread: requests run in the order sent, so a request answered after the thaw means
 # that every one sent before it has run.
 LATE_DAEMON = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05", "--max-workers", "1")
@@ -105,28 +105,7 @@ def _values(worker: LMCacheMPWorkerAdapter, blocks: list[int]) -> list[float]:
     return torch.stack([layer[blocks] for layer in worker.kv_caches.values()]).unique().tolist()
 
 
-@LATE
-@pytest.mark.daemon_args(*LATE_DAEMON)
-def test_a_retrieve_the_client_gave_up_on_does_not_land_later(daemon: DaemonProcess) -> None:
-    worker = _worker(daemon)
-    try:
-        op = LoadStoreOp([0, 1], block_hashes=block_hashes(list(range(CHUNK))))
-        _fill(worker, [0, 1], 1.0)
-        worker.submit_store_request("s", op, None)
-        worker.wait_for_stores(["s"], 10)
-        _fill(worker, [0, 1], 0.0)
-        with _frozen(daemon):
-            worker.submit_retrieve_request("r", op, None)
-            _wait(lambda: "r" in worker.get_finished(set())[1])  # the client's timeout
-            assert "r" in worker.take_failed_retrieves()
-            _fill(worker, [0, 1], 5.0)  # vLLM recomputes the KV the retrieve did not load
-        _after_the_thaw(worker, op.block_hashes)
-        assert _values(worker, [0, 1]) == [5.0]
-    finally:
-        worker.shutdown()
-
-
-@LATE
+@pytest.mark.xfail(strict=True, reason="a timed-out STORE is reported at once, not fenced until cancelled")
 @pytest.mark.daemon_args(*LATE_DAEMON)
 def test_a_store_the_client_gave_up_on_does_not_cache_reused_blocks(daemon: DaemonProcess) -> None:
     worker = _worker(daemon)
@@ -136,8 +115,13 @@ def test_a_store_the_client_gave_up_on_does_not_cache_reused_blocks(daemon: Daem
         _fill(worker, [0, 1], 1.0)
         with _frozen(daemon):
             worker.submit_store_request("s", LoadStoreOp([0, 1], block_hashes=hashes), None)
-            _wait(lambda: "s" in worker.get_finished({"s"})[0])  # the client's timeout
-            _fill(worker, [0, 1], 9.0)  # the blocks go to another request
+            time.sleep(1.5)  # past the client's timeout
+            reported = "s" in worker.get_finished({"s"})[0]
+            if reported:  # vLLM frees the blocks and hands them to another request
+                _fill(worker, [0, 1], 9.0)
+        if not reported:  # held until the daemon has cancelled or finished it: then they go
+            _wait(lambda: "s" in worker.get_finished({"s"})[0])
+            _fill(worker, [0, 1], 9.0)
         _after_the_thaw(worker, hashes)
         if lookup(scheduler, "q", block_hashes=hashes):  # cached after all: it must be what was sent
             worker.submit_retrieve_request("q", LoadStoreOp([2, 3], block_hashes=hashes), None)
