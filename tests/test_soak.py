@@ -1,0 +1,132 @@
+"""Issue 10: the chaos soak (`scripts/soak.py`) for 45 s: clients SIGKILLed, the daemon restarted
+(SIGTERM or SIGKILL) with its disk tier, malformed traffic; every byte retrieved is checked."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmcache_mp.launcher import DaemonProcess
+from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes, freeze, lookup
+from tests.kv_worker import make_caches
+from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp
+
+SOAK = Path(__file__).resolve().parent.parent / "scripts" / "soak.py"
+
+
+def test_soak_45_s_of_chaos_serves_no_wrong_byte_and_leaks_nothing(tmp_path: Path) -> None:
+    figures_path = tmp_path / "figures.json"
+    # Chaos every 3 s: the daemon restarts in the first 75% of the run (at least twice, even on a
+    # busy machine, where a restart takes up to ~13 s), clients are killed throughout; the last
+    # 25% is one daemon's, whose idle resources end the run. No freezes of the daemon: they
+    # serve wrong KV until the defect the xfail test below shows is fixed.
+    out = subprocess.run([sys.executable, str(SOAK), "--duration-s", "45", "--chaos-interval-s", "3",
+                          "--last-daemon-frac", "0.25", "--freeze-s", "0", "--seed", "1",
+                          "--out", str(tmp_path),
+                          "--json", str(figures_path)],
+                         capture_output=True, text=True, timeout=110)
+    report = out.stdout + out.stderr
+    assert out.returncode == 0, report
+    f = json.loads(figures_path.read_text())
+
+    assert f["ops"]["STORE ok"] > 100 and f["ops"]["chunks verified"] > 1000, report
+    assert f["wrong_bytes"] == 0 and f["wrong_chunks"] == 0, report
+    assert f["unreplied"] == 0 and f["timeouts_while_daemon_up"] == 0, report
+    assert f["garbage"]["sent"] > 0 and f["garbage"]["unreplied"] == 0, report
+    assert f["clients_killed"] >= 2 and f["clients_hung"] == 0 and f["clients_crashed"] == 0, report
+    restarts = f["restarts"]
+    assert len(restarts) >= 2, report
+    assert all(r["recovery_s"] is not None for r in restarts), report
+    assert f["daemon_tracebacks"] == 0 and f["final_daemon_exit_code"] == 0, report
+    start, end, tolerance = (f["resources"][k] for k in ("start", "end", "tolerance"))
+    assert end["leases"] == 0 and end["registered_instances"] == 0, report
+    assert end["fds"] - start["fds"] <= tolerance["fds"], report
+    assert end["rss_mib"] - start["rss_mib"] <= tolerance["rss_mib"], report
+    assert (tmp_path / "soak.png").stat().st_size > 0
+
+
+# ---- what the soak found ----------------------------------------------------------------------
+# A STORE that the client gave up on (its timeout fired) still runs when the daemon gets to it
+# (e.g. after a SIGSTOP, or a stall, past the client's timeout). The worker reports such a store
+# finished at once, so vLLM frees its blocks and hands them to another request; the late STORE
+# then caches that request's KV under the old keys, for every client. The soak's daemon freezes
+# (SIGSTOP past the clients' timeouts, then SIGCONT) produce exactly this. The daemon can stop
+# STOREs (CANCEL_TRANSFERS), but the worker fences and cancels only its timed-out RETRIEVEs
+# (tests/test_late_retrieve.py); until it does the same for STOREs, the soak in the test suite
+# runs without freezes.
+
+# One worker thread: requests run in the order sent, so a request answered after the thaw means
+# that every one sent before it has run.
+LATE_DAEMON = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05", "--max-workers", "1")
+
+
+@contextlib.contextmanager
+def _frozen(daemon: DaemonProcess) -> Iterator[None]:
+    freeze(daemon.proc)
+    try:
+        yield
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+
+
+def _wait(settled: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 10
+    while not settled():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def _worker(daemon: DaemonProcess) -> LMCacheMPWorkerAdapter:
+    worker = LMCacheMPWorkerAdapter(daemon.url, None, "m", 1, 0, BLOCK, timeout_s=1.0)
+    worker.register_kv_caches(make_caches(SHAPE, torch.bfloat16, LAYERS, seed=1), "CPU_ATTN")
+    return worker
+
+
+def _after_the_thaw(worker: LMCacheMPWorkerAdapter, hashes: list[bytes]) -> None:
+    """Returns once the daemon has run everything this worker sent before (see LATE_DAEMON)."""
+    worker.retrieve_now(["barrier"], [LoadStoreOp([6, 7], block_hashes=hashes)], timeout_s=10)
+
+
+def _fill(worker: LMCacheMPWorkerAdapter, blocks: list[int], value: float) -> None:
+    for layer in worker.kv_caches.values():
+        layer[blocks] = value
+
+
+def _values(worker: LMCacheMPWorkerAdapter, blocks: list[int]) -> list[float]:
+    return torch.stack([layer[blocks] for layer in worker.kv_caches.values()]).unique().tolist()
+
+
+@pytest.mark.xfail(strict=True, reason="a timed-out STORE is reported at once, not fenced until cancelled")
+@pytest.mark.daemon_args(*LATE_DAEMON)
+def test_a_store_the_client_gave_up_on_does_not_cache_reused_blocks(daemon: DaemonProcess) -> None:
+    worker = _worker(daemon)
+    scheduler = LMCacheMPSchedulerAdapter(daemon.url, None, "m", 1, 0, BLOCK)
+    try:
+        hashes = block_hashes(list(range(CHUNK)))
+        _fill(worker, [0, 1], 1.0)
+        with _frozen(daemon):
+            worker.submit_store_request("s", LoadStoreOp([0, 1], block_hashes=hashes), None)
+            time.sleep(1.5)  # past the client's timeout
+            reported = "s" in worker.get_finished({"s"})[0]
+            if reported:  # vLLM frees the blocks and hands them to another request
+                _fill(worker, [0, 1], 9.0)
+        if not reported:  # held until the daemon has cancelled or finished it: then they go
+            _wait(lambda: "s" in worker.get_finished({"s"})[0])
+            _fill(worker, [0, 1], 9.0)
+        _after_the_thaw(worker, hashes)
+        if lookup(scheduler, "q", block_hashes=hashes):  # cached after all: it must be what was sent
+            worker.submit_retrieve_request("q", LoadStoreOp([2, 3], block_hashes=hashes), None)
+            _wait(lambda: "q" in worker.get_finished(set())[1])
+            assert _values(worker, [2, 3]) == [1.0]
+    finally:
+        scheduler.shutdown()
+        worker.shutdown()
