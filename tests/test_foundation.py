@@ -58,6 +58,7 @@ PAYLOADS = {
     RequestType.END_SESSION: ["req-1"],
     RequestType.CLEAR: [],
     RequestType.RELEASE_LEASES: [[HASH_KEY, TOKEN_KEY]],
+    RequestType.CANCEL_TRANSFERS: [1, ["req-1", "req-2"]],
 }
 REPLIES = {
     RequestType.HELLO: HelloReply(PROTOCOL_VERSION, "0.1.0", 256, "/tmp/x.attach"),
@@ -72,6 +73,7 @@ REPLIES = {
     RequestType.END_SESSION: None,
     RequestType.CLEAR: 5,
     RequestType.RELEASE_LEASES: None,
+    RequestType.CANCEL_TRANSFERS: 1,
 }
 
 
