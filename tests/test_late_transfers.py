@@ -125,8 +125,8 @@ def test_a_load_held_for_a_daemon_that_dies_is_released(stored, monkeypatch: pyt
     # One WARNING when the load was held, one ERROR once it was held too long; no more.
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
-    assert len(warnings) == 1 and "did not answer the loads of requests r " in warnings[0], warnings
-    assert len(errors) == 1 and "request r is still held" in errors[0], errors
+    assert len(warnings) == 1 and "did not answer a load of requests r " in warnings[0], warnings
+    assert len(errors) == 1 and "load of request r is still held" in errors[0], errors
 
 
 def test_an_answered_load_is_reported_at_once(stored) -> None:
