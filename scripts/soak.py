@@ -358,7 +358,9 @@ class SoakClient:
                     t[block_ids[c * BLOCKS_PER_CHUNK + j]] = content[layer]
         sent = time.time()
         self.worker.submit_store_request(rid, LoadStoreOp(block_ids, block_hashes=tail), None)
-        deadline = self._deadline()
+        # A store that did not land is tried again for another timeout (each try bounded by the
+        # timeout), and one made while the daemon is frozen is held until it answers.
+        deadline = self._deadline(held_s=2 * self.cfg.timeout_s + self.cfg.freeze_s)
         while rid not in self.worker.get_finished({rid})[0]:
             if time.monotonic() > deadline:
                 self._unreplied("STORE", rid)
