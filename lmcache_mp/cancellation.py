@@ -11,7 +11,10 @@ RETRIEVE of those requests touches that instance's blocks any more.
 - how many STOREs and RETRIEVEs are copying (`begin`/`end` around each, a STORE's commit
   included); a CANCEL that finds some is answered only once they have stopped (they check
   `cancelled` between chunks);
-- which pairs were cancelled, so that an operation still queued refuses to start (`begin`).
+- which pairs were cancelled, and when, so that an operation sent before the CANCEL and still
+  queued refuses to start (`begin`). "Before" is the order in which the server read them
+  (`ARRIVAL`, set by the server for the handler it runs): operations sent after the CANCEL,
+  such as the STORE of what vLLM recomputed after a cancelled load, run as usual.
   The server refuses any request that waited in its queue longer than the queue deadline, and
   a worker's requests reach the daemon in order, so every operation sent before a CANCEL was
   queued before it and starts within the deadline, or never: an entry is forgotten after twice
@@ -26,6 +29,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import Future
+from contextvars import ContextVar
 
 from lmcache_mp.errors import ServerError
 from lmcache_mp.protocol import ErrorCode
@@ -33,6 +37,10 @@ from lmcache_mp.protocol import ErrorCode
 logger = logging.getLogger(__name__)
 
 Pair = tuple[int, str]  # (instance id, request id)
+
+# The position of the request being handled in the order the server read requests (it counts
+# from 1). Operations and CANCELs are ordered by it; 0 (unset) is before everything.
+ARRIVAL: ContextVar[int] = ContextVar("lmcache_mp_request_arrival", default=0)
 
 # Beyond the queue deadline: an operation that passed the server's deadline check just in time
 # may still be on its way to `begin` (a descheduled thread); another deadline and this margin
@@ -50,7 +58,8 @@ class TransferFence:
         self._max_cancelled = max_cancelled
         self._max_waiters = max_waiters
         self._copying: dict[Pair, int] = {}
-        self._cancelled: OrderedDict[Pair, float] = OrderedDict()  # -> when it is forgotten, oldest first
+        # pair -> (when it is forgotten, the CANCEL's ARRIVAL), oldest first
+        self._cancelled: OrderedDict[Pair, tuple[float, int]] = OrderedDict()
         # (pairs still copying, the CANCEL's reply, its value): completed when `pairs` is empty.
         self._waiters: list[tuple[set[Pair], Future[int], int]] = []
         self._lock = threading.Lock()
@@ -60,7 +69,7 @@ class TransferFence:
         pairs = set(pairs)
         with self._lock:
             self._forget_expired(time.monotonic())
-            if not pairs.isdisjoint(self._cancelled):
+            if self._cancelled_locked(pairs):
                 return False
             for pair in pairs:
                 self._copying[pair] = self._copying.get(pair, 0) + 1
@@ -68,7 +77,12 @@ class TransferFence:
 
     def cancelled(self, pairs: Iterable[Pair]) -> bool:
         with self._lock:
-            return any(pair in self._cancelled for pair in pairs)
+            return self._cancelled_locked(pairs)
+
+    def _cancelled_locked(self, pairs: Iterable[Pair]) -> bool:
+        """Whether a CANCEL of any of these pairs arrived after the operation being handled."""
+        arrival = ARRIVAL.get()
+        return any(self._cancelled.get(pair, (0.0, 0))[1] > arrival for pair in pairs)
 
     def end(self, pairs: Iterable[Pair]) -> None:
         """An operation counted by `begin` is done with the blocks; answer the CANCELs it held up."""
@@ -95,7 +109,7 @@ class TransferFence:
         with self._lock:
             self._forget_expired(now)
             for pair in pairs:
-                self._cancelled[pair] = now + self._keep_s
+                self._cancelled[pair] = (now + self._keep_s, ARRIVAL.get())
                 self._cancelled.move_to_end(pair)
             dropped = max(0, len(self._cancelled) - self._max_cancelled)
             for _ in range(dropped):
@@ -106,7 +120,7 @@ class TransferFence:
                 reply = Future()
                 self._waiters.append((copying, reply, len(copying)))
         if dropped:
-            logger.warning("cancelled-retrieve record full (%d): forgot the %d oldest", self._max_cancelled,
+            logger.warning("cancelled-transfer record full (%d): forgot the %d oldest", self._max_cancelled,
                            dropped)
         if not copying:
             return 0
@@ -122,5 +136,5 @@ class TransferFence:
             return len(self._copying), len(self._cancelled)
 
     def _forget_expired(self, now: float) -> None:
-        while self._cancelled and next(iter(self._cancelled.values())) <= now:
+        while self._cancelled and next(iter(self._cancelled.values()))[0] <= now:
             self._cancelled.popitem(last=False)

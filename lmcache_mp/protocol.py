@@ -201,7 +201,8 @@ PROTOCOL: dict[RequestType, RequestSpec] = {
     # CANCEL_TRANSFERS(instance id, request ids) -> how many of these requests had a STORE or
     # RETRIEVE copying that was stopped and waited for. Sent by a worker whose STORE or RETRIEVE
     # got no reply in time, before it lets vLLM reuse the blocks. Once it is answered, no STORE
-    # or RETRIEVE of these requests touches that instance's blocks any more: one not started yet
+    # or RETRIEVE of these requests sent before it touches that instance's blocks any more (those
+    # sent after it run as usual): one not started yet
     # is refused (a RETRIEVE: RetrieveResult ok=False, reason "cancelled", its leases spent; a
     # STORE: CANCELLED, nothing stored), one copying stops at its next chunk and is waited for
     # (deferred until then; a stopped STORE publishes nothing). Unknown requests answer 0 at once.

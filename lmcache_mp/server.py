@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 
 from lmcache_mp import __version__
+from lmcache_mp.cancellation import ARRIVAL
 from lmcache_mp.config import ServerConfig, SocketClaim, claim_socket_path, ipc_path
 from lmcache_mp.errors import ServerError
 from lmcache_mp.mq import REQUEST_ID, Codec, MessageQueueServer
@@ -91,6 +92,7 @@ class Server:
         self._queued_lock = threading.Lock()
         self._drained = threading.Condition(self._queued_lock)  # both counters reached 0
         self._stopping = False
+        self._arrivals = 0  # requests read so far
         self._mq = MessageQueueServer(config.listen, self._on_request, on_tick=self._tick)
         self._secure_ipc_files()
         self.endpoints = self._mq.endpoints
@@ -162,8 +164,10 @@ class Server:
         if self._stopping:
             self._send_error(identity, request_id, ErrorCode.SHUTTING_DOWN, _STOPPING, request_type)
             return
+        self._arrivals += 1  # only the socket thread counts: the order requests were read in
+        arrival = self._arrivals
         if PROTOCOL[request_type].kind is not HandlerKind.WORKER:
-            self._run(identity, request_id, request_type, handler, args)
+            self._run(identity, request_id, request_type, handler, args, arrival)
             return
         with self._queued_lock:
             # Checked again under the lock: stop() waits for every request counted here.
@@ -179,7 +183,7 @@ class Server:
             return
         try:
             queued = self._pool.submit(self._run_queued, identity, request_id, request_type, handler,
-                                       args, time.monotonic() + self.config.queue_deadline_s)
+                                       args, arrival, time.monotonic() + self.config.queue_deadline_s)
         except RuntimeError:  # stop() shut the pool down since the check above
             self._refuse_unstarted(identity, request_id, request_type)
             return
@@ -202,7 +206,7 @@ class Server:
                 self._drained.notify_all()
 
     def _run_queued(self, identity: bytes, request_id: bytes, request_type: RequestType,
-                    handler: Handler, args: list[Any], deadline: float) -> None:
+                    handler: Handler, args: list[Any], arrival: int, deadline: float) -> None:
         try:
             if time.monotonic() > deadline:
                 # Its client has likely given up and moved on (a RETRIEVE's blocks may hold
@@ -215,18 +219,21 @@ class Server:
                 self._send_error(identity, request_id, ErrorCode.SHUTTING_DOWN, _STOPPING + "; not started",
                                  request_type)
                 return
-            self._run(identity, request_id, request_type, handler, args)
+            self._run(identity, request_id, request_type, handler, args, arrival)
         finally:
             self._count_done()
 
     def _run(self, identity: bytes, request_id: bytes, request_type: RequestType,
-             handler: Handler, args: list[Any]) -> None:
+             handler: Handler, args: list[Any], arrival: int) -> None:
         start = time.perf_counter()
+        token = ARRIVAL.set(arrival)  # orders operations against CANCEL_TRANSFERS (cancellation.py)
         try:
             result = handler(*args)
         except Exception as err:
             self._reply(identity, request_id, request_type, start, error=err)
             return
+        finally:
+            ARRIVAL.reset(token)
         if isinstance(result, Future):  # a deferred handler: reply when it completes
             with self._queued_lock:
                 self._deferred += 1

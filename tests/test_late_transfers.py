@@ -140,30 +140,8 @@ def test_an_answered_load_is_reported_at_once(stored) -> None:
 # ---- the request itself --------------------------------------------------------------------
 
 
-def retrieve(client: MessageQueueClient, instance_id: int, request_id: str) -> RetrieveResult:
-    keys = [IPCCacheEngineKey("m", 1, 0, chunk_hash=h, request_id=request_id) for h in CHUNK_HASHES]
-    return client.submit(RequestType.RETRIEVE, [keys, instance_id, TARGET, b""]).result(10)
-
-
 def cancel(client: MessageQueueClient, instance_id: int, request_ids: list[str]) -> int:
     return client.submit(RequestType.CANCEL_TRANSFERS, [instance_id, request_ids]).result(10)
-
-
-def test_cancel_refuses_a_retrieve_not_started_and_spends_its_leases(stored) -> None:
-    daemon, worker = stored
-    client, iid = worker.mq_client, worker.instance_id
-    started = time.monotonic()
-    assert cancel(client, iid, ["r", "never-seen"]) == 0  # nothing copying: answered at once
-    assert time.monotonic() - started < 1
-    assert status(daemon.url).leases == CHUNKS
-    result = retrieve(client, iid, "r")
-    assert not result.ok and result.reason == "cancelled"
-    assert status(daemon.url).leases == 0
-    assert torch.all(target_pages(worker) == SENTINEL)
-    # Only that request, only in that instance: others load as before.
-    assert cancel(client, iid + 1, ["r2"]) == 0
-    assert retrieve(client, iid, "r2").ok
-    assert loaded(worker)
 
 
 def test_the_cancelled_record_is_bounded(daemons: Callable) -> None:
@@ -186,8 +164,9 @@ BIG_BLOCKS = 4096  # a cache whose half is 2048 chunks: tens of ms of copying
 
 @pytest.fixture
 def big_worker(daemons: Callable) -> Iterator[tuple[DaemonProcess, LMCacheMPWorkerAdapter, list[bytes]]]:
-    """A worker with a BIG_BLOCKS cache; chunk hashes for half of it."""
-    daemon: DaemonProcess = daemons(*DAEMON_ARGS)
+    """A worker with a BIG_BLOCKS cache (its daemon has one worker thread); chunk hashes for half
+    of it."""
+    daemon: DaemonProcess = daemons(*DAEMON_ARGS, "--max-workers", "1")  # see `queued_behind`
     worker = LMCacheMPWorkerAdapter(daemon.url, None, "m", 1, 0, BLOCK)
     try:
         worker.register_kv_caches(make_caches([BIG_BLOCKS, 2, BLOCK, 64], torch.bfloat16, LAYERS, seed=1),
@@ -197,6 +176,55 @@ def big_worker(daemons: Callable) -> Iterator[tuple[DaemonProcess, LMCacheMPWork
         assert status(daemon.url).transfers_running == 0
     finally:
         worker.shutdown()
+
+
+def keys_of(hashes: list[bytes], request_id: str) -> list[IPCCacheEngineKey]:
+    return [IPCCacheEngineKey("m", 1, 0, chunk_hash=h, request_id=request_id) for h in hashes]
+
+
+def queued_behind(worker: LMCacheMPWorkerAdapter, hashes: list[bytes]) -> MessagingFuture:
+    """A RETRIEVE of all `hashes` (stored already) into the second half of the cache: it keeps
+    the daemon's one worker thread copying for tens of ms, so what is sent right after it
+    waits in the queue, not started."""
+    target = list(range(BIG_BLOCKS // 2, BIG_BLOCKS))
+    keys = keys_of(hashes, "busy")
+    return worker.mq_client.submit(RequestType.RETRIEVE, [keys, worker.instance_id, target, b""])
+
+
+def test_cancel_refuses_what_was_sent_before_it_and_nothing_after(big_worker) -> None:
+    """A RETRIEVE and a STORE queued (not started) when the CANCEL arrives are refused, and the
+    RETRIEVE's leases are spent; a RETRIEVE and a STORE of the same request sent after the
+    CANCEL (vLLM storing what it recomputed) run as usual, and so do other requests."""
+    daemon, worker, hashes = big_worker
+    client, iid = worker.mq_client, worker.instance_id
+    assert ChunkOutcome.NO_SPACE not in store(client, iid, hashes, "s")
+    bpc = CHUNK // BLOCK
+    one_chunk = list(range(BIG_BLOCKS // 2, BIG_BLOCKS // 2 + bpc))
+    fresh = block_hashes(list(range(10**6, 10**6 + CHUNK)))[bpc - 1::bpc]  # not stored yet
+    assert lease(client, hashes[:1], "r") == 1 and status(daemon.url).leases == 1
+
+    busy = queued_behind(worker, hashes)
+    load = client.submit(RequestType.RETRIEVE, [keys_of(hashes[:1], "r"), iid, one_chunk, b""])
+    save = client.submit(RequestType.STORE, [keys_of(fresh, "r"), iid, list(range(bpc)), b""])
+    started = time.monotonic()
+    assert cancel(client, iid, ["r", "never-seen"]) == 0  # nothing of them copying: answered at once
+    assert time.monotonic() - started < 1
+    assert busy.result(10).ok
+    result: RetrieveResult = load.result(10)
+    assert not result.ok and result.reason == "cancelled"
+    assert save.wait(10)
+    error = save.exception()
+    assert isinstance(error, ServerError) and error.code is ErrorCode.CANCELLED, error
+    assert status(daemon.url).leases == 0
+    assert count_lookup(client, fresh) == 0
+
+    # Sent after the CANCEL: carried out.
+    assert client.submit(RequestType.STORE, [keys_of(fresh, "r"), iid, list(range(bpc)), b""]).result(10)
+    assert count_lookup(client, fresh) == 1
+    assert client.submit(RequestType.RETRIEVE, [keys_of(hashes[:1], "r"), iid, one_chunk, b""]).result(10).ok
+    # Only that instance: a CANCEL naming another instance leaves this one's requests alone.
+    assert cancel(client, iid + 1, ["r2"]) == 0
+    assert client.submit(RequestType.RETRIEVE, [keys_of(hashes[:1], "r2"), iid, one_chunk, b""]).result(10).ok
 
 
 def cancel_while_copying(daemon: DaemonProcess, worker: LMCacheMPWorkerAdapter, request_type: RequestType,
@@ -209,8 +237,7 @@ def cancel_while_copying(daemon: DaemonProcess, worker: LMCacheMPWorkerAdapter, 
     for attempt in range(20):
         before_each()
         request_id = f"r{attempt}"
-        keys = [IPCCacheEngineKey("m", 1, 0, chunk_hash=h, request_id=request_id) for h in hashes]
-        op = client.submit(request_type, [keys, iid, blocks, b""])
+        op = client.submit(request_type, [keys_of(hashes, request_id), iid, blocks, b""])
         while status(daemon.url).transfers_running == 0 and not op.query():
             pass
         stopped = cancel(client, iid, [request_id])
@@ -242,16 +269,10 @@ def test_cancel_stops_a_retrieve_that_is_copying(big_worker) -> None:
 
 
 def test_cancel_stops_a_store_and_publishes_nothing(big_worker) -> None:
-    """A STORE cancelled before it starts, or while it copies, stores nothing: its blocks may hold
-    another request's KV by the time it would have run."""
+    """A STORE cancelled while it copies stores nothing, not even the chunks it had copied: its
+    blocks may hold another request's KV by then."""
     daemon, worker, hashes = big_worker
-    client, iid = worker.mq_client, worker.instance_id
-    assert cancel(client, iid, ["early"]) == 0
-    with pytest.raises(ServerError) as refused:
-        store(client, iid, hashes[:2], "early")
-    assert refused.value.code is ErrorCode.CANCELLED
-    assert count_lookup(client, hashes[:2]) == 0
-
+    client = worker.mq_client
     source = list(range(BIG_BLOCKS // 2))
     copy, _ = cancel_while_copying(daemon, worker, RequestType.STORE, hashes, source, lambda: None)
     error = copy.exception()
