@@ -64,6 +64,11 @@ class ErrorCode(enum.IntEnum):
     CANCELLED = 11  # a STORE its worker cancelled (CANCEL_TRANSFERS) before it finished: nothing stored
 
 
+# Errors no retry of the same request can change: the daemon found the request itself invalid.
+PERMANENT_ERRORS = frozenset({ErrorCode.MALFORMED_MESSAGE, ErrorCode.UNKNOWN_REQUEST_TYPE,
+                              ErrorCode.BAD_PAYLOAD, ErrorCode.NOT_IMPLEMENTED, ErrorCode.INVALID_ARGUMENT})
+
+
 class ErrorReply(msgspec.Struct, array_like=True, gc=False):
     code: int
     message: str

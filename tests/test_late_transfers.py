@@ -23,7 +23,7 @@ from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes, freeze, sta
 from tests.kv_worker import make_caches
 from tests.test_fault_paths import lease
 from tests.test_tiers import count_lookup, store
-from vllm_adapter import LMCacheMPWorkerAdapter, LoadStoreOp, multi_process_adapter
+from vllm_adapter import LMCacheMPWorkerAdapter, LoadStoreOp, fences
 
 DAEMON_ARGS = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05")
 TIMEOUT_S = 0.5  # the worker's request timeout: short, so that loads time out while the daemon is stopped
@@ -114,8 +114,8 @@ def test_a_timed_out_sync_load_returns_once_the_daemon_confirms(stored) -> None:
 def test_a_load_held_for_a_daemon_that_dies_is_released(stored, monkeypatch: pytest.MonkeyPatch,
                                                         caplog: pytest.LogCaptureFixture) -> None:
     daemon, worker = stored
-    monkeypatch.setattr(multi_process_adapter, "FENCE_ERROR_AFTER_S", 2 * TIMEOUT_S)
-    caplog.set_level(logging.WARNING, logger=multi_process_adapter.__name__)
+    monkeypatch.setattr(fences, "FENCE_ERROR_AFTER_S", 2 * TIMEOUT_S)
+    caplog.set_level(logging.WARNING, logger=fences.__name__)
     freeze(daemon.proc)
     worker.submit_retrieve_request("r", LoadStoreOp(TARGET, block_hashes=HASHES), None)
     assert poll_load(worker, "r", 6 * TIMEOUT_S) is None
@@ -125,7 +125,7 @@ def test_a_load_held_for_a_daemon_that_dies_is_released(stored, monkeypatch: pyt
     # One WARNING when the load was held, one ERROR once it was held too long; no more.
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
-    assert len(warnings) == 1 and "did not answer a load of requests r " in warnings[0], warnings
+    assert len(warnings) == 1 and "did not answer a load of request r " in warnings[0], warnings
     assert len(errors) == 1 and "load of request r is still held" in errors[0], errors
 
 

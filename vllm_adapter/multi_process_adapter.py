@@ -17,31 +17,20 @@ names). Differences, each fixing a known failure of the seed:
   pool) is not retried: one ERROR, then the worker serves without the cache; other failures
   are retried with exponential backoff;
 - a RETRIEVE or STORE that got no reply in time is not given up at once: the daemon may still
-  run it (queued behind other work, or copying while it was slow or stopped), and once vLLM
-  has handed the blocks to another request a late RETRIEVE would overwrite their KV, a late
-  STORE would cache it under this request's keys. It is *fenced* instead (one WARNING; a
-  store is sent again meanwhile, as above): the worker sends CANCEL_TRANSFERS (batched, each
-  try bounded by `timeout_s`, re-sent until answered) and hands the blocks back (the load
-  reported failed, the store's request reported finished) only once the daemon has answered
-  it or is gone (its end of the attach channel the registration lives on has closed: it closes
-  only at exit, after its last copy). A daemon that answers the CANCEL with an error
-  (stopping, or too old to know CANCEL_TRANSFERS) is waited out until it is gone. Fail closed:
-  blocks the daemon might still touch are never released, so while a daemon is alive but
-  silent (e.g. SIGSTOPped) fenced requests hold their blocks (one ERROR after
-  `FENCE_ERROR_AFTER_S`), released once it is killed or restarted. `retrieve_now` (synchronous
-  loads) and `wait_for_stores` (preemption) follow the same rule, and so block as long as the
-  daemon is stopped.
+  run it, and once vLLM reuses the blocks a late copy would overwrite another request's KV or
+  cache it under this request's keys. It is *fenced* (`fences.py`) until the daemon confirms
+  CANCEL_TRANSFERS or is gone; `retrieve_now` (sync loads) and `wait_for_stores`
+  (preemption) wait for that too. The store retries' books are kept in `store_retry.py`.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import secrets
 import time
-from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -51,6 +40,7 @@ from lmcache_mp.custom_types import IPCCacheEngineKey
 from lmcache_mp.errors import LMCacheMPError, RequestTimeoutError, ServerError
 from lmcache_mp.mq import MessageQueueClient, MessagingFuture
 from lmcache_mp.protocol import (
+    PERMANENT_ERRORS,
     PROTOCOL_VERSION,
     ChunkOutcome,
     ErrorCode,
@@ -58,9 +48,18 @@ from lmcache_mp.protocol import (
     RegisterReply,
     RequestType,
     RetrieveResult,
-    StoreResult,
 )
 from lmcache_mp.transfer.shm import AttachChannel
+from vllm_adapter.fences import Fences, Target
+from vllm_adapter.store_retry import (
+    MAX_HELD_STORES,
+    MAX_STORE_SENDS,
+    STORE_FIRST_RETRY_S,
+    STORE_MAX_RETRY_S,
+    PendingStore,
+    StoreBatch,
+    StoreTracker,
+)
 from vllm_adapter.utils import export_kv_caches, send_lmcache_request, striding_block_hashes
 
 logger = logging.getLogger(__name__)
@@ -75,29 +74,8 @@ MAX_PROBE_INTERVAL_S = 0.25
 # attach socket error) are retried after a delay doubling from the first to the last.
 FIRST_RETRY_S = 0.25
 MAX_RETRY_S = 30.0
-# Refusals of a registration that no retry can change: the daemon found the request invalid.
-_PERMANENT_REFUSALS = frozenset({ErrorCode.MALFORMED_MESSAGE, ErrorCode.UNKNOWN_REQUEST_TYPE,
-                                 ErrorCode.BAD_PAYLOAD, ErrorCode.NOT_IMPLEMENTED,
-                                 ErrorCode.INVALID_ARGUMENT})
-# CANCEL_TRANSFERS answers after which no confirmation will come from this daemon: it is stopping
-# (it closes the attach channels once its last copy is done), or does not know the request.
-_CANNOT_CANCEL = _PERMANENT_REFUSALS | {ErrorCode.SHUTTING_DOWN}
 # Finished request ids remembered to report each exactly once (bounded).
 _REPORTED_MEMORY = 100_000
-# A load fenced this long (the daemon neither confirms its CANCEL nor goes away) is logged as an ERROR.
-FENCE_ERROR_AFTER_S = 60.0
-# How often a synchronous load waiting for its fence checks whether the daemon has gone.
-_FENCE_POLL_S = 0.05
-# A store's chunks that did not land for a reason that may pass (NO_SPACE: the pool is full of
-# pinned chunks; an overloaded, restarting or slow daemon) are sent again after a delay doubling
-# from the first to the last, at most `MAX_STORE_SENDS` times in all, within the worker's
-# `store_retry_s`. Safe: the blocks of a request's computed chunks do not change while vLLM
-# keeps them, and the daemon only reads them (a chunk that did land meanwhile: ALREADY_PRESENT).
-STORE_FIRST_RETRY_S = 0.05
-STORE_MAX_RETRY_S = 2.0
-MAX_STORE_SENDS = 8
-# Stores held for another try (or for the daemon's return), at most: the oldest is given up.
-MAX_HELD_STORES = 1024
 
 
 def new_instance_id() -> int:
@@ -234,14 +212,6 @@ class LMCacheMPSchedulerAdapter:
 
 
 @dataclass(frozen=True)
-class _Target:
-    """Where a request was sent: the registration its blocks were named under."""
-
-    instance_id: int
-    channel: AttachChannel
-
-
-@dataclass(frozen=True)
 class _Outcome:
     failure: str | None  # None: all of the request's operations succeeded
     unanswered: bool  # some operation got no reply before its deadline (the daemon may still run it)
@@ -254,10 +224,10 @@ class _PerRequestOps:
     def __init__(self) -> None:
         self._pending: dict[str, list[MessagingFuture]] = {}
         self._blocks: dict[str, list[int]] = {}
-        self._targets: dict[str, _Target] = {}
+        self._targets: dict[str, Target] = {}
 
     def add(self, request_ids: list[str], ops: list[LoadStoreOp], future: MessagingFuture,
-            target: _Target | None = None) -> None:
+            target: Target | None = None) -> None:
         for request_id, op in zip(request_ids, ops, strict=True):
             self._pending.setdefault(request_id, []).append(future)
             self._blocks.setdefault(request_id, []).extend(b for b in op.block_ids if b >= 0)
@@ -288,45 +258,8 @@ class _PerRequestOps:
     def take_blocks(self, request_id: str) -> list[int]:
         return self._blocks.pop(request_id, [])
 
-    def take_target(self, request_id: str) -> _Target | None:
+    def take_target(self, request_id: str) -> Target | None:
         return self._targets.pop(request_id, None)
-
-
-@dataclass(eq=False)
-class _Fence:
-    """A load or store of a request that got no reply in time: its blocks are not handed back to
-    vLLM (`release` runs) until the daemon answers a CANCEL_TRANSFERS for it, or is gone (see
-    the module docstring)."""
-
-    request_id: str
-    what: str  # "load" or "store", for the logs
-    target: _Target
-    release: Callable[[], None]
-    since: float = field(default_factory=time.monotonic)
-    cancel: MessagingFuture[int] | None = None
-    # The daemon answered the CANCEL with an error no retry changes (`_CANNOT_CANCEL`): only its
-    # exit releases the blocks.
-    until_gone: bool = False
-    overdue_logged: bool = False
-
-    def resolved(self) -> bool:
-        if not self.target.channel.is_open():
-            return True  # the daemon has exited: nothing of it writes any more
-        cancel = self.cancel
-        if cancel is None or not cancel.query():
-            return False
-        error = cancel.exception()
-        if isinstance(error, ServerError) and error.code in _CANNOT_CANCEL:
-            self.until_gone = True
-        return error is None
-
-    def needs_cancel(self) -> bool:
-        """Whether a CANCEL is due: none sent yet, or the last one failed (a timeout, an
-        overloaded daemon) and its deadline passed: at most one try per `timeout_s`."""
-        if self.until_gone:
-            return False
-        return self.cancel is None or (self.cancel.query() and self.cancel.exception() is not None
-                                       and time.monotonic() >= self.cancel.deadline)
 
 
 def _failure(future: MessagingFuture) -> str | None:
@@ -337,106 +270,6 @@ def _failure(future: MessagingFuture) -> str | None:
     if isinstance(result, RetrieveResult) and not result.ok:
         return result.reason or "retrieve refused"
     return None
-
-
-@dataclass
-class _PendingStore:
-    """One request's part of a store, followed until its chunks have landed or are given up."""
-
-    request_id: str
-    op: LoadStoreOp  # the chunks still to store
-    event: torch.cuda.Event | None  # kept alive: every send hands the daemon its IPC handle
-    sends: int = 0
-    give_up_at: float = math.inf  # set when first held: the retry window starts then
-    next_try: float = 0.0
-    dropped: bool = False  # its blocks were freed (preemption): never sent again
-    # Registrations a send of it went to without an answer: the daemon may still run that STORE
-    # (reading the blocks), so the part is done only once each has confirmed the cancel.
-    unanswered: set[_Target] = field(default_factory=set)
-
-
-@dataclass
-class _StoreBatch:
-    """One STORE on the wire and the request parts it carries, in key order."""
-
-    future: MessagingFuture[StoreResult]
-    parts: list[_PendingStore]
-    target: _Target | None
-
-
-class _StoreTracker:
-    """Stores per request: on the wire, or held for another try. A request's stores are done
-    when none of its parts is either. Held parts are bounded in number (the oldest goes first)."""
-
-    def __init__(self, max_held: int):
-        self._max_held = max_held
-        self._in_flight: list[_StoreBatch] = []
-        self._held: list[_PendingStore] = []  # oldest first
-        self._open: Counter[str] = Counter()  # request id -> its parts on the wire or held
-
-    def add(self, parts: list[_PendingStore]) -> None:
-        """Follow these parts until `done`; they are then `sent` or `held`."""
-        self._open.update(p.request_id for p in parts)
-
-    def sent(self, future: MessagingFuture[StoreResult], parts: list[_PendingStore],
-             target: _Target | None) -> None:
-        self._in_flight.append(_StoreBatch(future, parts, target))
-
-    def held(self, part: _PendingStore) -> list[_PendingStore]:
-        """Hold a part; returns those pushed out by the bound (the oldest), for the caller to
-        give up."""
-        self._held.append(part)
-        excess = len(self._held) - self._max_held
-        if excess <= 0:
-            return []
-        pushed_out, self._held = self._held[:excess], self._held[excess:]
-        return pushed_out
-
-    def done(self, part: _PendingStore) -> None:
-        self._open[part.request_id] -= 1
-        if self._open[part.request_id] <= 0:
-            del self._open[part.request_id]
-
-    def has(self, request_id: str) -> bool:
-        return request_id in self._open
-
-    @property
-    def num_held(self) -> int:
-        return len(self._held)
-
-    def take_completed(self) -> list[_StoreBatch]:
-        completed, self._in_flight = _partition(self._in_flight, lambda b: b.future.query())
-        return completed
-
-    def take_held(self, chosen: Callable[[_PendingStore], bool]) -> list[_PendingStore]:
-        taken, self._held = _partition(self._held, chosen)
-        return taken
-
-    def wait(self, request_ids: Iterable[str], timeout_s: float) -> None:
-        """Block until the stores of these requests on the wire are done, or `timeout_s` passed."""
-        deadline = time.monotonic() + timeout_s
-        wanted = set(request_ids)
-        for batch in self._in_flight:
-            if any(p.request_id in wanted for p in batch.parts):
-                batch.future.wait(max(0.0, deadline - time.monotonic()))
-
-    def drop(self, request_ids: Iterable[str]) -> list[_PendingStore]:
-        """These requests' blocks are about to be freed: none of their chunks is sent again.
-        Returns their held parts, for the caller to finish."""
-        wanted = set(request_ids)
-        for batch in self._in_flight:
-            for part in batch.parts:
-                part.dropped = part.dropped or part.request_id in wanted
-        return self.take_held(lambda p: p.request_id in wanted)
-
-
-def _partition(items: list[_T], chosen: Callable[[_T], bool]) -> tuple[list[_T], list[_T]]:
-    """(the items chosen, the rest), each in order; `chosen` is asked once per item."""
-    picked: list[_T] = []
-    rest: list[_T] = []
-    for item in items:
-        (picked if chosen(item) else rest).append(item)
-    return picked, rest
 
 
 class LMCacheMPWorkerAdapter:
@@ -471,16 +304,13 @@ class LMCacheMPWorkerAdapter:
         self._next_try = 0.0  # no probe (and so no registration attempt) before this time
         self._probe: MessagingFuture | None = None  # HELLO sent while the daemon was away
         self._store_retry_s = timeout_s if store_retry_s is None else store_retry_s
-        self._stores = _StoreTracker(max_held_stores)
+        self._stores = StoreTracker(max_held_stores)
         self._retrieves = _PerRequestOps()
         self._finished_by_engine: set[str] = set()  # finished in vLLM, stores in flight or held
         self._reported: OrderedDict[str, None] = OrderedDict()
         self._failed_retrieves: dict[str, list[int]] = {}
-        self._fences: list[_Fence] = []  # loads and stores held until the daemon confirms (or is gone)
+        self._fences = Fences(self.mq_client, server_url, timeout_s)  # held until the daemon confirms
         self._unfenced: dict[str, list[int]] = {}  # loads released, not reported yet -> blocks
-        # Channels of earlier registrations that fenced loads still watch: closed once no fence
-        # does (closing one makes the daemon drop that registration, not stop its copies).
-        self._retired_channels: list[AttachChannel] = []
 
     # ---- registration -------------------------------------------------------------------------
 
@@ -520,7 +350,7 @@ class LMCacheMPWorkerAdapter:
         handles, fds = export_kv_caches(self.kv_caches)
         hello = self.mq_client.handshake(f"vllm-worker-{self.worker_id}", timeout_s=self._timeout_s)
         if self._channel is not None:
-            self._retire_channel(self._channel)  # the daemon drops the registration it kept alive
+            self._fences.retire(self._channel)  # the daemon drops the registration it kept alive
             self._channel = None
         self._channel = AttachChannel.open(hello.attach_socket, fds, timeout_s=self._timeout_s)
         registration = KVCacheRegistration(self.model_name, self.world_size, self.worker_id,
@@ -529,7 +359,7 @@ class LMCacheMPWorkerAdapter:
                                     [instance_id, handles, registration]).result(self._timeout_s)
 
     def _registration_failed(self, err: LMCacheMPError | OSError) -> None:
-        if isinstance(err, ServerError) and err.code in _PERMANENT_REFUSALS:
+        if isinstance(err, ServerError) and err.code in PERMANENT_ERRORS:
             self._refused = True
             logger.error("lmcache-mp at %s refused this worker's KV caches: %s. KV offload is off for "
                          "this worker (lookups miss, stores are skipped) until the daemon restarts; "
@@ -590,7 +420,7 @@ class LMCacheMPWorkerAdapter:
         registered = self.ensure_registered()
         if not registered and self._refused:
             return  # serving without the cache, as the one ERROR said: a skipped store is no failure
-        parts = [_PendingStore(rid, op, event) for rid, op in zip(request_ids, ops, strict=True)]
+        parts = [PendingStore(rid, op, event) for rid, op in zip(request_ids, ops, strict=True)]
         self._stores.add(parts)
         if registered:
             self._send_stores(parts, event)
@@ -620,14 +450,14 @@ class LMCacheMPWorkerAdapter:
             future = send_lmcache_request(self.mq_client, request_type,
                                           [keys, self.instance_id, block_ids, event_handle])
             if self._channel is not None:
-                target = _Target(self.instance_id, self._channel)  # to fence it, should it time out
+                target = Target(self.instance_id, self._channel)  # to fence it, should it time out
         tracker.add(request_ids, ops, future, target)
 
     def holds_stores(self) -> bool:
         """Whether stores are held for another try (or for the daemon's return)."""
         return self._stores.num_held > 0
 
-    def _send_stores(self, parts: list[_PendingStore], event: torch.cuda.Event | None) -> None:
+    def _send_stores(self, parts: list[PendingStore], event: torch.cuda.Event | None) -> None:
         keys = [k for p in parts for k in self._keys.keys_for(p.request_id, p.op)]
         block_ids = [b for p in parts for b in p.op.block_ids]
         event_handle = event.ipc_handle() if event is not None else b""
@@ -635,7 +465,7 @@ class LMCacheMPWorkerAdapter:
             part.sends += 1
         future = send_lmcache_request(self.mq_client, RequestType.STORE,
                                       [keys, self.instance_id, block_ids, event_handle])
-        target = _Target(self.instance_id, self._channel) if self._channel is not None else None
+        target = Target(self.instance_id, self._channel) if self._channel is not None else None
         self._stores.sent(future, parts, target)
 
     def _advance_stores(self) -> None:
@@ -655,14 +485,14 @@ class LMCacheMPWorkerAdapter:
             for part in self._stores.take_held(lambda p: True):
                 self._finish_store(part)
 
-    def _settle_store(self, batch: _StoreBatch, now: float) -> None:
+    def _settle_store(self, batch: StoreBatch, now: float) -> None:
         error = batch.future.exception()
         if error is not None:
             self._note_error(str(error))
             for part in batch.parts:
                 if isinstance(error, RequestTimeoutError) and batch.target is not None:
                     part.unanswered.add(batch.target)  # it may still run: fenced before it is done
-                if isinstance(error, ServerError) and error.code in _PERMANENT_REFUSALS:
+                if isinstance(error, ServerError) and error.code in PERMANENT_ERRORS:
                     self._give_up(part, str(error))
                 else:  # sent again: the daemon only reads the blocks, which vLLM keeps meanwhile
                     self._hold(part, part.op, now, str(error))
@@ -678,7 +508,7 @@ class LMCacheMPWorkerAdapter:
             else:
                 self._finish_store(part)
 
-    def _hold(self, part: _PendingStore, op: LoadStoreOp, now: float, why: str) -> None:
+    def _hold(self, part: PendingStore, op: LoadStoreOp, now: float, why: str) -> None:
         """Hold what is left of a part for another try, unless its tries are spent."""
         if part.dropped:
             self._finish_store(part)
@@ -692,12 +522,12 @@ class LMCacheMPWorkerAdapter:
         for old in self._stores.held(part):
             self._give_up(old, "too many stores held for another try")
 
-    def _give_up(self, part: _PendingStore, why: str) -> None:
+    def _give_up(self, part: PendingStore, why: str) -> None:
         logger.warning("store for request %s gave up after %d attempt(s), %d chunk(s) not stored: %s",
                        part.request_id, part.sends, self._num_chunks(part.op), why)
         self._finish_store(part)
 
-    def _finish_store(self, part: _PendingStore) -> None:
+    def _finish_store(self, part: PendingStore) -> None:
         """The part is done (stored, given up, or dropped): its request may be reported finished
         and its blocks freed, once each daemon registration that left a send of it unanswered
         has confirmed it will not read them any more (or is gone)."""
@@ -712,8 +542,8 @@ class LMCacheMPWorkerAdapter:
             if not left[0]:
                 self._stores.done(part)
 
-        self._fences.extend(_Fence(part.request_id, "store", target, release) for target in targets)
-        self._warn_fenced("store", [part.request_id])
+        for target in targets:
+            self._fences.hold("store", part.request_id, target, release)
 
     def _num_chunks(self, op: LoadStoreOp) -> int:
         """The chunks a store of `op` covers: one outcome each in its reply."""
@@ -749,15 +579,14 @@ class LMCacheMPWorkerAdapter:
             outcome = done.get(rid)
             blocks, target = tracker.take_blocks(rid), tracker.take_target(rid)
             if target is not None and (outcome is None or outcome.unanswered):
-                self._fence(rid, blocks, target)  # no reply yet: it may still run
+                self._fence_load(rid, blocks, target)  # no reply yet: it may still run
                 fenced.append(rid)
             elif outcome is None or outcome.failure:
                 failed[rid] = blocks
                 logger.warning("load for request %s failed, vLLM will recompute: %s", rid,
                                "timed out" if outcome is None else outcome.failure)
         if fenced:
-            self._warn_fenced("load", fenced)
-            self._await_fences(set(fenced))
+            self._fences.wait(set(fenced))
             failed.update((rid, self._unfenced.pop(rid)) for rid in fenced)
         return failed
 
@@ -777,12 +606,10 @@ class LMCacheMPWorkerAdapter:
             else:
                 self._finished_by_engine.discard(request_id)
         finished_retrieves: set[str] = set()
-        fenced: list[str] = []
         for request_id, outcome in self._retrieves.poll().items():
             blocks, target = self._retrieves.take_blocks(request_id), self._retrieves.take_target(request_id)
             if outcome.unanswered and target is not None:
-                self._fence(request_id, blocks, target)
-                fenced.append(request_id)
+                self._fence_load(request_id, blocks, target)
                 continue
             finished_retrieves.add(request_id)
             if outcome.failure:
@@ -790,9 +617,7 @@ class LMCacheMPWorkerAdapter:
                 logger.warning("retrieve for request %s failed, vLLM will recompute: %s", request_id,
                                outcome.failure)
                 self._failed_retrieves[request_id] = blocks
-        if fenced:
-            self._warn_fenced("load", fenced)
-        self._advance_fences()
+        self._fences.advance()
         self._failed_retrieves.update(self._unfenced)
         finished_retrieves.update(self._unfenced)
         self._unfenced = {}
@@ -803,66 +628,10 @@ class LMCacheMPWorkerAdapter:
         failed, self._failed_retrieves = self._failed_retrieves, {}
         return failed
 
-    # ---- fenced loads (see the module docstring) ---------------------------------------------
+    # ---- fenced loads (see fences.py) -----------------------------------------------------------
 
-    def _fence(self, request_id: str, blocks: list[int], target: _Target) -> None:
-        self._fences.append(_Fence(request_id, "load", target,
-                                   lambda: self._unfenced.__setitem__(request_id, blocks)))
-
-    def _warn_fenced(self, what: str, request_ids: list[str]) -> None:
-        logger.warning("lmcache-mp at %s did not answer a %s of requests %s within %.1f s; it may still "
-                       "touch their blocks: holding them until it confirms the %s is cancelled (or exits)",
-                       self.server_url, what, ", ".join(request_ids), self._timeout_s, what)
-
-    def _advance_fences(self) -> None:
-        """Release the fences the daemon has resolved; send CANCEL_TRANSFERS for the others that
-        need one, one per registration."""
-        now = time.monotonic()
-        due: dict[_Target, list[_Fence]] = {}
-        for fence in list(self._fences):
-            if fence.resolved():
-                self._fences.remove(fence)
-                fence.release()
-                continue
-            if fence.needs_cancel():
-                due.setdefault(fence.target, []).append(fence)
-            if not fence.overdue_logged and now - fence.since > FENCE_ERROR_AFTER_S:
-                fence.overdue_logged = True
-                logger.error("the %s of request %s is still held after %.0f s: lmcache-mp at %s neither "
-                             "confirms it is cancelled nor exits; its blocks stay unused until it does "
-                             "(restart or kill the daemon)", fence.what, fence.request_id,
-                             now - fence.since, self.server_url)
-        for target, fences in due.items():
-            request_ids = sorted({fence.request_id for fence in fences})
-            cancel = self.mq_client.submit(RequestType.CANCEL_TRANSFERS, [target.instance_id, request_ids],
-                                           timeout_s=self._timeout_s)
-            for fence in fences:
-                fence.cancel = cancel
-        self._close_retired_channels()
-
-    def _await_fences(self, request_ids: set[str]) -> None:
-        """Wait until the fences of these requests are released."""
-        while True:
-            self._advance_fences()
-            waiting = [f for f in self._fences if f.request_id in request_ids]
-            if not waiting:
-                return
-            # Wake up for the first CANCEL answered, or at the poll interval (the channel, a re-send).
-            cancel = next((f.cancel for f in waiting if f.cancel is not None and not f.cancel.query()), None)
-            if cancel is not None:
-                cancel.wait(_FENCE_POLL_S)
-            else:
-                time.sleep(_FENCE_POLL_S)
-
-    def _retire_channel(self, channel: AttachChannel) -> None:
-        self._retired_channels.append(channel)
-        self._close_retired_channels()
-
-    def _close_retired_channels(self) -> None:
-        watched = {id(fence.target.channel) for fence in self._fences}
-        for channel in [c for c in self._retired_channels if id(c) not in watched]:
-            self._retired_channels.remove(channel)
-            channel.close()
+    def _fence_load(self, request_id: str, blocks: list[int], target: Target) -> None:
+        self._fences.hold("load", request_id, target, lambda: self._unfenced.__setitem__(request_id, blocks))
 
     def _note_error(self, failure: str) -> None:
         if ErrorCode.UNKNOWN_INSTANCE.name in failure:
@@ -883,7 +652,7 @@ class LMCacheMPWorkerAdapter:
         for part in self._stores.drop(request_ids):
             self._finish_store(part)
         self._advance_stores()  # settles the replies (and timeouts) that came meanwhile
-        self._await_fences(request_ids)
+        self._fences.wait(request_ids)
 
     def num_blocks_per_chunk(self) -> int:
         return self.blocks_in_chunk
@@ -896,8 +665,8 @@ class LMCacheMPWorkerAdapter:
         except (LMCacheMPError, ServerError) as err:
             logger.info("unregister at shutdown failed (%s); the daemon drops us anyway", err)
         finally:
-            for channel in [self._channel, *self._retired_channels]:
-                if channel is not None:
-                    channel.close()
+            if self._channel is not None:
+                self._channel.close()
+            self._fences.close()
             self.mq_client.close()
 
