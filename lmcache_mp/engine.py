@@ -14,7 +14,9 @@ from __future__ import annotations
 import mmap
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 
 import torch
 
@@ -37,8 +39,7 @@ from lmcache_mp.registry import Instance, Registry
 from lmcache_mp.storage.manager import Hits, RankSpec, StorageManager
 from lmcache_mp.storage.pool import MemoryPool, PoolObject, ReserveFailure
 from lmcache_mp.storage.tiers import open_tier, redact_url
-from lmcache_mp.transfer import cuda
-from lmcache_mp.transfer.context import TransferContext
+from lmcache_mp.transfer.context import Copies, TransferContext
 
 _OUTCOMES = {ReserveFailure.ALREADY_PRESENT: ChunkOutcome.ALREADY_PRESENT,
              ReserveFailure.NO_SPACE: ChunkOutcome.NO_SPACE}
@@ -56,6 +57,21 @@ def _pairs(instance_id: int, request_ids: list[str | None]) -> set[Pair]:
 def _store_cancelled() -> ServerError:
     return ServerError(ErrorCode.CANCELLED, "the STORE was cancelled by its worker (CANCEL_TRANSFERS): "
                                             "nothing of it was stored")
+
+
+@contextmanager
+def _operation(context: TransferContext, block_ids: list[int], event_handle: bytes) -> Iterator[Copies]:
+    """An operation's copies (see `TransferContext.operation`), with its failures typed. The reply
+    is the completion signal: every copy is done when this exits."""
+    try:
+        with context.operation(block_ids, event_handle) as copies:
+            yield copies
+    except ValueError as err:
+        raise invalid(str(err)) from None
+    except torch.OutOfMemoryError:
+        # The device is full (vLLM's own headroom): this request fails, the daemon serves on.
+        raise ServerError(ErrorCode.OVERLOADED, f"no device memory left on {context.device} for this "
+                                                "copy's block ids; try again later") from None
 
 
 class Engine:
@@ -179,15 +195,12 @@ class Engine:
         slots = self.storage.reserve(instance.fmt, chunks.hashes, context.chunk_nbytes, parent)
         fresh = [slot for slot in slots if isinstance(slot, PoolObject)]
         try:
-            self._wait_for_producer(event_handle, context.device)
-            bpc = context.blocks_per_chunk
-            with self.storage.copying():
+            with self.storage.copying(), _operation(context, block_ids, event_handle) as copies:
                 for i, slot in enumerate(slots):
                     if pairs and self.fence.cancelled(pairs):
                         raise _store_cancelled()
                     if isinstance(slot, PoolObject):
-                        context.gather(block_ids[i * bpc:(i + 1) * bpc], context.chunk_view(slot.data))
-                self._finish_copies(context.device)
+                        copies.gather(i, context.chunk_view(slot.data))
             if pairs and self.fence.cancelled(pairs):
                 raise _store_cancelled()
         except BaseException:
@@ -233,14 +246,11 @@ class Engine:
             return RetrieveResult(b"", False, "some chunks are no longer stored (evicted, "
                                               "cleared, or stored by another kind of cache)")
         try:
-            self._wait_for_producer(event_handle, context.device)
-            bpc = context.blocks_per_chunk
-            with self.storage.copying():
+            with self.storage.copying(), _operation(context, block_ids, event_handle) as copies:
                 for i, obj in enumerate(objects):
                     if pairs and self.fence.cancelled(pairs):
                         break
-                    context.scatter(context.chunk_view(obj.data), block_ids[i * bpc:(i + 1) * bpc])
-                self._finish_copies(context.device)
+                    copies.scatter(context.chunk_view(obj.data), i)
         finally:
             self.storage.unpin(objects)
         return _CANCELLED if pairs and self.fence.cancelled(pairs) else RetrieveResult(b"", True)
@@ -310,19 +320,6 @@ class Engine:
             context.check_block_ids(block_ids, num_chunks, allow_skip)
         except ValueError as err:
             raise invalid(str(err)) from None
-
-    @staticmethod
-    def _wait_for_producer(event_handle: bytes, device: torch.device) -> None:
-        if event_handle and device.type == "cuda":
-            cuda.wait_for_ipc_event(event_handle, device)
-        elif event_handle:
-            raise invalid("an event handle was sent for a CPU cache; send b'' on CPU")
-
-    @staticmethod
-    def _finish_copies(device: torch.device) -> None:
-        # The reply is the completion signal, so the copies must be done before it goes out.
-        if device.type == "cuda":
-            cuda.synchronize(device)
 
     # ---- status ------------------------------------------------------------------------------
 

@@ -84,6 +84,10 @@ class Registry:
             context = TransferContext(layers, geometry, self.chunk_size)
         except ValueError as err:
             raise invalid(f"cannot register instance {instance_id}: {err}") from None
+        except torch.OutOfMemoryError:
+            raise invalid(f"cannot register instance {instance_id}: no room on its device for the "
+                          "daemon's one-chunk staging buffer; lower --chunk-size or leave vLLM more "
+                          "headroom (--gpu-memory-utilization)") from None
         try:
             # Refused here rather than at every STORE: a chunk the pool can't allocate in one
             # piece would fail each of them.

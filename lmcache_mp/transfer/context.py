@@ -1,20 +1,48 @@
 """Copies between a worker's registered KV caches and the daemon's chunk objects.
 
 A chunk object holds `[num_layers, blocks_per_chunk, *page_shape]` elements: for every
-layer, the pages of the chunk's blocks in order. Gather (STORE) and scatter (RETRIEVE)
-are one indexed torch copy per layer, on whatever device the caches live; the CPU and
-CUDA paths share this code, and only the stream/event handling differs (transfer/cuda.py).
+layer, the pages of the chunk's blocks in order. Gather (STORE) and scatter (RETRIEVE) are
+indexed torch copies per layer, on whatever device the caches live. The CPU and CUDA paths
+share this code; only the stream and event handling is CUDA's own (`transfer/cuda.py`).
+
+Caches on a device other than the pool's (CUDA caches, pinned host pool) are *staged*: one
+preallocated device buffer of one chunk per registered context holds the gathered pages before
+the one DMA down, and the chunk after the one DMA up. The daemon's device memory is taken from
+vLLM's headroom, so it is bounded by that buffer (allocated at registration, where running out
+is a clear refusal) and a request's block-id tensor; nothing else is allocated per copy. A
+context's operations take turns on its own copy stream (one lock), so the staging buffer is
+reused in stream order, while contexts of other ranks copy at the same time on theirs.
 """
 
 from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
 from lmcache_mp.transfer.layouts import KVGeometry
 
 
+def kept_runs(block_ids: list[int]) -> list[tuple[int, int]]:
+    """The `[start, end)` runs of positions whose block id is not -1 (-1: leave that block alone)."""
+    runs: list[tuple[int, int]] = []
+    start: int | None = None
+    for i, block in enumerate([*block_ids, -1]):
+        if block >= 0 and start is None:
+            start = i
+        elif block < 0 and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
 class TransferContext:
-    def __init__(self, layers: list[torch.Tensor], geometry: KVGeometry, chunk_size: int):
+    def __init__(self, layers: list[torch.Tensor], geometry: KVGeometry, chunk_size: int, *,
+                 staged: bool | None = None):
+        """`staged`: copy through a staging buffer on the caches' device (the default for caches
+        off the CPU; the CPU tests set it to run the staged path's every line but the DMA's)."""
         if chunk_size % geometry.block_size:
             raise ValueError(
                 f"the daemon's chunk size {chunk_size} is not a multiple of the KV block size "
@@ -26,6 +54,21 @@ class TransferContext:
         # Block-major views: view[b] is block b's page of that layer (no copy).
         self._views = [layer.movedim(geometry.layout.block_dim, 0) for layer in layers]
         self.device = layers[0].device
+        self._staging: torch.Tensor | None = None
+        if self.device.type != "cpu" if staged is None else staged:
+            # Raises torch.OutOfMemoryError when the device has no room: the registration is refused.
+            self._staging = torch.empty((geometry.num_layers, self.blocks_per_chunk, *geometry.page_shape),
+                                        dtype=geometry.dtype, device=self.device)
+        self._stream = None
+        if self.device.type == "cuda":
+            from lmcache_mp.transfer.cuda import CopyStream
+
+            self._stream = CopyStream(self.device)
+        self._turn = threading.Lock()
+
+    @property
+    def staging_nbytes(self) -> int:
+        return 0 if self._staging is None else self._staging.nbytes
 
     def check_block_ids(self, block_ids: list[int], num_chunks: int, allow_skip: bool = False) -> None:
         """Each chunk takes `blocks_per_chunk` ids; ids past the last full chunk are ignored.
@@ -44,35 +87,84 @@ class TransferContext:
         g = self.geometry
         return data.view(g.dtype).view(g.num_layers, self.blocks_per_chunk, *g.page_shape)
 
-    def _ids(self, block_ids: list[int]) -> torch.Tensor:
-        return torch.tensor(block_ids, dtype=torch.long, device=self.device)
-
-    def gather(self, block_ids: list[int], chunk: torch.Tensor) -> None:
-        """Copy the pages of `block_ids` (one chunk) from every layer into `chunk`."""
-        ids = self._ids(block_ids)
-        same_device = chunk.device == self.device
-        for layer, view in enumerate(self._views):
-            if same_device:
-                torch.index_select(view, 0, ids, out=chunk[layer])
-            else:  # device cache -> pinned host object: gather on the device, one DMA down
-                chunk[layer].copy_(view.index_select(0, ids), non_blocking=True)
-
-    def scatter(self, chunk: torch.Tensor, block_ids: list[int]) -> None:
-        """Copy `chunk` into the pages of `block_ids` of every layer; -1 ids are skipped."""
-        keep = [i for i, b in enumerate(block_ids) if b >= 0]
-        if len(keep) < len(block_ids):
-            chunk = chunk[:, keep]
-            block_ids = [block_ids[i] for i in keep]
-        if not block_ids:
+    @contextmanager
+    def operation(self, block_ids: list[int], event_handle: bytes) -> Iterator[Copies]:
+        """One STORE's or RETRIEVE's copies, after the work the worker's event marks (its IPC
+        handle; b'' for none). Every copy is complete when the block exits, also when it exits
+        by an exception, so that the chunk objects can be handed on or freed."""
+        if event_handle and self._stream is None:
+            raise ValueError("an event handle was sent for a CPU cache; send b'' on CPU")
+        if self._staging is None:  # nothing shared between operations: they run side by side
+            yield Copies(self, block_ids, None)
             return
-        if chunk.device == self.device:
+        with self._turn:
+            if self._stream is None:
+                yield Copies(self, block_ids, None)
+                return
+            with self._stream.ordered():
+                # Uploaded before the wait: an upload from pageable memory waits for the stream.
+                device_ids = self._ids(block_ids)
+                self._stream.wait_for(event_handle)
+                yield Copies(self, block_ids, device_ids)
+
+    def _ids(self, block_ids: list[int]) -> torch.Tensor:
+        # The op's block ids, uploaded once (the -1s too: runs of real ids are sliced out of it).
+        return torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
+
+
+class Copies:
+    """The copies of one operation, chunk by chunk: `gather` for a STORE, `scatter` for a RETRIEVE.
+    Chunk `i` of the operation takes block ids `[i * blocks_per_chunk, (i + 1) * blocks_per_chunk)`."""
+
+    def __init__(self, context: TransferContext, block_ids: list[int], device_ids: torch.Tensor | None):
+        self._ctx = context
+        self._block_ids = block_ids
+        self._device_ids = device_ids
+
+    def _span(self, i: int) -> tuple[int, list[int]]:
+        bpc = self._ctx.blocks_per_chunk
+        return i * bpc, self._block_ids[i * bpc:(i + 1) * bpc]
+
+    def _index(self, first: int, ids: list[int], start: int, end: int) -> torch.Tensor:
+        if self._device_ids is not None:
+            return self._device_ids[first + start:first + end]
+        return torch.tensor(ids[start:end], dtype=torch.long)
+
+    def gather(self, i: int, chunk: torch.Tensor) -> None:
+        """Copy the pages of chunk `i`'s blocks, from every layer, into `chunk`."""
+        ctx = self._ctx
+        first, ids = self._span(i)
+        index = self._index(first, ids, 0, len(ids))
+        staging = ctx._staging
+        if staging is None:
+            for layer, view in enumerate(ctx._views):
+                torch.index_select(view, 0, index, out=chunk[layer])
+            return
+        for layer, view in enumerate(ctx._views):
+            torch.index_select(view, 0, index, out=staging[layer])
+        chunk.copy_(staging, non_blocking=True)  # one DMA down into the (pinned) object
+
+    def scatter(self, chunk: torch.Tensor, i: int) -> None:
+        """Copy `chunk` into the pages of chunk `i`'s blocks of every layer; -1 ids are skipped."""
+        ctx = self._ctx
+        first, ids = self._span(i)
+        runs = kept_runs(ids)
+        staging = ctx._staging
+        if staging is None:
             # One copy_ per page: 2.2-2.4x faster than index_copy_ on CPU (measured 15.6-17.4
             # vs 7.0-7.2 GB/s for 128-512 KiB bf16 pages, one thread).
-            for layer, view in enumerate(self._views):
+            for layer, view in enumerate(ctx._views):
                 pages = chunk[layer]
-                for i, block in enumerate(block_ids):
-                    view[block].copy_(pages[i])
+                for start, end in runs:
+                    for j in range(start, end):
+                        view[ids[j]].copy_(pages[j])
             return
-        ids = self._ids(block_ids)  # host object -> device cache: one upload, then a device kernel
-        for layer, view in enumerate(self._views):
-            view.index_copy_(0, ids, chunk[layer].to(self.device, non_blocking=True))
+        if not runs:
+            return
+        # One DMA up of the whole chunk, pinned to device, skipped pages included (they are only
+        # staged, never written): a compacted copy would be a pageable, synchronous one.
+        staging.copy_(chunk, non_blocking=True)
+        for start, end in runs:
+            index = self._index(first, ids, start, end)
+            for layer, view in enumerate(ctx._views):
+                view.index_copy_(0, index, staging[layer, start:end])

@@ -6,6 +6,8 @@ the CPU tests. Nothing here runs without a GPU.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -49,10 +51,35 @@ def import_cuda_tensor(device_uuid: str, storage_handle: tuple, dtype: str, shap
     return view
 
 
-def wait_for_ipc_event(handle: bytes, device: torch.device) -> None:
-    """Make the current stream wait for an event recorded by another process."""
-    torch.cuda.Event.from_ipc_handle(device, handle).wait(torch.cuda.current_stream(device))
+def record_ipc_event(device: torch.device) -> torch.cuda.Event:
+    """An interprocess event recorded on the device's current stream: it completes once the work
+    enqueued so far (the forward pass that wrote the KV, or still reads the blocks) is done."""
+    event = torch.cuda.Event(interprocess=True)
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
-def synchronize(device: torch.device) -> None:
-    torch.cuda.current_stream(device).synchronize()
+class CopyStream:
+    """A registered context's own copy stream. An operation's copies wait for the worker's event
+    (on this stream only, not the device) and are complete when `ordered` exits: an event recorded
+    behind them is waited for, never a device-wide synchronize, so other ranks' copies and vLLM's
+    own work run on."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    @contextmanager
+    def ordered(self) -> Iterator[None]:
+        try:
+            with torch.cuda.stream(self.stream):
+                yield
+        finally:  # also on error: the chunk objects are freed or handed on only after their copies
+            done = torch.cuda.Event()
+            done.record(self.stream)
+            done.synchronize()
+
+    def wait_for(self, event_handle: bytes) -> None:
+        """Later copies on this stream start once the other process's event has completed."""
+        if event_handle:
+            torch.cuda.Event.from_ipc_handle(self.device, event_handle).wait(self.stream)
