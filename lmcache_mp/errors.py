@@ -33,3 +33,8 @@ class ClientClosedError(LMCacheMPError):
 
 class ProtocolMismatchError(LMCacheMPError):
     """The daemon speaks another protocol version than this client."""
+
+
+class KVExportError(LMCacheMPError):
+    """A worker's KV caches cannot be shared with the daemon (an allocation CUDA IPC cannot export,
+    a dtype the daemon does not know, shared memory that cannot be had): KV offload stays off."""

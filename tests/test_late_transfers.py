@@ -5,10 +5,12 @@ or is gone. Real daemons, real workers."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -94,6 +96,32 @@ def test_a_timed_out_load_is_held_until_the_daemon_confirms(stored) -> None:
     assert_stays(worker, target_pages(worker))
     report = status(daemon.url)
     assert report.leases == 0 and report.cancelled_transfers == 1
+
+
+class StandInEvent:
+    """Stands in for a `torch.cuda.Event(interprocess=True)` on this GPU-less machine: the worker
+    sends its IPC handle (b'', "no event", which a CPU cache accepts) and must keep it alive."""
+
+    def ipc_handle(self) -> bytes:
+        return b""
+
+
+def test_a_loads_cuda_event_lives_until_the_daemon_is_done_with_it(stored) -> None:
+    """The daemon opens a load's event when it runs the load, which may be after the worker's
+    timeout: the worker keeps the event until the load is answered or its cancel confirmed."""
+    daemon, worker = stored
+    freeze(daemon.proc)
+    event = StandInEvent()
+    alive = weakref.ref(event)
+    worker.submit_retrieve_request("r", LoadStoreOp(TARGET, block_hashes=HASHES), event)  # type: ignore[arg-type]
+    del event
+    gc.collect()
+    assert poll_load(worker, "r", 4 * TIMEOUT_S) is None
+    assert alive() is not None, "dropped while the daemon could still open it"
+    daemon.proc.send_signal(signal.SIGCONT)
+    assert poll_load(worker, "r", 10) is not None
+    gc.collect()
+    assert alive() is None, "kept after the daemon confirmed"
 
 
 def test_a_timed_out_sync_load_returns_once_the_daemon_confirms(stored) -> None:

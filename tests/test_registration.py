@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmcache_mp.errors import ServerError
+from lmcache_mp.errors import KVExportError, LMCacheMPError, ServerError
 from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import ErrorCode, KVCacheRegistration, RequestType
@@ -124,18 +124,25 @@ def test_worker_registers_again_with_a_restarted_daemon(daemons) -> None:
         worker.shutdown()
 
 
-def test_permanent_refusal_is_not_retried(daemons, caplog: pytest.LogCaptureFixture) -> None:
-    """A layout the daemon can't read: one REGISTER, one ERROR, then the worker serves without
-    the cache (its operations never raise) instead of registering again every 0.25 s."""
+@pytest.mark.parametrize("case", ["refused", "unexportable"])
+def test_permanent_refusal_is_not_retried(daemons, caplog: pytest.LogCaptureFixture, case: str) -> None:
+    """A layout the daemon can't read, or caches the worker can't share (here a dtype the daemon
+    does not know; on GPUs e.g. a cuMem allocation CUDA IPC can't export): at most one REGISTER,
+    one ERROR, then the worker serves without the cache (its operations never raise: before, an
+    export error crashed vLLM's worker) instead of registering again every 0.25 s."""
     port = free_port()
     daemon = daemons(*DAEMON_ARGS, "--metrics-port", str(port))
     worker = LMCacheMPWorkerAdapter(daemon.url, None, "m", 1, 0, BLOCK, reregister_interval_s=0.1)
+    dtype, layout = ((torch.bfloat16, "NO_SUCH_BACKEND") if case == "refused"
+                     else (torch.float8_e4m3fnuz, "CPU_ATTN"))
     try:
         with caplog.at_level(logging.WARNING, logger=ADAPTER_LOG):
-            with pytest.raises(ServerError) as info:
-                worker.register_kv_caches(make_caches(SHAPE, torch.bfloat16, LAYERS, seed=1),
-                                          "NO_SUCH_BACKEND")
-            assert info.value.code is ErrorCode.INVALID_ARGUMENT
+            with pytest.raises(LMCacheMPError) as info:
+                worker.register_kv_caches(make_caches(SHAPE, dtype, LAYERS, seed=1), layout)
+            if case == "refused":
+                assert isinstance(info.value, ServerError) and info.value.code is ErrorCode.INVALID_ARGUMENT
+            else:
+                assert isinstance(info.value, KVExportError) and "float8_e4m3fnuz" in str(info.value)
             hashes = block_hashes(list(range(2 * CHUNK)))
             deadline = time.monotonic() + 3
             step = 0
@@ -148,9 +155,10 @@ def test_permanent_refusal_is_not_retried(daemons, caplog: pytest.LogCaptureFixt
                 step += 1
                 time.sleep(0.05)
             worker.get_finished(set())
-        assert register_requests(port) == 1
+        assert register_requests(port) == (1 if case == "refused" else 0)
         errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
-        assert len(errors) == 1 and "NO_SUCH_BACKEND" in errors[0].getMessage()
+        assert len(errors) == 1
+        assert ("NO_SUCH_BACKEND" if case == "refused" else "float8_e4m3fnuz") in errors[0].getMessage()
         # Skipped stores are no failures; a retrieve (nothing could be loaded) is reported failed.
         assert not any("store for request" in r.getMessage() for r in caplog.records)
         assert set(worker.take_failed_retrieves()) == {f"r{i}" for i in range(step)}

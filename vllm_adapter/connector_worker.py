@@ -23,6 +23,7 @@ from vllm_adapter.connector_common import (
     LMCacheMPConnectorMetadata,
 )
 from vllm_adapter.multi_process_adapter import LMCacheMPWorkerAdapter
+from vllm_adapter.utils import record_kv_event
 
 if TYPE_CHECKING:
     import torch
@@ -108,7 +109,8 @@ class WorkerSide:
             if adapter is None:
                 failed = {rid: [b for b in op.block_ids if b >= 0] for rid, op in meta.loads.items()}
             else:
-                failed = adapter.retrieve_now(list(meta.loads), list(meta.loads.values()), self._timeout_s)
+                failed = adapter.retrieve_now(list(meta.loads), list(meta.loads.values()), self._timeout_s,
+                                              record_kv_event(self._kv_caches))
             for block_ids in failed.values():
                 self._load_errors.update(block_ids)
             return
@@ -116,7 +118,9 @@ class WorkerSide:
             for req_id, op in meta.loads.items():
                 self._unsent_loads[req_id] = [b for b in op.block_ids if b >= 0]
             return
-        adapter.batched_submit_retrieve_requests(list(meta.loads), list(meta.loads.values()), None)
+        # The event orders the daemon's writes after vLLM's work still in flight on these blocks.
+        adapter.batched_submit_retrieve_requests(list(meta.loads), list(meta.loads.values()),
+                                                 record_kv_event(self._kv_caches))
 
     def wait_for_save(self, meta: LMCacheMPConnectorMetadata) -> None:
         """Submit this step's stores; the forward pass that computed their KV is done."""
@@ -130,7 +134,9 @@ class WorkerSide:
             return
         self._with_stores.update(meta.stores)
         if adapter is not None:
-            adapter.batched_submit_store_requests(list(meta.stores), list(meta.stores.values()), None)
+            # The event orders the daemon's reads after the forward pass that wrote the KV.
+            adapter.batched_submit_store_requests(list(meta.stores), list(meta.stores.values()),
+                                                  record_kv_event(self._kv_caches))
 
     def transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Loads done (failed ones also in failed_recving), and finished requests whose

@@ -56,6 +56,7 @@ class Fence:
     what: str  # "load" or "store", for the logs
     target: Target
     release: Callable[[], None]
+    keepalive: object = None  # what the daemon may still use until it confirms (CUDA events)
     since: float = field(default_factory=time.monotonic)
     cancel: MessagingFuture[int] | None = None
     # The daemon answered the CANCEL with an error no retry changes: only its exit releases it.
@@ -94,13 +95,14 @@ class Fences:
         self._fences: list[Fence] = []
         self._retired: list[AttachChannel] = []
 
-    def hold(self, what: str, request_id: str, target: Target, release: Callable[[], None]) -> None:
+    def hold(self, what: str, request_id: str, target: Target, release: Callable[[], None],
+             keepalive: object = None) -> None:
         """Fence `what` ("load" or "store") of this request (one WARNING); `release` runs once the
         daemon behind `target` has confirmed."""
         logger.warning("lmcache-mp at %s did not answer a %s of request %s within %.1f s; it may still "
                        "touch its blocks: holding them until it confirms the %s is cancelled (or exits)",
                        self._server_url, what, request_id, self._timeout_s, what)
-        self._fences.append(Fence(request_id, what, target, release))
+        self._fences.append(Fence(request_id, what, target, release, keepalive))
 
     def advance(self) -> None:
         """Release the fences the daemon has resolved; send CANCEL_TRANSFERS for the others that

@@ -30,14 +30,14 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
 import zmq
 
 from lmcache_mp.custom_types import IPCCacheEngineKey
-from lmcache_mp.errors import LMCacheMPError, RequestTimeoutError, ServerError
+from lmcache_mp.errors import KVExportError, LMCacheMPError, RequestTimeoutError, ServerError
 from lmcache_mp.mq import MessageQueueClient, MessagingFuture
 from lmcache_mp.protocol import (
     PERMANENT_ERRORS,
@@ -217,6 +217,16 @@ class _Outcome:
     unanswered: bool  # some operation got no reply before its deadline (the daemon may still run it)
 
 
+@dataclass
+class _Sent:
+    """Where a request's operations went, and the CUDA events they carry: the daemon opens an
+    event's IPC handle when it runs the operation, so the event lives until the daemon is done
+    with it (replied, or confirmed the cancel of an operation that got no reply)."""
+
+    target: Target
+    events: list[torch.cuda.Event] = field(default_factory=list)
+
+
 class _PerRequestOps:
     """Outstanding operations per request id. A batched operation counts for each of its
     requests; a request is done when all of its operations are."""
@@ -224,15 +234,18 @@ class _PerRequestOps:
     def __init__(self) -> None:
         self._pending: dict[str, list[MessagingFuture]] = {}
         self._blocks: dict[str, list[int]] = {}
-        self._targets: dict[str, Target] = {}
+        self._sent: dict[str, _Sent] = {}
 
     def add(self, request_ids: list[str], ops: list[LoadStoreOp], future: MessagingFuture,
-            target: Target | None = None) -> None:
+            target: Target | None = None, event: torch.cuda.Event | None = None) -> None:
         for request_id, op in zip(request_ids, ops, strict=True):
             self._pending.setdefault(request_id, []).append(future)
             self._blocks.setdefault(request_id, []).extend(b for b in op.block_ids if b >= 0)
             if target is not None:
-                self._targets[request_id] = target
+                sent = self._sent.setdefault(request_id, _Sent(target))
+                sent.target = target
+                if event is not None:
+                    sent.events.append(event)
 
     def has(self, request_id: str) -> bool:
         return request_id in self._pending
@@ -258,8 +271,8 @@ class _PerRequestOps:
     def take_blocks(self, request_id: str) -> list[int]:
         return self._blocks.pop(request_id, [])
 
-    def take_target(self, request_id: str) -> Target | None:
-        return self._targets.pop(request_id, None)
+    def take_sent(self, request_id: str) -> _Sent | None:
+        return self._sent.pop(request_id, None)
 
 
 def _failure(future: MessagingFuture) -> str | None:
@@ -347,7 +360,11 @@ class LMCacheMPWorkerAdapter:
                     len(self.kv_caches), self.server_url, reply.layout, reply.chunk_bytes)
 
     def _register_as(self, instance_id: int) -> RegisterReply:
-        handles, fds = export_kv_caches(self.kv_caches)
+        try:
+            handles, fds = export_kv_caches(self.kv_caches)
+        except (RuntimeError, ValueError) as err:
+            # E.g. a cuMem/VMM or expandable-segments allocation, which CUDA IPC cannot export.
+            raise KVExportError(f"cannot share this worker's KV caches with the daemon: {err}") from err
         hello = self.mq_client.handshake(f"vllm-worker-{self.worker_id}", timeout_s=self._timeout_s)
         if self._channel is not None:
             self._fences.retire(self._channel)  # the daemon drops the registration it kept alive
@@ -359,11 +376,11 @@ class LMCacheMPWorkerAdapter:
                                     [instance_id, handles, registration]).result(self._timeout_s)
 
     def _registration_failed(self, err: LMCacheMPError | OSError) -> None:
-        if isinstance(err, ServerError) and err.code in PERMANENT_ERRORS:
+        if isinstance(err, KVExportError) or (isinstance(err, ServerError) and err.code in PERMANENT_ERRORS):
             self._refused = True
-            logger.error("lmcache-mp at %s refused this worker's KV caches: %s. KV offload is off for "
-                         "this worker (lookups miss, stores are skipped) until the daemon restarts; "
-                         "not retrying", self.server_url, err)
+            logger.error("KV offload to lmcache-mp at %s is off for this worker (lookups miss, stores "
+                         "are skipped) until the daemon restarts, not retrying: %s", self.server_url,
+                         err if isinstance(err, KVExportError) else f"it refused the KV caches: {err}")
             return
         logger.warning("registering the KV caches with lmcache-mp at %s failed (%s); KV offload paused, "
                        "retrying in %.2f s", self.server_url, err, self._retry_s)
@@ -440,7 +457,7 @@ class LMCacheMPWorkerAdapter:
         registered = self.ensure_registered()
         target = None
         if not registered:
-            unavailable = LMCacheMPError("lmcache-mp refused this worker's KV caches" if self._refused
+            unavailable = LMCacheMPError("KV offload to lmcache-mp is off for this worker" if self._refused
                                          else "lmcache-mp daemon unavailable")
             future = MessagingFuture.settled(request_type, error=unavailable)
         else:
@@ -451,7 +468,7 @@ class LMCacheMPWorkerAdapter:
                                           [keys, self.instance_id, block_ids, event_handle])
             if self._channel is not None:
                 target = Target(self.instance_id, self._channel)  # to fence it, should it time out
-        tracker.add(request_ids, ops, future, target)
+        tracker.add(request_ids, ops, future, target, event)
 
     def holds_stores(self) -> bool:
         """Whether stores are held for another try (or for the daemon's return)."""
@@ -563,23 +580,23 @@ class LMCacheMPWorkerAdapter:
         return LoadStoreOp([b for s in spans for b in op.block_ids[s]],
                            block_hashes=[h for s in spans for h in op.block_hashes[s]])
 
-    def retrieve_now(self, request_ids: list[str], ops: list[LoadStoreOp],
-                     timeout_s: float) -> dict[str, list[int]]:
+    def retrieve_now(self, request_ids: list[str], ops: list[LoadStoreOp], timeout_s: float,
+                     event: torch.cuda.Event | None = None) -> dict[str, list[int]]:
         """A synchronous load: retrieve and wait. Returns the requests that did not load
         (failed, refused or timed out) -> their block ids. Not reported by `get_finished`.
         One that got no reply in time is returned only once the daemon has confirmed that it
         will not write into its blocks any more, or is gone (see the module docstring)."""
         tracker = _PerRequestOps()
-        self._submit(RequestType.RETRIEVE, tracker, request_ids, ops, None)
+        self._submit(RequestType.RETRIEVE, tracker, request_ids, ops, event)
         tracker.wait(request_ids, timeout_s)
         done = tracker.poll()
         failed: dict[str, list[int]] = {}
         fenced: list[str] = []
         for rid in request_ids:
             outcome = done.get(rid)
-            blocks, target = tracker.take_blocks(rid), tracker.take_target(rid)
-            if target is not None and (outcome is None or outcome.unanswered):
-                self._fence_load(rid, blocks, target)  # no reply yet: it may still run
+            blocks, sent = tracker.take_blocks(rid), tracker.take_sent(rid)
+            if sent is not None and (outcome is None or outcome.unanswered):
+                self._fence_load(rid, blocks, sent)  # no reply yet: it may still run
                 fenced.append(rid)
             elif outcome is None or outcome.failure:
                 failed[rid] = blocks
@@ -607,9 +624,9 @@ class LMCacheMPWorkerAdapter:
                 self._finished_by_engine.discard(request_id)
         finished_retrieves: set[str] = set()
         for request_id, outcome in self._retrieves.poll().items():
-            blocks, target = self._retrieves.take_blocks(request_id), self._retrieves.take_target(request_id)
-            if outcome.unanswered and target is not None:
-                self._fence_load(request_id, blocks, target)
+            blocks, sent = self._retrieves.take_blocks(request_id), self._retrieves.take_sent(request_id)
+            if outcome.unanswered and sent is not None:
+                self._fence_load(request_id, blocks, sent)
                 continue
             finished_retrieves.add(request_id)
             if outcome.failure:
@@ -630,8 +647,9 @@ class LMCacheMPWorkerAdapter:
 
     # ---- fenced loads (see fences.py) -----------------------------------------------------------
 
-    def _fence_load(self, request_id: str, blocks: list[int], target: Target) -> None:
-        self._fences.hold("load", request_id, target, lambda: self._unfenced.__setitem__(request_id, blocks))
+    def _fence_load(self, request_id: str, blocks: list[int], sent: _Sent) -> None:
+        self._fences.hold("load", request_id, sent.target,
+                          lambda: self._unfenced.__setitem__(request_id, blocks), keepalive=sent.events)
 
     def _note_error(self, failure: str) -> None:
         if ErrorCode.UNKNOWN_INSTANCE.name in failure:

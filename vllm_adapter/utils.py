@@ -10,6 +10,7 @@ import torch
 from lmcache_mp.custom_types import CudaIPCWrapper, KVCache
 from lmcache_mp.mq import MessageQueueClient, MessagingFuture
 from lmcache_mp.protocol import RequestType
+from lmcache_mp.transfer.cuda import record_ipc_event
 from lmcache_mp.transfer.shm import share_cpu_tensors
 
 
@@ -44,3 +45,14 @@ def export_kv_caches(kv_caches: dict[str, torch.Tensor]) -> tuple[KVCache, list[
 def wrap_kv_caches(kv_caches: dict[str, torch.Tensor]) -> KVCache:
     """The seed's helper: just the handles of `export_kv_caches`."""
     return export_kv_caches(kv_caches)[0]
+
+
+def record_kv_event(kv_caches: dict[str, torch.Tensor]) -> torch.cuda.Event | None:
+    """For CUDA caches, an interprocess event on the current (vLLM's compute) stream: it marks the
+    work enqueued so far, the forward pass that wrote the KV a STORE reads or still reads the blocks
+    a RETRIEVE overwrites, and the daemon's copies wait for it. None for CPU caches: their work is
+    done when the call returns."""
+    first = next(iter(kv_caches.values()), None)
+    if first is None or not first.is_cuda:
+        return None
+    return record_ipc_event(first.device)
