@@ -190,7 +190,12 @@ def _ext_hook(code: int, data: memoryview) -> Any:
     handle_type = _HANDLE_TYPES.get(code)
     if handle_type is None:
         raise msgspec.ValidationError(f"unknown msgpack extension type {code}")
-    return handle_type.Deserialize(bytes(data))
+    try:
+        return handle_type.Deserialize(bytes(data))
+    except msgspec.DecodeError as err:
+        # The message around it was valid msgpack: what is wrong is this handle's payload
+        # (not msgpack, truncated, or not the state's schema), so say which handle.
+        raise msgspec.ValidationError(f"malformed {handle_type.__name__} payload: {err}") from None
 
 
 def _dec_hook(expected: type, obj: Any) -> Any:
