@@ -3,41 +3,25 @@
 Keys (`IPCCacheEngineKey`) travel as plain msgpack maps. Tensor handles travel as
 msgpack extension types whose payloads are themselves msgspec-encoded structs:
 nothing on any socket is ever pickled.
+
+Handles here are plain data and this module imports no torch (so `lmcache-mp ping` and the
+protocol never load it): building a handle from a tensor and opening one as a tensor live in
+`transfer/cuda.py` and `transfer/shm.py`, which the seed's `CudaIPCWrapper(tensor)` and
+`to_tensor()` call on demand.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import msgspec
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 # Extension type codes on the wire. Never reorder or reuse a number.
 EXT_CUDA_IPC_WRAPPER = 1
 EXT_SHARED_MEMORY_TENSOR = 2
-
-_DTYPES: dict[str, torch.dtype] = {
-    str(dt).removeprefix("torch."): dt
-    for dt in (
-        torch.float16, torch.bfloat16, torch.float32, torch.float64,
-        torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-        torch.float8_e4m3fn, torch.float8_e5m2,
-    )
-}
-
-
-def dtype_to_str(dtype: torch.dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPES:
-        raise ValueError(f"unsupported KV dtype {dtype}")
-    return name
-
-
-def str_to_dtype(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unsupported KV dtype {name!r}") from None
 
 
 class IPCCacheEngineKey(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -145,10 +129,12 @@ class _CudaIPCState(msgspec.Struct, array_like=True, frozen=True):
 
 
 class CudaIPCWrapper(TensorHandle):
-    """A CUDA tensor shared by IPC handle. The device-specific calls live in transfer/cuda.py."""
+    """A CUDA tensor shared by IPC handle. The device-specific calls live in transfer/cuda.py,
+    imported only when a tensor is exported or opened."""
 
     EXT_CODE = EXT_CUDA_IPC_WRAPPER
     State = _CudaIPCState
+    state: _CudaIPCState
 
     def __init__(self, tensor: torch.Tensor | None = None, *, state: _CudaIPCState | None = None):
         if state is None:
@@ -156,13 +142,13 @@ class CudaIPCWrapper(TensorHandle):
                 raise ValueError("CudaIPCWrapper needs a tensor or a state")
             from lmcache_mp.transfer.cuda import export_cuda_tensor
 
-            state = _CudaIPCState(**export_cuda_tensor(tensor))
+            state = export_cuda_tensor(tensor).state
         super().__init__(state=state)
 
     def to_tensor(self) -> torch.Tensor:
         from lmcache_mp.transfer.cuda import import_cuda_tensor
 
-        return import_cuda_tensor(**msgspec.structs.asdict(self.state))
+        return import_cuda_tensor(self)
 
 
 class _SharedMemoryState(msgspec.Struct, array_like=True, frozen=True):
@@ -178,35 +164,12 @@ class SharedMemoryTensor(TensorHandle):
     """A CPU tensor view into a shared-memory storage that the daemon maps by file descriptor.
 
     The descriptors themselves travel over the daemon's attach socket (SCM_RIGHTS) in
-    `storage_index` order; this handle only says how to view them.
+    `storage_index` order; this handle only says how to view them (`transfer.shm.view_shared`).
     """
 
     EXT_CODE = EXT_SHARED_MEMORY_TENSOR
     State = _SharedMemoryState
     state: _SharedMemoryState
-
-    def view_of(self, storages: list[torch.UntypedStorage]) -> torch.Tensor:
-        st = self.state
-        if not 0 <= st.storage_index < len(storages):
-            raise ValueError(f"handle names shared storage {st.storage_index}, "
-                             f"only {len(storages)} were attached")
-        storage = storages[st.storage_index]
-        if storage.nbytes() != st.storage_nbytes:
-            raise ValueError(f"shared storage {st.storage_index} has {storage.nbytes()} bytes, "
-                             f"the handle says {st.storage_nbytes}")
-        dtype = str_to_dtype(st.dtype)
-        if (len(st.shape) != len(st.stride) or min(st.shape, default=1) <= 0
-                or min(st.stride, default=0) < 0 or st.storage_offset < 0):
-            raise ValueError(f"invalid view: shape {st.shape}, stride {st.stride}, "
-                             f"offset {st.storage_offset}")
-        # Never trust a client's geometry: the view must lie inside the mapped memory.
-        last = st.storage_offset + sum((n - 1) * s for n, s in zip(st.shape, st.stride, strict=True))
-        if (last + 1) * dtype.itemsize > storage.nbytes():
-            raise ValueError(f"a {st.shape} view at offset {st.storage_offset} overruns the "
-                             f"{storage.nbytes()}-byte shared storage")
-        view = torch.empty(0, dtype=dtype)
-        view.set_(storage, st.storage_offset, st.shape, st.stride)
-        return view
 
 
 _HANDLE_TYPES: dict[int, type[TensorHandle]] = {
@@ -227,7 +190,12 @@ def _ext_hook(code: int, data: memoryview) -> Any:
     handle_type = _HANDLE_TYPES.get(code)
     if handle_type is None:
         raise msgspec.ValidationError(f"unknown msgpack extension type {code}")
-    return handle_type.Deserialize(bytes(data))
+    try:
+        return handle_type.Deserialize(bytes(data))
+    except msgspec.DecodeError as err:
+        # The message around it was valid msgpack: what is wrong is this handle's payload
+        # (not msgpack, truncated, or not the state's schema), so say which handle.
+        raise msgspec.ValidationError(f"malformed {handle_type.__name__} payload: {err}") from None
 
 
 def _dec_hook(expected: type, obj: Any) -> Any:

@@ -31,7 +31,7 @@ from lmcache_mp.protocol import ErrorCode, KVCacheRegistration, RegisterReply
 from lmcache_mp.storage.base import ChunkFormat
 from lmcache_mp.transfer.context import TransferContext
 from lmcache_mp.transfer.layouts import describe_caches
-from lmcache_mp.transfer.shm import AttachListener, map_storages
+from lmcache_mp.transfer.shm import AttachListener, map_storages, view_shared
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class Registry:
                     os.close(fd)
                 raise ValueError(f"handles name storages {sorted(sizes)}, {len(fds)} descriptors arrived")
             storages = map_storages(fds, [sizes[i] for i in range(len(fds))])
-            return [h.view_of(storages) for h in handles]  # type: ignore[attr-defined]
+            return [view_shared(h, storages) for h in handles]  # type: ignore[arg-type]
         if handles and all(isinstance(h, CudaIPCWrapper) for h in handles):
             if reg.attach_token:
                 self.attach.claim(reg.attach_token)  # liveness only: it carries no descriptors

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from lmcache_mp.custom_types import str_to_dtype
+from lmcache_mp.transfer.dtypes import str_to_dtype
 from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp
 
 

@@ -40,10 +40,12 @@ import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import msgspec
-import torch
+
+if TYPE_CHECKING:  # only in annotations: the protocol imports TierStats, and `ping` needs no torch
+    import torch
 
 
 class _FormatFields(msgspec.Struct, array_like=True, frozen=True):

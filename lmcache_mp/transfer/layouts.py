@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lmcache_mp.custom_types import dtype_to_str
 from lmcache_mp.storage.base import ChunkFormat
+from lmcache_mp.transfer.dtypes import dtype_to_str
 
 
 @dataclass(frozen=True)

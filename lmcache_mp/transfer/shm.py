@@ -7,7 +7,8 @@ descriptors to the daemon over a Unix socket (SCM_RIGHTS) and then stays open: i
 registration's liveness signal. When the worker exits, even by SIGKILL, the kernel closes
 it and the daemon drops the registration.
 
-Daemon side: `AttachListener` accepts the channels, `map_storages` maps the descriptors.
+Daemon side: `AttachListener` accepts the channels, `map_storages` maps the descriptors and
+`view_shared` opens each handle as a view of them.
 
 The memory is unlinked shared memory (torch's file-descriptor sharing): there is no name in
 /dev/shm to leak, and the kernel frees it once the last process holding it is gone.
@@ -31,7 +32,8 @@ from pathlib import Path
 import torch
 
 from lmcache_mp.config import claim_socket_path
-from lmcache_mp.custom_types import SharedMemoryTensor, dtype_to_str
+from lmcache_mp.custom_types import SharedMemoryTensor
+from lmcache_mp.transfer.dtypes import dtype_to_str, str_to_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -284,3 +286,28 @@ def map_storages(fds: list[int], nbytes: list[int]) -> list[torch.UntypedStorage
         for fd in fds:
             os.close(fd)
     return storages
+
+
+def view_shared(handle: SharedMemoryTensor, storages: list[torch.UntypedStorage]) -> torch.Tensor:
+    """The tensor `handle` describes, viewing one of the mapped `storages`. The geometry is
+    the client's, so it is checked: a view that would reach outside the mapping is refused."""
+    st = handle.state
+    if not 0 <= st.storage_index < len(storages):
+        raise ValueError(f"handle names shared storage {st.storage_index}, "
+                         f"only {len(storages)} were attached")
+    storage = storages[st.storage_index]
+    if storage.nbytes() != st.storage_nbytes:
+        raise ValueError(f"shared storage {st.storage_index} has {storage.nbytes()} bytes, "
+                         f"the handle says {st.storage_nbytes}")
+    dtype = str_to_dtype(st.dtype)
+    if (len(st.shape) != len(st.stride) or min(st.shape, default=1) <= 0
+            or min(st.stride, default=0) < 0 or st.storage_offset < 0):
+        raise ValueError(f"invalid view: shape {st.shape}, stride {st.stride}, "
+                         f"offset {st.storage_offset}")
+    last = st.storage_offset + sum((n - 1) * s for n, s in zip(st.shape, st.stride, strict=True))
+    if (last + 1) * dtype.itemsize > storage.nbytes():
+        raise ValueError(f"a {st.shape} view at offset {st.storage_offset} overruns the "
+                         f"{storage.nbytes()}-byte shared storage")
+    view = torch.empty(0, dtype=dtype)
+    view.set_(storage, st.storage_offset, st.shape, st.stride)
+    return view
