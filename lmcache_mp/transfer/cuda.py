@@ -6,6 +6,7 @@ the CPU tests. Nothing here runs without a GPU.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,3 +57,15 @@ def wait_for_ipc_event(handle: bytes, device: torch.device) -> None:
 
 def synchronize(device: torch.device) -> None:
     torch.cuda.current_stream(device).synchronize()
+
+
+_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context: the daemon copies to several GPUs
+
+
+def register_host_memory(address: int, nbytes: int) -> Callable[[], None]:
+    """Page-lock [address, address + nbytes) of this process's memory for DMA with
+    cudaHostRegister (never torch's pinned allocator, which rounds sizes up to a power of two);
+    returns the function that unregisters it. Raises torch.cuda.CudaError on failure."""
+    cudart = torch.cuda.cudart()
+    torch.cuda.check_error(cudart.cudaHostRegister(address, nbytes, _HOST_REGISTER_PORTABLE))
+    return lambda: torch.cuda.check_error(cudart.cudaHostUnregister(address))
