@@ -39,6 +39,7 @@ from lmcache_mp.registry import Instance, Registry
 from lmcache_mp.storage.manager import Hits, RankSpec, StorageManager
 from lmcache_mp.storage.pool import MemoryPool, PoolObject, ReserveFailure
 from lmcache_mp.storage.tiers import open_tier, redact_url
+from lmcache_mp.transfer import cuda
 from lmcache_mp.transfer.context import Copies, TransferContext
 
 _OUTCOMES = {ReserveFailure.ALREADY_PRESENT: ChunkOutcome.ALREADY_PRESENT,
@@ -79,8 +80,9 @@ class Engine:
         self.chunk_size = config.chunk_size
         self.metrics = metrics
         # Page-aligned objects: the disk tier writes them with direct I/O, straight from the pool.
-        pool = MemoryPool(int(config.l1_size_gb * 2**30), pin_memory=torch.cuda.is_available(),
-                          align=mmap.PAGESIZE)
+        # Its memory is prepared in the background: the daemon answers at once for any pool size.
+        pool = MemoryPool(int(config.l1_size_gb * 2**30), align=mmap.PAGESIZE, background=True,
+                          pin=cuda.register_host_memory if torch.cuda.is_available() else None)
         tiers = []
         try:
             for url in config.l2:
@@ -88,6 +90,7 @@ class Engine:
         except BaseException:
             for _, tier in tiers:
                 tier.close()
+            pool.close()
             raise
         self.storage = StorageManager(pool, tiers, int(config.write_queue_gb * 2**30))
         self.leases = LeaseTable(pool, config.lease_ttl_s)
@@ -102,11 +105,13 @@ class Engine:
             self.registry = Registry(config.attach_socket, config.chunk_size, pool.admit)
         except BaseException:
             self.storage.close()
+            pool.close()
             raise
 
     def close(self) -> None:
         self.registry.close()
         self.storage.close()
+        self.storage.pool.close()  # last: the tiers' writers copy out of the pool until closed
 
     def register(self, instance_id: int, kv_caches: KVCache, reg: KVCacheRegistration) -> RegisterReply:
         return self.registry.register(instance_id, kv_caches, reg)
@@ -333,6 +338,7 @@ class Engine:
             "pool_pinned_objects": stats.num_pinned,
             "pool_writing_objects": stats.num_writing,
             "pool_evictions_total": stats.evictions,
+            "pool_ready_bytes": stats.ready_bytes,
             "lease_sessions": sessions,
             "leases": leases,
             "lease_sessions_expired_total": self.leases.expired_total,
@@ -352,6 +358,8 @@ class Engine:
         return {
             "pool_bytes": gauges["pool_capacity_bytes"],
             "pool_used_bytes": gauges["pool_used_bytes"],
+            "pool_ready_bytes": gauges["pool_ready_bytes"],
+            "pool_ready": gauges["pool_ready_bytes"] >= gauges["pool_capacity_bytes"],
             "objects": gauges["pool_objects"],
             "registered_instances": self.registry.instance_ids(),
             "sessions": gauges["lease_sessions"],

@@ -23,6 +23,7 @@ class DaemonProcess:
     url: str
     proc: subprocess.Popen
     log_path: Path
+    started_at: float  # time.monotonic() just before the process was started
 
     @property
     def socket_path(self) -> Path:
@@ -38,18 +39,20 @@ class DaemonProcess:
 
 
 def start_daemon(tmp_dir: Path, *args: str, url: str | None = None, ready_timeout: float = 30.0,
-                 command_prefix: Sequence[str] = ()) -> DaemonProcess:
+                 command_prefix: Sequence[str] = (), pool_ready: bool = True) -> DaemonProcess:
     """Start `lmcache-mp serve --listen URL ARGS...` (under `command_prefix`, e.g. a namespace
-    wrapper, when given) and wait until it answers HELLO."""
+    wrapper, when given) and wait until it answers HELLO and, with `pool_ready`, until its pool's
+    memory is all prepared (the daemon answers before that, but a STORE may find NO_SPACE)."""
     url = url or f"ipc://{tmp_dir / 'daemon.sock'}"
     log_path = tmp_dir / f"daemon-{time.monotonic_ns()}.log"
     env = dict(os.environ, LMCACHE_MP_RUNTIME_DIR=str(tmp_dir))
+    started_at = time.monotonic()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [*command_prefix, sys.executable, "-m", "lmcache_mp.cli", "serve", "--listen", url, *args],
             stdout=log, stderr=subprocess.STDOUT, env=env,
         )
-    daemon = DaemonProcess(url, proc, log_path)
+    daemon = DaemonProcess(url, proc, log_path, started_at)
     deadline = time.monotonic() + ready_timeout
     client = MessageQueueClient(url)
     try:
@@ -58,8 +61,12 @@ def start_daemon(tmp_dir: Path, *args: str, url: str | None = None, ready_timeou
                 raise RuntimeError(f"daemon exited with {proc.returncode}:\n{daemon.log()}")
             try:
                 client.handshake("tests", timeout_s=0.5)
+                while pool_ready and not client.submit(RequestType.STATUS, []).result(5).pool_ready:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError
+                    time.sleep(0.01)
                 return daemon
-            except LMCacheMPError:
+            except (LMCacheMPError, TimeoutError):
                 if time.monotonic() > deadline:
                     daemon.stop(signal.SIGKILL)
                     raise RuntimeError(f"daemon not ready in {ready_timeout} s:\n{daemon.log()}") from None

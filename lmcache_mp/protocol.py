@@ -141,6 +141,10 @@ class StatusReport(msgspec.Struct, gc=False):
     endpoints: list[str]
     pool_bytes: int = 0
     pool_used_bytes: int = 0
+    # The pool's memory is prepared in the background from its start; STOREs find NO_SPACE
+    # beyond what is ready until `pool_ready`.
+    pool_ready_bytes: int = 0
+    pool_ready: bool = False
     objects: int = 0
     registered_instances: list[int] = []
     sessions: int = 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 
 import pytest
 from hypothesis import settings
@@ -20,6 +21,7 @@ from lmcache_mp.storage.pool import (
 )
 
 KiB = 1024
+MiB = 1024 * KiB
 
 
 def reserve_ready(pool: MemoryPool, keys: list, nbytes: int) -> list[PoolObject]:
@@ -747,3 +749,96 @@ def test_link_refuses_a_parent_that_would_close_a_cycle() -> None:
     pool.link(["c0", "c1", "c2"])
     pool.link(["c0", "c1"], parent="c2")
     assert chain[0].parent is None and chain[1].parent is chain[0] and chain[2].parent is chain[1]
+
+
+class HeldPins:
+    """A `pin` hook that records the pieces the pool pins and holds the preparing thread at the
+    second piece until `release`: the pool is then prepared exactly up to the first piece."""
+
+    def __init__(self) -> None:
+        self.pinned: list[tuple[int, int]] = []
+        self.unpinned: list[int] = []
+        self._gate = threading.Event()
+
+    def __call__(self, address: int, nbytes: int):
+        self.pinned.append((address, nbytes))
+        if len(self.pinned) == 2:
+            assert self._gate.wait(30)
+        return lambda: self.unpinned.append(address)
+
+    def release(self) -> None:
+        self._gate.set()
+
+
+def wait_for(predicate, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+
+
+def test_only_prepared_pieces_are_handed_out() -> None:
+    slab, capacity = 192 * KiB, 4 * MiB  # 21 slabs; pieces of about 1 MiB end on slab boundaries
+    pins = HeldPins()
+    pool = MemoryPool(capacity, pin=pins, slab_bytes=slab, background=True, piece_bytes=MiB)
+    try:
+        first_piece = MiB // slab * slab  # 5 slabs
+        wait_for(lambda: pool.stats().ready_bytes == first_piece)
+        start = pins.pinned[0][0]
+        early = pool.reserve(list(range(10)), slab)
+        placed = [obj for obj in early if isinstance(obj, PoolObject)]
+        assert len(placed) == 5 and early[5:] == [ReserveFailure.NO_SPACE] * 5
+        assert all(start <= o.data.data_ptr() and o.data.data_ptr() + slab <= start + first_piece
+                   for o in placed)
+        # An object larger than what is prepared finds NO_SPACE too, and the whole-slab search
+        # never reaches into memory that is not ready.
+        assert pool.reserve(["big"], 6 * slab) == [ReserveFailure.NO_SPACE]
+        pool.commit(placed)
+
+        pins.release()
+        wait_for(lambda: pool.stats().ready_bytes == capacity)
+        later = reserve_ready(pool, list(range(10, 26)), slab)
+        assert len(later) == 16  # the other 16 slabs, no eviction needed
+        assert_disjoint(placed + later)
+        assert pool.stats().evictions == 0
+    finally:
+        pins.release()
+        pool.close()
+    # Pieces: consecutive, covering the buffer, ending on slab boundaries (the last at its end),
+    # each unpinned on close.
+    offsets = [address - start for address, _ in pins.pinned]
+    ends = [offset + nbytes for offset, (_, nbytes) in zip(offsets, pins.pinned, strict=True)]
+    assert offsets == [0, *ends[:-1]] and ends[-1] == capacity
+    assert all(end % slab == 0 for end in ends[:-1])
+    assert sorted(pins.unpinned) == sorted(address for address, _ in pins.pinned)
+
+
+def test_slab_size_fixed_later_frees_only_prepared_slabs() -> None:
+    # The default slab size is fixed at the first reserve; the slabs it makes are free only up
+    # to what is prepared by then.
+    pins = HeldPins()
+    pool = MemoryPool(8 * MiB, pin=pins, background=True, piece_bytes=2 * MiB)
+    try:
+        wait_for(lambda: pool.stats().ready_bytes == 2 * MiB)
+        got = pool.reserve(list(range(64)), 64 * KiB)  # slabs of 1 MiB (1/8 of the pool)
+        assert pool.slab_bytes == MiB
+        assert sum(isinstance(obj, PoolObject) for obj in got) == 32  # two prepared slabs of 16
+        pins.release()
+        wait_for(lambda: pool.stats().ready_bytes == 8 * MiB)
+        assert sum(isinstance(obj, PoolObject) for obj in pool.reserve(list(range(64, 200)), 64 * KiB)) == 96
+    finally:
+        pins.release()
+        pool.close()
+
+
+def test_close_stops_preparing_between_pieces() -> None:
+    pins = HeldPins()
+    pool = MemoryPool(8 * MiB, pin=pins, background=True, piece_bytes=MiB)
+    wait_for(lambda: len(pins.pinned) == 2)  # held in the second piece's pinning
+    closer = threading.Thread(target=pool.close)
+    closer.start()
+    pins.release()
+    closer.join(10)
+    assert not closer.is_alive()
+    assert len(pins.pinned) == 2 and pool.stats().ready_bytes == 2 * MiB  # no piece after the stop
+    assert len(pins.unpinned) == 2

@@ -46,6 +46,13 @@ chunks before it, so their own class evicts them before those. The slab scan run
 between size classes; reserving, committing, pinning and unpinning are otherwise O(1) per object
 plus the ancestor walks above (a multi-slab span also walks the free runs, which are few).
 
+Memory. The buffer is prepared (faulted in, pinned where CUDA is present) piece by piece from its
+start, by `pool_memory.PoolMemory`: with `background` on a thread of its own, so the daemon answers
+at once whatever the pool's size. Only base slabs wholly inside prepared pieces are ever free; the
+rest join the free runs as their pieces become ready, so nothing is handed out of unprepared memory
+and until then a reserve may find NO_SPACE. Pieces end on base slab boundaries once the slab size is
+fixed (see `pool_memory` for why).
+
 One lock guards all bookkeeping; no method ever copies object bytes, so it is held briefly.
 """
 
@@ -59,6 +66,8 @@ from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+
+from lmcache_mp.storage.pool_memory import PIECE_BYTES, PinFn, PoolMemory
 
 # Every object's data starts on a cache line, which vectorised copies want.
 ALIGN = 64
@@ -75,15 +84,6 @@ def default_slab_bytes(slot_bytes: int, usable_bytes: int) -> int:
     Never more than `usable_bytes` when `slot_bytes` fits in it."""
     target = min(_TARGET_SLAB_BYTES, usable_bytes // _MIN_SLABS)
     return slot_bytes * max(1, -(-target // slot_bytes))
-
-
-def _allocate(nbytes: int, pin_memory: bool) -> torch.Tensor:
-    """The pool's memory, page-aligned either way: pinned host memory from CUDA, or a private
-    anonymous mapping (rather than the heap, whose large blocks start just past a page)."""
-    if pin_memory:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(mapping, dtype=torch.uint8)  # the tensor keeps the mapping alive
 
 
 class ObjectState(enum.Enum):
@@ -123,6 +123,7 @@ class PoolStats:
     num_pinned: int
     num_writing: int
     evictions: int  # cumulative; `clear` doesn't count
+    ready_bytes: int  # prepared so far, from the start; == capacity_bytes once the pool is ready
 
 
 @dataclass(eq=False)
@@ -195,27 +196,30 @@ class _FreeRuns:
 class MemoryPool:
     """Fixed-capacity, thread-safe store of KV chunk objects; see the module docstring."""
 
-    def __init__(self, capacity_bytes: int, *, pin_memory: bool = False, slab_bytes: int | None = None,
-                 align: int = ALIGN):
+    def __init__(self, capacity_bytes: int, *, pin: PinFn | None = None, slab_bytes: int | None = None,
+                 align: int = ALIGN, background: bool = False, piece_bytes: int = PIECE_BYTES):
         """`align`: every object's data starts on a multiple of it (a power of two, >= ALIGN);
-        the daemon asks for whole pages, which direct I/O (disk tier) needs."""
+        the daemon asks for whole pages, which direct I/O (disk tier) needs. `pin`: page-locks each
+        prepared piece (see `pool_memory`). `background`: prepare the memory on a thread of its own
+        and return at once; otherwise it is all prepared before this returns. `piece_bytes`: how
+        much is prepared (and pinned) at once, about. `close` when done."""
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         if align < ALIGN or align & (align - 1):
             raise ValueError(f"align must be a power of two of at least {ALIGN}, got {align}")
         self.capacity_bytes = capacity_bytes
         self.align = align
-        # The only KV allocation this pool ever makes. Touch every page now, at start: a
-        # missing page fault later would cost a STORE ~3x its copy time, and a pool larger
-        # than the machine's memory should fail here, not at some STORE hours later.
-        self._buffer = _allocate(capacity_bytes, pin_memory)
-        self._buffer.zero_()
+        # The only KV allocation this pool ever makes.
+        self._memory = PoolMemory(capacity_bytes, pin, piece_bytes)
+        self._buffer = self._memory.tensor
         self._base = -self._buffer.data_ptr() % align
         self._usable = max(0, capacity_bytes - self._base)
         self._lock = threading.Lock()
         self._slab_bytes: int | None = None
         self._owner: list[_Slab | None] = []  # by base slab
         self._free = _FreeRuns(0)
+        self._ready_bytes = 0  # the prepared prefix of the buffer, as the pool has taken it in
+        self._ready_slabs = 0  # base slabs [0, this) are wholly prepared: free or owned
         if slab_bytes is not None:
             if slab_bytes <= 0 or slab_bytes % align or slab_bytes > self._usable:
                 raise ValueError(
@@ -231,6 +235,10 @@ class MemoryPool:
         self._num_pinned = 0
         self._num_writing = 0
         self._evictions = 0
+        if background:
+            self._memory.prepare_in_background(self._snap, self._take_prepared)
+        else:
+            self._memory.prepare(self._snap, self._take_prepared)
 
     # ---- public API ----------------------------------------------------------------------------
 
@@ -380,15 +388,44 @@ class MemoryPool:
                 num_pinned=self._num_pinned,
                 num_writing=self._num_writing,
                 evictions=self._evictions,
+                ready_bytes=self._ready_bytes,
             )
+
+    def close(self) -> None:
+        """Stop preparing memory and unpin it; nothing may copy into or out of the pool after."""
+        self._memory.close()
+
+    # ---- prepared memory -----------------------------------------------------------------------
+
+    def _snap(self, offset: int) -> int:
+        """The piece boundary at or below buffer `offset`: a base slab boundary once the slab size is
+        fixed and page-aligned (so objects rarely span two pieces), else a page boundary."""
+        with self._lock:
+            slab_bytes = self._slab_bytes
+        if slab_bytes is None or slab_bytes % mmap.PAGESIZE or self._base % mmap.PAGESIZE:
+            return offset - offset % mmap.PAGESIZE
+        return self._base + (offset - self._base) // slab_bytes * slab_bytes
+
+    def _take_prepared(self, ready_bytes: int) -> None:
+        """The buffer is prepared up to `ready_bytes`: its base slabs below that are free now."""
+        with self._lock:
+            self._ready_bytes = ready_bytes
+            if self._slab_bytes is not None:
+                self._free_prepared_slabs()
+
+    def _free_prepared_slabs(self) -> None:
+        covered = min(len(self._owner), max(0, (self._ready_bytes - self._base) // self._slab_bytes))
+        if covered > self._ready_slabs:
+            self._free.give(self._ready_slabs, covered - self._ready_slabs)
+            self._ready_slabs = covered
 
     # ---- size classes and slabs ----------------------------------------------------------------
 
     def _set_slab_bytes(self, slab_bytes: int) -> None:
         self._slab_bytes = slab_bytes
-        count = self._usable // slab_bytes
-        self._owner = [None] * count
-        self._free = _FreeRuns(count)
+        self._owner = [None] * (self._usable // slab_bytes)
+        self._free = _FreeRuns(0)
+        self._free_prepared_slabs()
 
     def _size_class(self, nbytes: int) -> _SizeClass:
         size_class = self._classes.get(nbytes)
@@ -482,11 +519,12 @@ class MemoryPool:
 
     def _cheapest_window(self, span: int) -> int | None:
         """Start of the run of `span` base slabs without stuck slabs that has the fewest occupied
-        base slabs (lowest address on ties), or None. O(number of base slabs): cold path only."""
+        base slabs (lowest address on ties), or None. O(number of base slabs): cold path only. Only
+        prepared base slabs count: a window reaching past them could never be taken."""
         best, best_cost = None, span + 1
         cost = 0
         first_unblocked = 0  # windows must start after the last stuck base slab seen
-        for i, slab in enumerate(self._owner):
+        for i, slab in enumerate(self._owner[: self._ready_slabs]):
             if slab is not None and slab.stuck:
                 first_unblocked = i + 1
             cost += slab is not None

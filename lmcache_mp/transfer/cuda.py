@@ -7,7 +7,7 @@ finding a device by UUID.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -90,3 +90,15 @@ class CopyStream:
         """Later copies on this stream start once the other process's event has completed."""
         if event_handle:
             torch.cuda.Event.from_ipc_handle(self.device, event_handle).wait(self.stream)
+
+
+_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context: the daemon copies to several GPUs
+
+
+def register_host_memory(address: int, nbytes: int) -> Callable[[], None]:
+    """Page-lock [address, address + nbytes) of this process's memory for DMA with
+    cudaHostRegister (never torch's pinned allocator, which rounds sizes up to a power of two);
+    returns the function that unregisters it. Raises torch.cuda.CudaError on failure."""
+    cudart = torch.cuda.cudart()
+    torch.cuda.check_error(cudart.cudaHostRegister(address, nbytes, _HOST_REGISTER_PORTABLE))
+    return lambda: torch.cuda.check_error(cudart.cudaHostUnregister(address))
