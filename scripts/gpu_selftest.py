@@ -492,6 +492,7 @@ def main() -> int:
                "layouts": {r.layout: r.as_json() for r in reports}, "pin": pins,
                "ok": not failures, "failures": failures}
     if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(figures, indent=2))
     for failure in failures:
         print(f"FAIL {failure}")
