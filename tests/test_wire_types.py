@@ -15,18 +15,14 @@ from lmcache_mp.custom_types import (
     CudaIPCWrapper,
     IPCCacheEngineKey,
     KVCache,
-    SharedMemoryTensor,
     get_customized_decoder,
     get_customized_encoder,
 )
 from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.transfer.cuda import index_of_uuid
+from tests.test_foundation import CUDA, HASH_KEY, SHM, TOKEN_KEY
 
-HASH_KEY = IPCCacheEngineKey("m", 2, None, chunk_hash=b"\x01" * 32, request_id="req-1")
-TOKEN_KEY = IPCCacheEngineKey("m", 1, 0, token_ids=(1, 2, 3), start=0, end=3, request_id="r")
-SHM = SharedMemoryTensor(state=SharedMemoryTensor.State(0, 4096, "bfloat16", (2, 4, 8), (32, 8, 1), 0))
-CUDA_STATE = CudaIPCWrapper.State(
-    "GPU-uuid", (0, b"\x00" * 64, 1024, 0, b"ref", 0, b"evt", True), "float16", (4, 4), (4, 1), 0)
+CUDA_STATE = CUDA.state  # the same handles test_foundation.py round-trips
 
 # The bytes these encoded to before issue 11: a daemon and a worker of either side of the
 # change must still understand each other, so they must never change.
