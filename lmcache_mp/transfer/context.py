@@ -22,6 +22,7 @@ from contextlib import contextmanager
 
 import torch
 
+from lmcache_mp.transfer.cuda import CopyStream
 from lmcache_mp.transfer.layouts import KVGeometry
 
 
@@ -59,11 +60,7 @@ class TransferContext:
             # Raises torch.OutOfMemoryError when the device has no room: the registration is refused.
             self._staging = torch.empty((geometry.num_layers, self.blocks_per_chunk, *geometry.page_shape),
                                         dtype=geometry.dtype, device=self.device)
-        self._stream = None
-        if self.device.type == "cuda":
-            from lmcache_mp.transfer.cuda import CopyStream
-
-            self._stream = CopyStream(self.device)
+        self._stream = CopyStream(self.device) if self.device.type == "cuda" else None
         self._turn = threading.Lock()
 
     @property

@@ -1,4 +1,5 @@
-"""The only CUDA-specific code: IPC export/import of tensors and events.
+"""The only CUDA-specific code: IPC export/import of tensors, interprocess events, a registered
+context's copy stream, and page-locking the pool's memory.
 
 Everything else (layouts, copies, the engine) is shared with the CPU path and exercised by
 the CPU tests. Nothing here runs without a GPU, except `index_of_uuid`, the pure part of
