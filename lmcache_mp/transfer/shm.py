@@ -1,8 +1,8 @@
 """Zero-copy CPU registration: shared-memory KV caches handed over by file descriptor.
 
 Worker side: `share_cpu_tensors` moves each cache's storage into shared memory *in place*
-(torch swaps the storage's memory, so vLLM keeps using the very same tensors and views) and
-returns small handles plus one descriptor per storage. `AttachChannel` passes those
+(`shm_move`: the storage's memory is swapped, so vLLM keeps using the very same tensors and
+views) and returns small handles plus one descriptor per storage. `AttachChannel` passes those
 descriptors to the daemon over a Unix socket (SCM_RIGHTS) and then stays open: it is the
 registration's liveness signal. When the worker exits, even by SIGKILL, the kernel closes
 it and the daemon drops the registration.
@@ -10,8 +10,8 @@ it and the daemon drops the registration.
 Daemon side: `AttachListener` accepts the channels, `map_storages` maps the descriptors and
 `view_shared` opens each handle as a view of them.
 
-The memory is unlinked shared memory (torch's file-descriptor sharing): there is no name in
-/dev/shm to leak, and the kernel frees it once the last process holding it is gone.
+The memory is a memfd (or, where that path is unavailable, torch's unlinked shared memory): there
+is no name in /dev/shm to leak, and the kernel frees it once the last process holding it is gone.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import torch
 from lmcache_mp.config import claim_socket_path
 from lmcache_mp.custom_types import SharedMemoryTensor
 from lmcache_mp.transfer.dtypes import dtype_to_str, str_to_dtype
+from lmcache_mp.transfer.shm_move import move_to_shared_memory
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ def share_cpu_tensors(tensors: list[torch.Tensor]) -> tuple[list[SharedMemoryTen
             raise ValueError(f"expected CPU tensors, got one on {tensor.device}")
         storage = tensor.untyped_storage()
         if not storage.is_shared():
-            storage.share_memory_()
+            move_to_shared_memory(storage)
         key = storage.data_ptr()
         if key not in index_of:
             try:

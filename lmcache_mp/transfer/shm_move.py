@@ -1,0 +1,137 @@
+"""Moving a worker's CPU KV cache into shared memory, in place and fast.
+
+torch's `share_memory_()` does it in place (the storage's memory is swapped, so every tensor and
+view of it keeps working), but it faults the new shared memory in 4 KiB page by 4 KiB page from
+one copy loop. Here, instead: a memfd of the storage's size, mapped by torch itself
+(`_new_shared_fd_cpu`, so it is an ordinary torch shared storage afterwards: `is_shared()`,
+`_share_fd_cpu_()`, unmapped and closed when freed), faulted in by the kernel
+(MADV_POPULATE_WRITE) and filled with the storage's bytes, in steps spread over threads (ctypes
+calls let go of the GIL), then the two storages swap their memory (`_swap_data_ptr_`, the same
+in-place swap torch's share path makes) and the old memory is freed with the temporary storage.
+No name is ever linked in /dev/shm, and the kernel frees the memfd once no process maps it.
+
+Where any of that is missing or refused (an older torch or kernel, a seccomp filter), torch's
+`share_memory_()` runs instead, and the reason is logged once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+
+import torch
+
+from lmcache_mp.storage.pool_memory import MADV_POPULATE_WRITE, _madvise
+
+logger = logging.getLogger(__name__)
+
+STEP_BYTES = 64 << 20  # faulted in and copied per task: small enough to spread over threads
+MAX_THREADS = 8  # past this the memory bus, not the threads, is the limit
+PROGRESS_FROM_BYTES = 4 << 30  # caches this large log progress while they move
+PROGRESS_EVERY_S = 2.0
+FAST_PATH = "memfd"
+TORCH_PATH = "torch share_memory_"
+
+_fallback_logged = False
+
+
+def move_to_shared_memory(storage: torch.UntypedStorage) -> str:
+    """Move `storage` into shared memory in place; returns the path taken (FAST_PATH or
+    TORCH_PATH) and logs one line with its size and time."""
+    started = time.monotonic()
+    path = FAST_PATH
+    missing = _fast_path_missing(storage)
+    try:
+        if missing is not None:
+            raise OSError(missing)
+        _move_fast(storage)
+    except (OSError, RuntimeError) as err:
+        # Nothing was swapped yet: the storage still holds its own memory, untouched.
+        _log_fallback_once(err)
+        path = TORCH_PATH
+        storage.share_memory_()
+    elapsed = time.monotonic() - started
+    gib = storage.nbytes() / 2**30
+    logger.info("KV cache: %.2f GiB moved into shared memory in %.2f s (%.2f s/GiB, %s)", gib, elapsed,
+                elapsed / max(gib, 1e-9), path)
+    return path
+
+
+def _fast_path_missing(storage: torch.UntypedStorage) -> str | None:
+    """Why the fast path can't run here, or None."""
+    if not hasattr(os, "memfd_create"):
+        return "os.memfd_create is not available"
+    if not hasattr(torch.UntypedStorage, "_swap_data_ptr_"):
+        return f"torch {torch.__version__} has no UntypedStorage._swap_data_ptr_"
+    if storage.device.type != "cpu" or storage.nbytes() == 0:
+        return f"a {storage.nbytes()}-byte storage on {storage.device}"
+    return None
+
+
+def _move_fast(storage: torch.UntypedStorage) -> None:
+    nbytes = storage.nbytes()
+    fd = os.memfd_create("lmcache-mp-kv", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        shared = torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)  # maps a dup of fd
+    finally:
+        os.close(fd)
+    _fill(shared.data_ptr(), storage.data_ptr(), nbytes)
+    storage._swap_data_ptr_(shared)
+    # `shared` now holds the old memory, freed with it here.
+
+
+def _fill(dst: int, src: int, nbytes: int) -> None:
+    """Fault in [dst, dst+nbytes) and copy src's bytes into it, STEP_BYTES per task."""
+    offsets = range(0, nbytes, STEP_BYTES)
+    progress = _Progress(nbytes) if nbytes >= PROGRESS_FROM_BYTES else None
+    with ThreadPoolExecutor(_threads(len(offsets)), thread_name_prefix="kv-share") as pool:
+        futures = [pool.submit(_fill_step, dst + off, src + off, min(STEP_BYTES, nbytes - off))
+                   for off in offsets]
+        try:
+            for future in as_completed(futures):
+                future.result()
+                if progress is not None:
+                    progress.step(STEP_BYTES)
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+
+
+def _fill_step(dst: int, src: int, nbytes: int) -> None:
+    # The kernel zero-fills the pages in one call, no fault per page; the copy then only copies.
+    _madvise(dst, nbytes, MADV_POPULATE_WRITE)
+    ctypes.memmove(dst, src, nbytes)
+
+
+def _threads(tasks: int) -> int:
+    """As many as this thread may run on, or as torch computes with (vLLM pins its main thread
+    to one core but gives torch several), within MAX_THREADS and the number of tasks."""
+    return max(1, min(MAX_THREADS, tasks, max(len(os.sched_getaffinity(0)), torch.get_num_threads())))
+
+
+class _Progress:
+    """Logs how far a large move is, every PROGRESS_EVERY_S."""
+
+    def __init__(self, nbytes: int) -> None:
+        self._nbytes = nbytes
+        self._done = 0
+        self._started = self._last = time.monotonic()
+
+    def step(self, nbytes: int) -> None:
+        self._done = min(self._nbytes, self._done + nbytes)
+        now = time.monotonic()
+        if now - self._last >= PROGRESS_EVERY_S and self._done < self._nbytes:
+            self._last = now
+            logger.info("KV cache: %.1f of %.1f GiB in shared memory (%.2f GB/s)", self._done / 2**30,
+                        self._nbytes / 2**30, self._done / max(now - self._started, 1e-9) / 1e9)
+
+
+def _log_fallback_once(err: BaseException) -> None:
+    global _fallback_logged
+    if not _fallback_logged:
+        _fallback_logged = True
+        logger.info("KV cache: the memfd path is unavailable (%s); using torch's share_memory_()", err)
