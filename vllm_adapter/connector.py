@@ -37,6 +37,7 @@ request with an error when its load fails instead of recomputing it.
 from __future__ import annotations
 
 import logging
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -46,6 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from lmcache_mp.transfer.shm_move import AllocateInSharedMemory
 from vllm_adapter.connector_common import ConnectorSettings, LMCacheMPConnectorMetadata
 from vllm_adapter.connector_scheduler import SchedulerSide
 from vllm_adapter.connector_worker import WorkerSide
@@ -152,6 +154,11 @@ class LMCacheMPDaemonConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, LMCacheMPConnectorMetadata)
         return meta
+
+    def get_mem_pool_context(self) -> AbstractContextManager | None:
+        """vLLM allocates the KV cache inside this context. On CPU it allocates it in shared memory
+        from the start, so that registering it with the daemon moves nothing."""
+        return AllocateInSharedMemory() if self._vllm_config.device_config.device_type == "cpu" else None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._work.register_kv_caches(kv_caches)

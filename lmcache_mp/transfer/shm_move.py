@@ -12,6 +12,11 @@ No name is ever linked in /dev/shm, and the kernel frees the memfd once no proce
 
 Where any of that is missing or refused (an older torch or kernel, a seccomp filter), torch's
 `share_memory_()` runs instead, and the reason is logged once.
+
+Moving costs about what faulting in fresh memory costs (docs/benchmarks.md, section 9): on a VM
+whose fresh pages are slow, no way of moving can be much faster. So the connector also offers vLLM
+`AllocateInSharedMemory` as the context its KV cache is allocated in: the cache is a memfd from
+the start, and registering it hands over its descriptor without moving anything.
 """
 
 from __future__ import annotations
@@ -20,9 +25,12 @@ import ctypes
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from lmcache_mp.storage.pool_memory import MADV_POPULATE_WRITE, _madvise
 
@@ -60,6 +68,53 @@ def move_to_shared_memory(storage: torch.UntypedStorage) -> str:
     return path
 
 
+class AllocateInSharedMemory(TorchFunctionMode):
+    """While active, `torch.zeros(...)` on the CPU allocates in shared memory (a memfd, zeros from the
+    kernel, faulted in as `torch.zeros` would) instead of the heap; every other call runs as usual,
+    and so does `torch.zeros` when the memfd is refused (logged once). vLLM allocates its KV cache
+    with one `torch.zeros` inside the context a KV connector gives it (`get_mem_pool_context`)."""
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.zeros and _plain_cpu_zeros(kwargs):
+            tensor = _shared_zeros(_size_of(args), kwargs.get("dtype") or torch.get_default_dtype())
+            if tensor is not None:
+                return tensor
+        return func(*args, **kwargs)
+
+
+def _plain_cpu_zeros(kwargs: dict[str, Any]) -> bool:
+    """A `torch.zeros` call this mode can answer: only dtype and device given, and on the CPU."""
+    if not set(kwargs) <= {"dtype", "device"}:
+        return False
+    device = kwargs.get("device")
+    return (torch.device(device) if device is not None else torch.get_default_device()).type == "cpu"
+
+
+def _size_of(args: tuple) -> torch.Size:
+    # torch.zeros(2, 3) and torch.zeros((2, 3)) alike
+    return torch.Size(args[0] if len(args) == 1 and isinstance(args[0], (tuple, list)) else args)
+
+
+def _shared_zeros(size: torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
+    """A zero tensor in a memfd, or None (the caller allocates as usual) where that is refused."""
+    nbytes = size.numel() * dtype.itemsize
+    if nbytes == 0 or not hasattr(os, "memfd_create"):
+        return None
+    started = time.monotonic()
+    try:
+        storage = _new_memfd_storage(nbytes)
+        _fill(storage.data_ptr(), None, nbytes)
+    except (OSError, RuntimeError) as err:
+        _log_fallback_once(err)
+        return None
+    elapsed = time.monotonic() - started
+    logger.info("KV cache: %.2f GiB allocated in shared memory in %.2f s (%s)", nbytes / 2**30, elapsed,
+                FAST_PATH)
+    return torch.empty(0, dtype=dtype).set_(storage, 0, size)
+
+
 def _fast_path_missing(storage: torch.UntypedStorage) -> str | None:
     """Why the fast path can't run here, or None."""
     if not hasattr(os, "memfd_create"):
@@ -73,24 +128,29 @@ def _fast_path_missing(storage: torch.UntypedStorage) -> str | None:
 
 def _move_fast(storage: torch.UntypedStorage) -> None:
     nbytes = storage.nbytes()
-    fd = os.memfd_create("lmcache-mp-kv", os.MFD_CLOEXEC)
-    try:
-        os.ftruncate(fd, nbytes)
-        shared = torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)  # maps a dup of fd
-    finally:
-        os.close(fd)
+    shared = _new_memfd_storage(nbytes)
     _fill(shared.data_ptr(), storage.data_ptr(), nbytes)
     storage._swap_data_ptr_(shared)
     # `shared` now holds the old memory, freed with it here.
 
 
-def _fill(dst: int, src: int, nbytes: int) -> None:
-    """Fault in [dst, dst+nbytes) and copy src's bytes into it, STEP_BYTES per task."""
+def _new_memfd_storage(nbytes: int) -> torch.UntypedStorage:
+    """A torch storage over a fresh memfd of `nbytes` (zeros, not faulted in yet)."""
+    fd = os.memfd_create("lmcache-mp-kv", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        return torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)  # maps a dup of fd
+    finally:
+        os.close(fd)
+
+
+def _fill(dst: int, src: int | None, nbytes: int) -> None:
+    """Fault in [dst, dst+nbytes) and copy src's bytes into it (if any), STEP_BYTES per task."""
     offsets = range(0, nbytes, STEP_BYTES)
     progress = _Progress(nbytes) if nbytes >= PROGRESS_FROM_BYTES else None
     with ThreadPoolExecutor(_threads(len(offsets)), thread_name_prefix="kv-share") as pool:
-        futures = [pool.submit(_fill_step, dst + off, src + off, min(STEP_BYTES, nbytes - off))
-                   for off in offsets]
+        futures = [pool.submit(_fill_step, dst + off, None if src is None else src + off,
+                               min(STEP_BYTES, nbytes - off)) for off in offsets]
         try:
             for future in as_completed(futures):
                 future.result()
@@ -101,10 +161,11 @@ def _fill(dst: int, src: int, nbytes: int) -> None:
             raise
 
 
-def _fill_step(dst: int, src: int, nbytes: int) -> None:
+def _fill_step(dst: int, src: int | None, nbytes: int) -> None:
     # The kernel zero-fills the pages in one call, no fault per page; the copy then only copies.
     _madvise(dst, nbytes, MADV_POPULATE_WRITE)
-    ctypes.memmove(dst, src, nbytes)
+    if src is not None:
+        ctypes.memmove(dst, src, nbytes)
 
 
 def _threads(tasks: int) -> int:
@@ -134,4 +195,5 @@ def _log_fallback_once(err: BaseException) -> None:
     global _fallback_logged
     if not _fallback_logged:
         _fallback_logged = True
-        logger.info("KV cache: the memfd path is unavailable (%s); using torch's share_memory_()", err)
+        logger.info("KV cache: the memfd path is unavailable (%s); using torch's own allocation and "
+                    "share_memory_()", err)
