@@ -127,7 +127,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         register_s, register_cpu_s = time.perf_counter() - wall, cpu_seconds() - cpu
         assert torch.equal(chunk_pages(kv, STORED), chunk), "registration changed the cache's bytes"
         round_trip(spec["url"], worker, [hashlib.sha256(os.urandom(16)).digest() for _ in STORED])
-        assert torch.equal(chunk_pages(kv, RETRIEVED), chunk), "the retrieved chunk differs from the stored one"
+        assert torch.equal(chunk_pages(kv, RETRIEVED), chunk), "the retrieved chunk is not the stored one"
     finally:
         worker.shutdown()
     return {"allocate_s": allocate_s, "register_s": register_s, "register_cpu_s": register_cpu_s, "log": logs}
@@ -223,7 +223,7 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
     colors = ["#999", "#d62728", "#1f77b4", "#2ca02c"]
     fig, ax = plt.subplots(figsize=(7, 3.5))
     width = 0.8 / len(labels)
-    for i, (size, row) in enumerate(results.items()):
+    for i, row in enumerate(results.values()):
         values = [row["memset_s"] / row["gib"]] + [row[p]["register_s"] / row["gib"] if p in row else 0
                                                     for p in PATHS]
         for j, value in enumerate(values):
