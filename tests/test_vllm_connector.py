@@ -202,6 +202,15 @@ def test_engine1_matches_baseline_and_stores_prompt_chunks(engine1: list[list[in
     assert daemon.objects() == STORED_CHUNKS  # full prompt chunks only, each once
 
 
+def test_engine_allocates_its_cpu_cache_in_shared_memory(engine1: list[list[int]], work_dir: Path) -> None:
+    """Issue 12: vLLM allocated its KV cache inside the connector's allocation context, in shared
+    memory from the start, so registering it moved nothing (engine 1's hits and outputs, checked
+    by the other tests, came through that cache)."""
+    log = (work_dir / "engine1.log").read_text(errors="replace")
+    assert "KV cache: " in log and "allocated in shared memory" in log, log[-6000:]
+    assert "moved into shared memory" not in log
+
+
 def test_fresh_engine_loads_chunk_aligned_prefixes(engine1: list[list[int]], tiny_model: Path,
                                                    work_dir: Path, daemon: Daemon,
                                                    baseline: list[list[int]]) -> None:

@@ -21,6 +21,7 @@ the start, and registering it hands over its descriptor without moving anything.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -148,7 +149,9 @@ def _fill(dst: int, src: int | None, nbytes: int) -> None:
     """Fault in [dst, dst+nbytes) and copy src's bytes into it (if any), STEP_BYTES per task."""
     offsets = range(0, nbytes, STEP_BYTES)
     progress = _Progress(nbytes) if nbytes >= PROGRESS_FROM_BYTES else None
-    with ThreadPoolExecutor(_threads(len(offsets)), thread_name_prefix="kv-share") as pool:
+    cpus = _process_cpus()
+    with ThreadPoolExecutor(max(1, min(MAX_THREADS, len(offsets), len(cpus))), thread_name_prefix="kv-share",
+                            initializer=os.sched_setaffinity, initargs=(0, cpus)) as pool:
         futures = [pool.submit(_fill_step, dst + off, None if src is None else src + off,
                                min(STEP_BYTES, nbytes - off)) for off in offsets]
         try:
@@ -168,10 +171,16 @@ def _fill_step(dst: int, src: int | None, nbytes: int) -> None:
         ctypes.memmove(dst, src, nbytes)
 
 
-def _threads(tasks: int) -> int:
-    """As many as this thread may run on, or as torch computes with (vLLM pins its main thread
-    to one core but gives torch several), within MAX_THREADS and the number of tasks."""
-    return max(1, min(MAX_THREADS, tasks, max(len(os.sched_getaffinity(0)), torch.get_num_threads())))
+def _process_cpus() -> set[int]:
+    """The CPUs any thread of this process may run on. vLLM's CPU worker pins each of its compute
+    threads, its main thread included, to a CPU of its own, and threads inherit their creator's
+    pinning: the fill threads are pinned to all of them instead (nothing else runs while the
+    cache is set up)."""
+    cpus = set(os.sched_getaffinity(0))
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # a thread that has exited since the listing
+            cpus |= os.sched_getaffinity(int(task))
+    return cpus
 
 
 class _Progress:
