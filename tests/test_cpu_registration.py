@@ -111,23 +111,36 @@ def test_registration_moves_the_cache_into_a_memfd_in_place(daemon: DaemonProces
 
 
 @pytest.mark.daemon_args(*DAEMON_ARGS)
-@pytest.mark.parametrize("refused", ["memfd_create", "madvise"])
+@pytest.mark.parametrize("refused", ["memfd_create", "madvise", "madvise midway"])
 def test_fallback_to_torch_when_the_memfd_path_is_refused(daemon: DaemonProcess,
                                                           worker: LMCacheMPWorkerAdapter,
                                                           caplog: pytest.LogCaptureFixture,
                                                           monkeypatch: pytest.MonkeyPatch,
                                                           refused: str) -> None:
     """The kernel refuses (ENOSYS from memfd_create, as under a seccomp filter; EINVAL from madvise,
-    as before Linux 5.14, after the memfd exists): the storage is left as it was, torch moves it,
-    and the reason is logged once."""
+    as before Linux 5.14, once the memfd exists; or ENOMEM halfway through the move, after steps
+    were copied and released from the old memory): the storage is left as it was, torch moves
+    it, and the reason is logged once."""
+    real_madvise = shm_move._madvise
+    populates, releases = [], []
 
-    def refuse(*_args: object) -> None:
-        raise OSError(errno.ENOSYS if refused == "memfd_create" else errno.EINVAL, "refused by the test")
+    def madvise(address: int, nbytes: int, advice: int) -> None:
+        if advice == shm_move.MADV_POPULATE_WRITE:
+            populates.append(address)
+            if refused == "madvise" or len(populates) > 4:
+                raise OSError(errno.EINVAL if refused == "madvise" else errno.ENOMEM, "refused by the test")
+        else:
+            releases.append(address)
+        real_madvise(address, nbytes, advice)
+
+    def no_memfd(*_args: object) -> None:
+        raise OSError(errno.ENOSYS, "refused by the test")
 
     if refused == "memfd_create":
-        monkeypatch.setattr(os, "memfd_create", refuse)
+        monkeypatch.setattr(os, "memfd_create", no_memfd)
     else:
-        monkeypatch.setattr(shm_move, "_madvise", refuse)
+        monkeypatch.setattr(shm_move, "_madvise", madvise)
+        monkeypatch.setattr(shm_move, "STEP_BYTES", 64 << 10)  # 8 steps for these 512 KiB
     monkeypatch.setattr(shm_move, "_fallback_logged", False)
     caches = make_caches(SHAPE, torch.bfloat16, LAYERS, seed=2)
     with caplog.at_level(logging.INFO, logger=MOVE_LOG):
@@ -137,6 +150,8 @@ def test_fallback_to_torch_when_the_memfd_path_is_refused(daemon: DaemonProcess,
     messages = [r.getMessage() for r in caplog.records]
     assert sum("memfd path is unavailable" in m and "refused by the test" in m for m in messages) == 1
     assert sum(m.endswith(f"{shm_move.TORCH_PATH})") for m in messages) == 2
+    if refused == "madvise midway":
+        assert releases, "no step was released before the failure: the case tests nothing"
 
 
 @pytest.mark.daemon_args(*DAEMON_ARGS)

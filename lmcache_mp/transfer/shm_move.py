@@ -6,7 +6,8 @@ one copy loop. Here, instead: a memfd of the storage's size, mapped by torch its
 (`_new_shared_fd_cpu`, so it is an ordinary torch shared storage afterwards: `is_shared()`,
 `_share_fd_cpu_()`, unmapped and closed when freed), faulted in by the kernel
 (MADV_POPULATE_WRITE) and filled with the storage's bytes, in steps spread over threads (ctypes
-calls let go of the GIL), then the two storages swap their memory (`_swap_data_ptr_`, the same
+calls let go of the GIL), each step's old pages given back to the kernel once copied (so the move
+needs the cache's size once, not twice), then the two storages swap their memory (`_swap_data_ptr_`, the same
 in-place swap torch's share path makes) and the old memory is freed with the temporary storage.
 No name is ever linked in /dev/shm, and the kernel frees the memfd once no process maps it.
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import mmap
 import os
 import time
 from collections.abc import Callable
@@ -106,7 +108,8 @@ def _shared_zeros(size: torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
     started = time.monotonic()
     try:
         storage = _new_memfd_storage(nbytes)
-        _fill(storage.data_ptr(), None, nbytes)
+        address = storage.data_ptr()
+        _run_steps(nbytes, lambda offset, n: _madvise(address + offset, n, MADV_POPULATE_WRITE))
     except (OSError, RuntimeError) as err:
         _log_fallback_once(err)
         return None
@@ -130,7 +133,14 @@ def _fast_path_missing(storage: torch.UntypedStorage) -> str | None:
 def _move_fast(storage: torch.UntypedStorage) -> None:
     nbytes = storage.nbytes()
     shared = _new_memfd_storage(nbytes)
-    _fill(shared.data_ptr(), storage.data_ptr(), nbytes)
+    src, dst = storage.data_ptr(), shared.data_ptr()
+    released: list[int] = []  # steps copied, then released from the old memory (their offsets)
+    try:
+        _run_steps(nbytes, lambda offset, n: _move_step(dst, src, offset, n, released))
+    except BaseException:
+        for offset in released:  # a failed move leaves the storage as it found it
+            ctypes.memmove(src + offset, dst + offset, min(STEP_BYTES, nbytes - offset))
+        raise
     storage._swap_data_ptr_(shared)
     # `shared` now holds the old memory, freed with it here.
 
@@ -145,15 +155,15 @@ def _new_memfd_storage(nbytes: int) -> torch.UntypedStorage:
         os.close(fd)
 
 
-def _fill(dst: int, src: int | None, nbytes: int) -> None:
-    """Fault in [dst, dst+nbytes) and copy src's bytes into it (if any), STEP_BYTES per task."""
+def _run_steps(nbytes: int, step: Callable[[int, int], None]) -> None:
+    """`step(offset, n)` over [0, nbytes) in STEP_BYTES pieces, spread over threads; raises the
+    first failure once every running step has ended (the rest are cancelled)."""
     offsets = range(0, nbytes, STEP_BYTES)
     progress = _Progress(nbytes) if nbytes >= PROGRESS_FROM_BYTES else None
     cpus = _process_cpus()
     with ThreadPoolExecutor(max(1, min(MAX_THREADS, len(offsets), len(cpus))), thread_name_prefix="kv-share",
                             initializer=os.sched_setaffinity, initargs=(0, cpus)) as pool:
-        futures = [pool.submit(_fill_step, dst + off, None if src is None else src + off,
-                               min(STEP_BYTES, nbytes - off)) for off in offsets]
+        futures = [pool.submit(step, offset, min(STEP_BYTES, nbytes - offset)) for offset in offsets]
         try:
             for future in as_completed(futures):
                 future.result()
@@ -164,11 +174,27 @@ def _fill(dst: int, src: int | None, nbytes: int) -> None:
             raise
 
 
-def _fill_step(dst: int, src: int | None, nbytes: int) -> None:
+def _move_step(dst: int, src: int, offset: int, nbytes: int, released: list[int]) -> None:
     # The kernel zero-fills the pages in one call, no fault per page; the copy then only copies.
-    _madvise(dst, nbytes, MADV_POPULATE_WRITE)
-    if src is not None:
-        ctypes.memmove(dst, src, nbytes)
+    _madvise(dst + offset, nbytes, MADV_POPULATE_WRITE)
+    ctypes.memmove(dst + offset, src + offset, nbytes)
+    if _release(src + offset, nbytes):
+        released.append(offset)
+
+
+def _release(address: int, nbytes: int) -> bool:
+    """Give the whole pages of [address, address + nbytes) back to the kernel (they read as zeros
+    then), so that a move holds the old and the new memory at once one step at a time, not the
+    whole cache twice. Partial pages at the ends may hold the allocator's own data: kept."""
+    start = -(-address // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (address + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end <= start:
+        return False
+    try:
+        _madvise(start, end - start, mmap.MADV_DONTNEED)
+    except OSError:  # e.g. locked memory: it is freed after the swap instead
+        return False
+    return True
 
 
 def _process_cpus() -> set[int]:
