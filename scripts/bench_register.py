@@ -181,6 +181,9 @@ def measure(url: str, sizes: list[float], repeats: int) -> dict[str, dict[str, A
         samples: dict[str, list[dict[str, Any]]] = {path: [] for path in PATHS}
         baseline: list[float] = []
         for _ in range(repeats):
+            if nbytes / 2**30 + SPARE_GIB > available_gib():
+                print(f"skipped {size:g} GiB: {available_gib():.1f} GiB available", flush=True)
+                break
             baseline.append(memset_s(nbytes))
             for path in PATHS:
                 if needed_gib(path, size) > available_gib():
@@ -189,6 +192,8 @@ def measure(url: str, sizes: list[float], repeats: int) -> dict[str, dict[str, A
                     continue
                 samples[path].append(run_child(url, path, nbytes))
                 print(f"  {size:g} GiB {path}: {samples[path][-1]['register_s']:.2f} s", flush=True)
+        if not baseline:
+            continue
         gib = nbytes / 2**30
         row: dict[str, Any] = {"gib": gib, "memset_s": statistics.median(baseline)}
         for path, runs in samples.items():
