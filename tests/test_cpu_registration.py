@@ -190,3 +190,17 @@ def test_allocation_mode_passes_other_zeros_through() -> None:
     assert not empty.untyped_storage().is_shared() and not with_grad.untyped_storage().is_shared()
     assert with_grad.requires_grad
 
+
+
+def test_large_move_logs_progress(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Caches from PROGRESS_FROM_BYTES up say how far they are while they move (made small here)."""
+    monkeypatch.setattr(shm_move, "STEP_BYTES", 64 << 10)
+    monkeypatch.setattr(shm_move, "PROGRESS_FROM_BYTES", 1 << 20)
+    monkeypatch.setattr(shm_move, "PROGRESS_EVERY_S", 0.0)
+    data = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8)
+    before = data.clone()
+    with caplog.at_level(logging.INFO, logger=MOVE_LOG):
+        assert shm_move.move_to_shared_memory(data.untyped_storage()) == shm_move.FAST_PATH
+    assert torch.equal(data, before)
+    progress = [r.getMessage() for r in caplog.records if "GiB in shared memory" in r.getMessage()]
+    assert len(progress) == 15, progress  # after each of 16 steps but the last
