@@ -1,15 +1,15 @@
-"""Moving a worker's CPU KV cache into shared memory, in place and fast.
+"""Moving a worker's CPU KV cache into shared memory in place, or allocating it there.
 
-torch's `share_memory_()` does it in place (the storage's memory is swapped, so every tensor and
-view of it keeps working), but it faults the new shared memory in 4 KiB page by 4 KiB page from
-one copy loop. Here, instead: a memfd of the storage's size, mapped by torch itself
+torch's `share_memory_()` moves a storage in place (its memory is swapped, so every tensor and view
+of it keeps working), but it holds the whole cache twice meanwhile, and its copy takes a page fault
+per 4 KiB page. Here, instead: a memfd of the storage's size, mapped by torch itself
 (`_new_shared_fd_cpu`, so it is an ordinary torch shared storage afterwards: `is_shared()`,
 `_share_fd_cpu_()`, unmapped and closed when freed), faulted in by the kernel
-(MADV_POPULATE_WRITE) and filled with the storage's bytes, in steps spread over threads (ctypes
+(MADV_POPULATE_WRITE) and filled with the storage's bytes in steps spread over threads (ctypes
 calls let go of the GIL), each step's old pages given back to the kernel once copied (so the move
-needs the cache's size once, not twice), then the two storages swap their memory (`_swap_data_ptr_`, the same
-in-place swap torch's share path makes) and the old memory is freed with the temporary storage.
-No name is ever linked in /dev/shm, and the kernel frees the memfd once no process maps it.
+needs the cache's size once, not twice); then the two storages swap their memory
+(`_swap_data_ptr_`, the in-place swap torch's share path makes too). No name is ever linked in
+/dev/shm, and the kernel frees the memfd once no process maps it.
 
 Where any of that is missing or refused (an older torch or kernel, a seccomp filter), torch's
 `share_memory_()` runs instead, and the reason is logged once.
@@ -137,11 +137,11 @@ def _move_fast(storage: torch.UntypedStorage) -> None:
     released: list[int] = []  # steps copied, then released from the old memory (their offsets)
     try:
         _run_steps(nbytes, lambda offset, n: _move_step(dst, src, offset, n, released))
+        storage._swap_data_ptr_(shared)
     except BaseException:
         for offset in released:  # a failed move leaves the storage as it found it
             ctypes.memmove(src + offset, dst + offset, min(STEP_BYTES, nbytes - offset))
         raise
-    storage._swap_data_ptr_(shared)
     # `shared` now holds the old memory, freed with it here.
 
 
