@@ -211,6 +211,20 @@ def test_engine_allocates_its_cpu_cache_in_shared_memory(engine1: list[list[int]
     assert "moved into shared memory" not in log
 
 
+def test_engine_whose_cache_is_moved_serves_and_loads(engine1: list[list[int]], tiny_model: Path,
+                                                     work_dir: Path, daemon: Daemon,
+                                                     baseline: list[list[int]]) -> None:
+    """Issue 12: without the allocation context, registering moves vLLM's own CPU cache into a memfd
+    in place: vLLM's tensors keep serving (outputs as the baseline's) and the loads land in them."""
+    spec = engine_spec(tiny_model, daemon, [PROMPTS], connector_module="tests.vllm_moving_connector")
+    (outputs,) = run_engine(spec, work_dir / "engine-moved.log")
+    assert cached(outputs) == HITS
+    assert tokens(outputs) == baseline[: len(PROMPTS)]
+    log = (work_dir / "engine-moved.log").read_text(errors="replace")
+    assert "moved into shared memory" in log and "s/GiB, memfd)" in log, log[-6000:]
+    assert "allocated in shared memory" not in log
+
+
 def test_fresh_engine_loads_chunk_aligned_prefixes(engine1: list[list[int]], tiny_model: Path,
                                                    work_dir: Path, daemon: Daemon,
                                                    baseline: list[list[int]]) -> None:

@@ -4,7 +4,8 @@
 
 SPEC: model, dtype, block_size, num_blocks (KV cache size; registering the cache with the
 daemon moves it into shared memory, so small is quick), max_tokens, prefix_caching (bool),
-connector (null, or the `kv_connector_extra_config` for LMCacheMPDaemonConnector), rounds
+connector (null, or the `kv_connector_extra_config` for LMCacheMPDaemonConnector), connector_module
+(optional: another module holding a class of that name, instead of `vllm_adapter.connector`), rounds
 (a list of rounds, each a list of prompts, each a list of token ids), barrier_dir (optional:
 before round i > 0, wait until the file `go-i` exists there, so a test can act between
 rounds).
@@ -41,6 +42,8 @@ def engine_args(spec: dict[str, Any]) -> dict[str, Any]:
     }
     if spec.get("connector") is not None:
         args["kv_transfer_config"] = kv_transfer_config(spec["connector"])
+        if spec.get("connector_module"):
+            args["kv_transfer_config"]["kv_connector_module_path"] = spec["connector_module"]
     return args
 
 
