@@ -11,11 +11,13 @@ import statistics
 import sys
 import threading
 import time
+from pathlib import Path
 
 import msgspec
 
-from lmcache_mp import __version__, config
+from lmcache_mp import __version__, config, settings
 from lmcache_mp.errors import LMCacheMPError
+from lmcache_mp.logs import configure_logging
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import RequestType
 
@@ -39,56 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the daemon in the foreground",
                            description="Run the KV-cache daemon until SIGTERM or SIGINT.")
-    serve.add_argument("--listen", action="append", metavar="URL",
-                       help="endpoint to bind; repeat for several. ipc://PATH (a Unix socket, "
-                            "created mode 0600) or tcp://127.0.0.1:PORT. "
-                            f"Default: {config.default_url()}")
-    serve.add_argument("--allow-remote", action="store_true",
-                       help="allow binding TCP addresses other than loopback. The daemon has "
-                            "no authentication: only do this on a trusted network")
-    serve.add_argument("--chunk-size", type=int, default=config.DEFAULT_CHUNK_SIZE,
-                       help="tokens per stored chunk; must be a multiple of vLLM's block size "
-                            "(default: %(default)s)")
-    serve.add_argument("--l1-size-gb", type=float, default=config.DEFAULT_L1_SIZE_GB,
-                       help="CPU memory pool size in GiB, allocated once at start "
-                            "(default: %(default)s)")
-    serve.add_argument("--l2", action="append", default=[], metavar="URL",
-                       help="a storage tier below the CPU pool; repeat for several, fastest first. "
-                            "disk:///ABS/PATH?size_gb=N: a local (NVMe) directory, kept across "
-                            "restarts, LRU-evicted beyond N GiB, locked against a second daemon. "
-                            "redis://[:PASSWORD@]HOST:PORT/DB (rediss:// for TLS), "
-                            "redis+cluster://HOST:PORT[,HOST:PORT...]: Valkey/Redis, shared by a fleet "
-                            "(?prefix=NAME namespaces keys, ?ttl_s=S expires them). "
-                            "lmcache://HOST:PORT: a v1 remote server. Network tiers take ?timeout_s=T "
-                            "(default 1) and turn failures into misses, retried in the background. "
-                            "Chunks are written behind STOREs and read back (verified) by LOOKUPs")
-    serve.add_argument("--l2-queue-gb", type=float, default=None,
-                       help="write-behind queue per lower tier: chunks waiting to be written stay "
-                            "pinned in the CPU pool up to this size; past it, new chunks are not "
-                            "written to that tier (counted as skipped). Default: a quarter of "
-                            "--l1-size-gb")
-    serve.add_argument("--lease-ttl-s", type=float, default=config.DEFAULT_LEASE_TTL_S,
-                       help="seconds a LOOKUP keeps its hits leased for the RETRIEVE that "
-                            "follows, if the client never retrieves or ends the session "
-                            "(default: %(default)s)")
-    serve.add_argument("--max-workers", type=int, default=config.DEFAULT_MAX_WORKERS,
-                       help="threads that run copies and registrations (default: %(default)s)")
-    serve.add_argument("--max-queued-requests", type=int,
-                       default=config.DEFAULT_MAX_QUEUED_REQUESTS,
-                       help="requests waiting for a worker thread before new ones are refused "
-                            "with OVERLOADED (default: %(default)s)")
-    serve.add_argument("--queue-deadline-s", type=float, default=config.DEFAULT_QUEUE_DEADLINE_S,
-                       help="a queued request not started within this many seconds is refused "
-                            "with OVERLOADED instead of run late; keep it below the clients' "
-                            "timeout (default: %(default)s)")
-    serve.add_argument("--metrics-port", type=int, default=0,
-                       help="serve Prometheus metrics over HTTP on this port (default: off)")
-    serve.add_argument("--metrics-host", default="127.0.0.1",
-                       help="address for the metrics endpoint; non-loopback needs --allow-remote "
-                            "(default: %(default)s)")
-    serve.add_argument("--log-level", default="INFO",
-                       choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                       help="log verbosity (default: %(default)s)")
+    serve.add_argument("--config", type=Path, metavar="PATH",
+                       help="read settings from this TOML file (keys as in --print-config). "
+                            "Precedence: flag > environment (LMCACHE_MP_<SETTING>) > file > default")
+    serve.add_argument("--print-config", action="store_true",
+                       help="print the settings in effect as a TOML file and exit")
+    settings.add_flags(serve, config.ServerConfig)
     serve.set_defaults(func=cmd_serve)
 
     ping = sub.add_parser("ping", help="measure the round trip to a daemon and show who it is",
@@ -107,25 +65,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from lmcache_mp.daemon import Daemon
+    try:
+        cfg = settings.resolve(config.ServerConfig, args, config_file=args.config)
+        if args.print_config:
+            print(settings.to_toml(cfg), end="")
+            return 0
+        cfg.validate()
+    except ValueError as err:
+        print(f"lmcache-mp serve: cannot start: {err}", file=sys.stderr)
+        return 2
+    configure_logging(cfg.log_level, cfg.log_format)
+    from lmcache_mp.daemon import Daemon  # torch and the engine: only once the settings are good
     from lmcache_mp.storage.tiers import redact_url
 
-    logging.basicConfig(level=args.log_level,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = config.ServerConfig(
-        listen=args.listen or [config.default_url()],
-        chunk_size=args.chunk_size,
-        l1_size_gb=args.l1_size_gb,
-        lease_ttl_s=args.lease_ttl_s,
-        max_workers=args.max_workers,
-        max_queued_requests=args.max_queued_requests,
-        queue_deadline_s=args.queue_deadline_s,
-        allow_remote=args.allow_remote,
-        metrics_host=args.metrics_host,
-        metrics_port=args.metrics_port,
-        l2=args.l2,
-        l2_queue_gb=args.l2_queue_gb,
-    )
     try:
         daemon = Daemon(cfg)
     except (ValueError, OSError) as err:

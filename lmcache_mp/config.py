@@ -1,4 +1,4 @@
-"""Daemon settings, default locations, and the checks that keep endpoints private."""
+"""Daemon settings, default locations, and the checks that keep endpoints private and free."""
 
 from __future__ import annotations
 
@@ -6,9 +6,13 @@ import fcntl
 import ipaddress
 import os
 import socket
-from dataclasses import dataclass, field
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
+
+from lmcache_mp.settings import check as check_settings
+from lmcache_mp.settings import setting
 
 DEFAULT_CHUNK_SIZE = 256
 DEFAULT_L1_SIZE_GB = 1.0
@@ -125,42 +129,156 @@ def check_endpoint(url: str, allow_remote: bool) -> None:
         )
 
 
+def check_free(url: str) -> None:
+    """Refuse, before anything starts, a TCP port another process holds, or an ipc:// path in
+    a directory we may not create sockets in. (A live daemon on the same ipc:// path is found
+    later, by `claim_socket_path`, which can tell it from a stale socket.)"""
+    path = ipc_path(url)
+    if path is not None:
+        check_writable_directory(path.parent, f"the socket directory of {url}")
+        return
+    parts = urlsplit(url)
+    family = socket.AF_INET6 if ":" in (parts.hostname or "") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((parts.hostname, parts.port))
+        except OSError as err:
+            raise ValueError(f"cannot listen on {url}: {err.strerror}; choose another port or stop "
+                             "the process that holds it") from None
+
+
+def check_writable_directory(path: Path, what: str) -> None:
+    """`path` exists as a writable directory, or can be created (its nearest existing ancestor
+    is a writable directory)."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:  # by trying, not by os.access: root passes access checks on read-only mounts (/proc)
+        if not existing.is_dir():
+            raise NotADirectoryError
+        fd, probe = tempfile.mkstemp(prefix=".lmcache-mp-probe-", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError:
+        raise ValueError(f"{what} ({path}) is not writable by this user: fix its permissions or "
+                         "choose another path") from None
+
+
+def check_tier_directory(url: str) -> None:
+    """A disk tier's directory must be writable; other tiers are checked when they connect."""
+    parts = urlsplit(url)
+    if parts.scheme == "disk" and parts.path.startswith("/"):
+        check_writable_directory(Path(parts.path), f"the disk tier's directory of {url}")
+
+
+def _positive(value: float) -> str | None:
+    return None if value > 0 else "must be positive"
+
+
+def _chunk_size(value: int) -> str | None:
+    if value > 0 and value % 16 == 0:
+        return None
+    return "must be a positive multiple of 16 (vLLM's block sizes are)"
+
+
+def _pool_size(value: float) -> str | None:
+    if value <= 0:
+        return "must be positive"
+    available = available_memory_bytes()
+    if available is not None and value * 2**30 > available:
+        return (f"the machine has only {available / 2**30:.1f} GiB available: lower it "
+                "(the pool is allocated in full)")
+    return None
+
+
+def _port(value: int) -> str | None:
+    return None if 0 <= value <= 65535 else "must be a TCP port (1-65535), or 0 for none"
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 @dataclass
 class ServerConfig:
-    listen: list[str] = field(default_factory=lambda: [default_url()])
-    chunk_size: int = DEFAULT_CHUNK_SIZE
-    l1_size_gb: float = DEFAULT_L1_SIZE_GB
-    lease_ttl_s: float = DEFAULT_LEASE_TTL_S
-    max_workers: int = DEFAULT_MAX_WORKERS
-    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
-    queue_deadline_s: float = DEFAULT_QUEUE_DEADLINE_S
-    allow_remote: bool = False
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int = 0  # 0: no metrics endpoint
-    l2: list[str] = field(default_factory=list)  # lower storage tiers, in order (storage/tiers.py)
-    l2_queue_gb: float | None = None  # write-behind queue per tier; None: a quarter of L1
+    """The daemon's settings: each declared once here (see settings.py for the flags, the
+    environment variables and the config file derived from these declarations)."""
+
+    listen: list[str] = setting(
+        lambda: [default_url()],
+        "endpoint to bind; repeat for several. ipc://PATH (a Unix socket, created mode 0600) or "
+        "tcp://127.0.0.1:PORT", metavar="URL",
+        default_text="ipc://$XDG_RUNTIME_DIR/lmcache-mp/daemon.sock (or /tmp/lmcache-mp-$UID/)")
+    allow_remote: bool = setting(
+        False, "allow binding TCP addresses other than loopback. The daemon has no authentication: "
+        "only do this on a trusted network")
+    chunk_size: int = setting(
+        DEFAULT_CHUNK_SIZE, "tokens per stored chunk; a multiple of vLLM's block size", check=_chunk_size)
+    l1_size_gb: float = setting(
+        DEFAULT_L1_SIZE_GB, "CPU memory pool in GiB, prepared (faulted in; pinned with "
+        "cudaHostRegister when CUDA is present) in 1 GiB pieces in the background: the daemon "
+        "answers at once, STOREs find NO_SPACE beyond what is ready", check=_pool_size)
+    l2: list[str] = setting(
+        list, "a storage tier below the CPU pool; repeat for several, fastest first. "
+        "disk:///ABS/PATH?size_gb=N: a local (NVMe) directory, kept across restarts, LRU-evicted "
+        "beyond N GiB, locked against a second daemon. redis://[:PASSWORD@]HOST:PORT/DB (rediss:// "
+        "for TLS), redis+cluster://HOST:PORT[,HOST:PORT...]: Valkey/Redis, shared by a fleet "
+        "(?prefix=NAME namespaces keys, ?ttl_s=S expires them). lmcache://HOST:PORT: a v1 remote "
+        "server. Network tiers take ?timeout_s=T (default 1) and turn failures into misses, retried "
+        "in the background. Chunks are written behind STOREs and read back (verified) by LOOKUPs",
+        metavar="URL")
+    l2_queue_gb: float | None = setting(
+        None, "write-behind queue per lower tier: chunks waiting to be written stay pinned in the "
+        "CPU pool up to this size; past it, new chunks are not written to that tier (counted as "
+        "skipped)", check=_positive, default_text="a quarter of l1_size_gb")
+    lease_ttl_s: float = setting(
+        DEFAULT_LEASE_TTL_S, "seconds a LOOKUP keeps its hits leased for the RETRIEVE that follows, "
+        "if the client never retrieves or ends the session", check=_positive)
+    max_workers: int = setting(
+        DEFAULT_MAX_WORKERS, "threads that run copies and registrations", check=_positive)
+    max_queued_requests: int = setting(
+        DEFAULT_MAX_QUEUED_REQUESTS, "requests waiting for a worker thread before new ones are "
+        "refused with OVERLOADED", check=_positive)
+    queue_deadline_s: float = setting(
+        DEFAULT_QUEUE_DEADLINE_S, "a queued request not started within this many seconds is "
+        "refused with OVERLOADED instead of run late; keep it below the clients' timeout",
+        check=_positive)
+    metrics_port: int = setting(
+        0, "serve Prometheus metrics over HTTP on this port; 0: off", check=_port)
+    metrics_host: str = setting(
+        "127.0.0.1", "address for the metrics endpoint; non-loopback needs allow_remote")
+    log_level: str = setting("INFO", "log verbosity", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    log_format: str = setting(
+        "text", "log lines as text, or one JSON object per line for log shippers",
+        choices=("text", "json"))
 
     @property
     def write_queue_gb(self) -> float:
         return self.l2_queue_gb if self.l2_queue_gb is not None else self.l1_size_gb / 4
 
     def validate(self) -> None:
+        """Every check that can be made before anything starts; ValueError (one line saying
+        what to change) on the first that fails."""
+        check_settings(self)
         if not self.listen:
             raise ValueError("at least one --listen endpoint is needed")
         for url in self.listen:
             check_endpoint(url, self.allow_remote)
-        if self.chunk_size <= 0:
-            raise ValueError("--chunk-size must be positive")
-        if self.l1_size_gb <= 0:
-            raise ValueError("--l1-size-gb must be positive")
-        if self.lease_ttl_s <= 0:
-            raise ValueError("--lease-ttl-s must be positive")
+            check_free(url)
         if self.metrics_port:
-            check_endpoint(f"tcp://{self.metrics_host}:{self.metrics_port}", self.allow_remote)
-        if self.l2_queue_gb is not None and self.l2_queue_gb <= 0:
-            raise ValueError("--l2-queue-gb must be positive")
-        if self.max_workers <= 0 or self.max_queued_requests <= 0 or self.queue_deadline_s <= 0:
-            raise ValueError("--max-workers, --max-queued-requests and --queue-deadline-s must be positive")
+            metrics_url = f"tcp://{self.metrics_host}:{self.metrics_port}"
+            check_endpoint(metrics_url, self.allow_remote)
+            check_free(metrics_url)
+        for url in self.l2:
+            check_tier_directory(url)
 
     @property
     def attach_socket(self) -> Path:
