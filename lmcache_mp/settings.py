@@ -9,8 +9,8 @@ help text and an optional check. From that one declaration come:
 - the README's settings table (`markdown_table`).
 
 Precedence, for every setting: flag > environment > file > default (`resolve`). A value of the
-wrong type, an unknown key in the file or a failed check raises `SettingError`, whose message
-is one line naming the setting and what to change.
+wrong type, an unknown key in the file or a failed check (`check`) raises `SettingError`, whose
+message is one line naming the setting and what to change.
 """
 
 from __future__ import annotations
@@ -117,7 +117,9 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
 
 def resolve(cls: type, flags: argparse.Namespace, environ: Mapping[str, str] | None = None,
             config_file: Path | None = None) -> Any:
-    """Build `cls` from flags > environment > file > defaults, then run every check."""
+    """Build `cls` from flags > environment > file > defaults. Values of the wrong type are
+    refused here; the settings' own checks run in `check` (a config printed for another
+    machine need not pass them here)."""
     environ = os.environ if environ is None else environ
     from_file = _read_toml(cls, config_file) if config_file is not None else {}
     values: dict[str, Any] = {}
@@ -128,9 +130,7 @@ def resolve(cls: type, flags: argparse.Namespace, environ: Mapping[str, str] | N
             values[spec.name] = _from_text(spec, environ[spec.env], f"environment variable {spec.env}")
         elif spec.name in from_file:
             values[spec.name] = from_file[spec.name]
-    settings = cls(**values)
-    check(settings)
-    return settings
+    return cls(**values)
 
 
 def check(settings: Any) -> None:

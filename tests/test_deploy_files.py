@@ -1,19 +1,53 @@
-"""The deployment files in examples/ are consistent with the code they deploy: the compose
-file parses, names the real connector and the socket the daemon image listens on, and every
-path the Dockerfile copies exists. (No container runtime runs in CI; these checks catch the
-drift that breaks such files silently.)"""
+"""The deployment files in examples/ are consistent with the code they deploy: systemd accepts
+the unit and the daemon reads its config file; the compose file parses, names the real
+connector and the socket the daemon image listens on, and every path the Dockerfile copies
+exists. (No container runtime runs in CI; these checks catch the drift that breaks such files
+silently.)"""
 
 from __future__ import annotations
 
 import importlib
 import json
 import re
+import shutil
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
 
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "examples" / "docker"
+SYSTEMD = ROOT / "examples" / "systemd"
+INSTALLED_VENV = "/opt/lmcache-mp/.venv"
+
+
+def test_systemd_accepts_the_unit(tmp_path: Path) -> None:
+    analyze = shutil.which("systemd-analyze")
+    assert analyze, "systemd-analyze is missing: scripts/setup.sh test installs it (Debian package systemd)"
+    unit = (SYSTEMD / "lmcache-mp.service").read_text()
+    assert f"ExecStart={INSTALLED_VENV}/bin/lmcache-mp serve --config /etc/lmcache-mp/config.toml" in unit
+    # As installed, but with this checkout's venv where the unit expects /opt/lmcache-mp's.
+    (tmp_path / "lmcache-mp.service").write_text(unit.replace(INSTALLED_VENV, str(Path(sys.prefix))))
+    out = subprocess.run([analyze, "verify", str(tmp_path / "lmcache-mp.service")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "lmcache-mp.service" not in out.stderr, out.stderr
+    for line in ("Type=notify", "NoNewPrivileges=yes", "ProtectSystem=strict", "LimitMEMLOCK=infinity",
+                 "RuntimeDirectory=lmcache-mp", "Restart=on-failure"):
+        assert f"\n{line}\n" in unit, line
+
+
+def test_the_units_config_file_is_read_and_matches_the_unit() -> None:
+    out = subprocess.run([sys.executable, "-m", "lmcache_mp.cli", "serve", "--config",
+                          str(SYSTEMD / "config.toml"), "--print-config"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    settings = tomllib.loads(out.stdout)
+    runtime_dir = re.search(r"^Environment=LMCACHE_MP_RUNTIME_DIR=(\S+)$",
+                            (SYSTEMD / "lmcache-mp.service").read_text(), re.M)
+    assert runtime_dir is not None and settings["listen"] == [f"ipc://{runtime_dir[1]}/daemon.sock"]
+    assert all(url.startswith("disk:///var/lib/lmcache-mp/") for url in settings["l2"])  # StateDirectory
 
 
 def test_compose_starts_vllm_with_the_real_connector_on_the_daemons_socket() -> None:
