@@ -15,7 +15,7 @@ from pathlib import Path
 
 import msgspec
 
-from lmcache_mp import __version__, config, settings
+from lmcache_mp import __version__, config, sd_notify, settings
 from lmcache_mp.errors import LMCacheMPError
 from lmcache_mp.logs import configure_logging
 from lmcache_mp.mq import MessageQueueClient
@@ -92,9 +92,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logger.info("lmcache-mp %s ready (node-local) pid=%d endpoints=%s chunk_size=%d pool=%.2f GiB%s%s",
                 __version__, os.getpid(), " ".join(daemon.endpoints), cfg.chunk_size, cfg.l1_size_gb,
                 tiers, metrics)
+    sd_notify.notify_when_ready(daemon.readiness, stop)
     while not stop.wait(3600):
         pass
     logger.info("shutting down")
+    sd_notify.notify("STOPPING=1")
     daemon.stop()
     logger.info("stopped")
     return 0

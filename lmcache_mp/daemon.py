@@ -55,6 +55,14 @@ class Daemon:
             raise
         self.endpoints = self.server.endpoints
 
+    def readiness(self) -> tuple[bool, str]:
+        """Whether the daemon is fully usable (its pool prepared), and a line saying so."""
+        status = self.engine.status()
+        if status["pool_ready"]:
+            return True, f"serving on {' '.join(self.endpoints)}"
+        return False, (f"preparing the pool: {status['pool_ready_bytes'] / 2**30:.1f} of "
+                       f"{status['pool_bytes'] / 2**30:.1f} GiB")
+
     def start(self) -> None:
         self.server.start()
 

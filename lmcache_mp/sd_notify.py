@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -32,3 +34,25 @@ def notify(*fields: str) -> bool:
         logger.warning("cannot notify systemd at %s: %s", os.environ["NOTIFY_SOCKET"], err)
         return False
     return True
+
+
+def notify_when_ready(progress: Callable[[], tuple[bool, str]], stop: threading.Event,
+                      interval_s: float = 0.5) -> threading.Thread | None:
+    """Under systemd, a thread that shows `progress()`'s text as the unit's status until it
+    reports ready, then sends READY=1. None outside systemd."""
+    if not os.environ.get("NOTIFY_SOCKET"):
+        return None
+
+    def watch() -> None:
+        while True:
+            ready, text = progress()
+            if ready:
+                notify("READY=1", f"STATUS={text}")
+                return
+            notify(f"STATUS={text}")
+            if stop.wait(interval_s):
+                return
+
+    thread = threading.Thread(target=watch, name="sd-notify", daemon=True)
+    thread.start()
+    return thread

@@ -10,12 +10,15 @@ import importlib
 import json
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
 import yaml
+
+from lmcache_mp.launcher import daemon_status, start_daemon
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "examples" / "docker"
@@ -74,3 +77,24 @@ def test_dockerfile_copies_only_what_exists_and_builds_both_targets() -> None:
     for src in sources:
         assert (ROOT / src).exists(), f"the Dockerfile copies {src}, which is not in the repository"
     assert re.findall(r"^FROM \S+ AS (\w+)$", text, re.M) == ["daemon", "vllm"]
+
+
+def test_readiness_is_notified_once_the_pool_is_ready(short_tmp: Path, monkeypatch) -> None:
+    """systemd's side of Type=notify, played by a datagram socket: READY=1 comes after the
+    pool is prepared (STATUS=... lines before it show progress), STOPPING=1 at SIGTERM."""
+    notify_path = short_tmp / "notify.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as systemd:
+        systemd.bind(str(notify_path))
+        systemd.settimeout(60)
+        monkeypatch.setenv("NOTIFY_SOCKET", str(notify_path))
+        daemon = start_daemon(short_tmp, "--l1-size-gb", "0.5", pool_ready=False)
+        try:
+            messages = [systemd.recv(4096).decode()]
+            while "READY=1" not in messages[-1]:
+                messages.append(systemd.recv(4096).decode())
+            assert daemon_status(daemon.url).pool_ready, "READY=1 before the pool was ready"
+            assert f"STATUS=serving on {daemon.url}" in messages[-1]
+            assert all(m.startswith("STATUS=preparing the pool") for m in messages[:-1]), messages
+        finally:
+            assert daemon.stop() == 0
+        assert systemd.recv(4096) == b"STOPPING=1"
