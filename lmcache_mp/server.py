@@ -72,7 +72,8 @@ class Server:
     def __init__(self, config: ServerConfig, handlers: dict[RequestType, Handler] | None = None,
                  status_extra: Callable[[], dict[str, Any]] | None = None,
                  on_tick: Callable[[], None] | None = None, metrics: Metrics | None = None):
-        config.validate()
+        # The config was validated at start (Daemon): again here, the pool would already be
+        # allocated and the available-memory check would count it against itself.
         self.config = config
         self.metrics = metrics or Metrics()
         self.codec = Codec()
