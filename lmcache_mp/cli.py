@@ -20,6 +20,7 @@ from lmcache_mp.errors import LMCacheMPError
 from lmcache_mp.logs import configure_logging
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import RequestType
+from lmcache_mp.status_text import render_status
 
 logger = logging.getLogger("lmcache_mp")
 
@@ -135,20 +136,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 1
     finally:
         client.close()
-    data = msgspec.to_builtins(report)
     if args.json:
-        print(json.dumps(data, indent=2))
-        return 0
-    tiers = data.pop("tiers")
-    width = max(map(len, data))
-    for name, value in data.items():
-        if isinstance(value, list):
-            value = ", ".join(map(str, value)) or "-"
-        print(f"{name:<{width}}  {value}")
-    for tier in tiers:
-        print(f"\ntier {tier.pop('name')}")
-        for name, value in tier.items():
-            print(f"  {name:<{width}}  {round(value, 3) if isinstance(value, float) else value}")
+        print(json.dumps(msgspec.to_builtins(report), indent=2))
+    else:
+        print(render_status(args.url, report))
     return 0
 
 

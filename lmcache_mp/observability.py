@@ -77,6 +77,8 @@ class Metrics:
             self.retrieve_chunks.labels(result)
         for direction in ("store", "retrieve"):
             self.bytes.labels(direction)
+        self.lookup_chunks_total = 0
+        self.lookup_hits_total = 0
 
     def watch(self, read: Callable[[], dict[str, float]],
               read_tiers: Callable[[], dict[str, dict[str, float]]]) -> None:
@@ -90,6 +92,8 @@ class Metrics:
         self.latency.labels(request_type.name).observe(seconds)
 
     def looked_up(self, asked: int, hits: int) -> None:
+        self.lookup_chunks_total += asked  # plain totals too, for STATUS's hit rate
+        self.lookup_hits_total += hits
         self.lookup_chunks.labels("hit").inc(hits)
         self.lookup_chunks.labels("miss").inc(asked - hits)
 

@@ -133,6 +133,19 @@ class RetrieveResult(msgspec.Struct, array_like=True, gc=False):
         return self.ok
 
 
+class InstanceInfo(msgspec.Struct, gc=False):
+    """A registered worker, as STATUS shows it."""
+
+    instance_id: int
+    model_name: str
+    world_size: int
+    worker_id: int
+    layout: str
+    num_layers: int
+    num_blocks: int
+    kv_bytes: int  # the registered KV cache's size
+
+
 class StatusReport(msgspec.Struct, gc=False):
     server_version: str
     protocol_version: int
@@ -147,6 +160,10 @@ class StatusReport(msgspec.Struct, gc=False):
     pool_ready: bool = False
     objects: int = 0
     registered_instances: list[int] = []
+    instances: list[InstanceInfo] = []
+    # LOOKUP's chunks asked for and found since start: the hit rate
+    lookup_chunks_total: int = 0
+    lookup_hits_total: int = 0
     sessions: int = 0
     leases: int = 0
     # STOREs and RETRIEVEs copying, per (instance, request), and those pairs remembered as

@@ -27,7 +27,7 @@ from lmcache_mp.custom_types import CudaIPCWrapper, KVCache, SharedMemoryTensor
 from lmcache_mp.distributed.api import rank_of
 from lmcache_mp.errors import ServerError
 from lmcache_mp.keys import invalid
-from lmcache_mp.protocol import ErrorCode, KVCacheRegistration, RegisterReply
+from lmcache_mp.protocol import ErrorCode, InstanceInfo, KVCacheRegistration, RegisterReply
 from lmcache_mp.storage.base import ChunkFormat
 from lmcache_mp.transfer.context import TransferContext
 from lmcache_mp.transfer.layouts import describe_caches
@@ -193,6 +193,18 @@ class Registry:
     def instance_ids(self) -> list[int]:
         with self._lock:
             return sorted(self._instances)
+
+    def describe(self) -> list[InstanceInfo]:
+        """Every registered instance, for STATUS."""
+        with self._lock:
+            instances = sorted(self._instances.values(), key=lambda inst: inst.instance_id)
+        infos = []
+        for inst in instances:
+            reg, geometry = inst.registration, inst.context.geometry
+            infos.append(InstanceInfo(inst.instance_id, reg.model_name, reg.world_size, reg.worker_id,
+                                      geometry.layout.name, geometry.num_layers, geometry.num_blocks,
+                                      geometry.cache_nbytes))
+        return infos
 
     @property
     def num_attach_channels(self) -> int:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import re
 import socket
+import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -55,6 +57,8 @@ def test_metrics_endpoint_counts_the_data_path(short_tmp: Path) -> None:
             worker.submit_retrieve_request("r", LoadStoreOp(list(range(10, 16)), block_hashes=hashes), None)
             wait_done(worker, "r", retrieve=True)
             after = scrape(port)
+            shown = subprocess.run([sys.executable, "-m", "lmcache_mp.cli", "status", "--url", daemon.url],
+                                   capture_output=True, text=True, timeout=60).stdout
         finally:
             worker.shutdown()
             scheduler.shutdown()
@@ -69,6 +73,9 @@ def test_metrics_endpoint_counts_the_data_path(short_tmp: Path) -> None:
         assert after['lmcache_mp_request_seconds_count{type="LOOKUP"}'] == 2
         assert after["lmcache_mp_pool_objects"] == 3
         assert after["lmcache_mp_registered_instances"] == 1
+        # `lmcache-mp status`, as an operator reads it: the hit rate and the registered worker
+        assert "lookups   5 chunks asked, 3 found: hit rate 60.0%" in shown, shown
+        assert re.search(r"^  \d+ +m +0/1 +CPU_ATTN +2 +64 ", shown, re.M), shown
     finally:
         assert daemon.stop() == 0
 
