@@ -61,6 +61,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_url(status)
     status.add_argument("--json", action="store_true", help="print machine-readable JSON")
     status.set_defaults(func=cmd_status)
+    clear = sub.add_parser("clear", help="empty a daemon's CPU pool (and, with --tiers, its lower tiers)",
+                           description="Drop every chunk from the daemon's CPU pool (chunks under "
+                                       "lease or being written stay). With --tiers, also every chunk "
+                                       "of the daemon's namespace in each lower tier, all models: "
+                                       "shared tiers are emptied for every daemon that uses them.")
+    _add_url(clear)
+    clear.add_argument("--tiers", action="store_true",
+                       help="also empty the lower tiers (disk, Redis); a v1 server cannot be emptied")
+    clear.set_defaults(func=cmd_clear, timeout=60.0)
     _add_remote_server(sub)
     return parser
 
@@ -141,6 +150,24 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         print(render_status(args.url, report))
     return 0
+
+
+def cmd_clear(args: argparse.Namespace) -> int:
+    client = MessageQueueClient(args.url)
+    try:
+        client.handshake("lmcache-mp clear", timeout_s=args.timeout)
+        dropped = client.submit(RequestType.CLEAR, []).result(args.timeout)
+        tiers = client.submit(RequestType.CLEAR_TIERS, []).result(args.timeout) if args.tiers else []
+    except LMCacheMPError as err:
+        print(f"clear failed at {args.url}: {err}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    print(f"CPU pool: {dropped:,} chunks dropped")
+    for tier in tiers:
+        outcome = f"not cleared: {tier.error}" if tier.error else f"{tier.removed:,} chunks removed"
+        print(f"{tier.name}: {outcome}")
+    return 1 if any(tier.error for tier in tiers) else 0
 
 
 def _add_remote_server(sub: argparse._SubParsersAction) -> None:

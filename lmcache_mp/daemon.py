@@ -43,6 +43,7 @@ class Daemon:
             RequestType.RETRIEVE: e.retrieve,
             RequestType.CANCEL_TRANSFERS: e.cancel_transfers,
             RequestType.CLEAR: e.clear,
+            RequestType.CLEAR_TIERS: e.clear_tiers,
         }
         try:
             self.server = Server(config, handlers, status_extra=e.status, on_tick=e.tick,

@@ -36,6 +36,7 @@ from lmcache_mp.protocol import (
     StoreResult,
 )
 from lmcache_mp.registry import Instance, Registry
+from lmcache_mp.storage.base import TierCleared
 from lmcache_mp.storage.manager import Hits, RankSpec, StorageManager
 from lmcache_mp.storage.pool import MemoryPool, PoolObject, ReserveFailure
 from lmcache_mp.storage.tiers import open_tier, redact_url
@@ -301,6 +302,9 @@ class Engine:
 
     def clear(self) -> int:
         return self.storage.clear()
+
+    def clear_tiers(self) -> list[TierCleared]:
+        return self.storage.clear_tiers()
 
     def tick(self) -> None:
         self.leases.expire()
