@@ -16,6 +16,7 @@ from pathlib import Path
 import msgspec
 
 from lmcache_mp import __version__, config, sd_notify, settings
+from lmcache_mp.curve import ClientCurve, generate_keys
 from lmcache_mp.errors import LMCacheMPError
 from lmcache_mp.logs import configure_logging
 from lmcache_mp.mq import MessageQueueClient
@@ -30,6 +31,19 @@ def _add_url(parser: argparse.ArgumentParser) -> None:
                         help="daemon endpoint, ipc://PATH or tcp://HOST:PORT (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=5.0,
                         help="seconds to wait for each reply (default: %(default)s)")
+    parser.add_argument("--server-key", type=Path, metavar="PATH",
+                        help="the daemon's CURVE public key file (NAME.key), for a daemon that "
+                             "requires authentication; with --client-key")
+    parser.add_argument("--client-key", type=Path, metavar="PATH",
+                        help="this client's CURVE secret key file (NAME.key_secret), whose public "
+                             "key the daemon allows")
+
+
+def _client(args: argparse.Namespace) -> MessageQueueClient:
+    if (args.server_key is None) != (args.client_key is None):
+        raise SystemExit("lmcache-mp: --server-key and --client-key go together")
+    curve = ClientCurve(args.server_key, args.client_key) if args.server_key else None
+    return MessageQueueClient(args.url, curve=curve)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,6 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
     clear.add_argument("--tiers", action="store_true",
                        help="also empty the lower tiers (disk, Redis); a v1 server cannot be emptied")
     clear.set_defaults(func=cmd_clear, timeout=60.0)
+    keygen = sub.add_parser("keygen", help="make a CURVE key pair (for the daemon or a client)",
+                            description="Write NAME.key (the public key: give it to the other side) "
+                                        "and NAME.key_secret (keep it; mode 0600) into DIR. The "
+                                        "daemon takes its own secret file (--curve-secret-key) and a "
+                                        "directory of its clients' public files (--curve-allowed-keys); "
+                                        "a client takes the daemon's public file and its own secret one.")
+    keygen.add_argument("dir", type=Path, help="directory to write the two files into")
+    keygen.add_argument("--name", default="lmcache-mp", help="file name stem (default: %(default)s)")
+    keygen.set_defaults(func=cmd_keygen)
     _add_remote_server(sub)
     return parser
 
@@ -113,7 +136,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_ping(args: argparse.Namespace) -> int:
-    client = MessageQueueClient(args.url)
+    client = _client(args)
     try:
         start = time.perf_counter()
         hello = client.handshake("lmcache-mp ping", timeout_s=args.timeout)
@@ -136,7 +159,7 @@ def cmd_ping(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    client = MessageQueueClient(args.url)
+    client = _client(args)
     try:
         client.handshake("lmcache-mp status", timeout_s=args.timeout)
         report = client.submit(RequestType.STATUS, []).result(args.timeout)
@@ -153,7 +176,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_clear(args: argparse.Namespace) -> int:
-    client = MessageQueueClient(args.url)
+    client = _client(args)
     try:
         client.handshake("lmcache-mp clear", timeout_s=args.timeout)
         dropped = client.submit(RequestType.CLEAR, []).result(args.timeout)
@@ -168,6 +191,16 @@ def cmd_clear(args: argparse.Namespace) -> int:
         outcome = f"not cleared: {tier.error}" if tier.error else f"{tier.removed:,} chunks removed"
         print(f"{tier.name}: {outcome}")
     return 1 if any(tier.error for tier in tiers) else 0
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    try:
+        public, secret = generate_keys(args.dir, args.name)
+    except OSError as err:
+        print(f"lmcache-mp keygen: {err}", file=sys.stderr)
+        return 1
+    print(f"public key: {public}\nsecret key: {secret}")
+    return 0
 
 
 def _add_remote_server(sub: argparse._SubParsersAction) -> None:

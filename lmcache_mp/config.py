@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from lmcache_mp.curve import ServerCurve
 from lmcache_mp.settings import check as check_settings
 from lmcache_mp.settings import setting
 
@@ -104,8 +105,9 @@ def _in_use(path: Path, what: str) -> SocketInUseError:
                             "stop that daemon first or choose another --listen path")
 
 
-def check_endpoint(url: str, allow_remote: bool) -> None:
-    """Refuse endpoints that would expose the daemon beyond this machine, unless asked."""
+def check_endpoint(url: str, remote_ok: bool) -> None:
+    """Refuse endpoints that would expose the daemon beyond this machine, unless `remote_ok`
+    (its clients authenticate with CURVE, or the operator said the network is trusted)."""
     if url.startswith("ipc://"):
         if not url.removeprefix("ipc://"):
             raise ValueError("an ipc:// endpoint needs a path")
@@ -116,7 +118,7 @@ def check_endpoint(url: str, allow_remote: bool) -> None:
     host = parts.hostname
     if host is None or parts.port is None:
         raise ValueError(f"tcp endpoint {url!r} needs a host and a port")
-    if allow_remote or host == "localhost":
+    if remote_ok or host == "localhost":
         return
     try:
         loopback = ipaddress.ip_address(host).is_loopback
@@ -124,8 +126,9 @@ def check_endpoint(url: str, allow_remote: bool) -> None:
         loopback = False
     if not loopback:
         raise ValueError(
-            f"refusing to listen on {url}: it is not a loopback address. The daemon has no "
-            "authentication; pass --allow-remote to bind it beyond this machine anyway."
+            f"refusing to listen on {url}: it is not a loopback address. Give the daemon CURVE keys "
+            "(--curve-secret-key and --curve-allowed-keys; `lmcache-mp keygen` makes them) so that "
+            "clients must authenticate, or pass --insecure-remote on a trusted network."
         )
 
 
@@ -191,6 +194,14 @@ def _pool_size(value: float) -> str | None:
     return None
 
 
+def _existing_file(value: str) -> str | None:
+    return None if Path(value).is_file() else "no such file"
+
+
+def _existing_directory(value: str) -> str | None:
+    return None if Path(value).is_dir() else "no such directory"
+
+
 def _port(value: int) -> str | None:
     return None if 0 <= value <= 65535 else "must be a TCP port (1-65535), or 0 for none"
 
@@ -217,9 +228,16 @@ class ServerConfig:
         "endpoint to bind; repeat for several. ipc://PATH (a Unix socket, created mode 0600) or "
         "tcp://127.0.0.1:PORT", metavar="URL",
         default_text="ipc://$XDG_RUNTIME_DIR/lmcache-mp/daemon.sock (or /tmp/lmcache-mp-$UID/)")
-    allow_remote: bool = setting(
-        False, "allow binding TCP addresses other than loopback. The daemon has no authentication: "
-        "only do this on a trusted network")
+    curve_secret_key: str | None = setting(
+        None, "the daemon's CURVE secret key file (NAME.key_secret, from `lmcache-mp keygen`): "
+        "clients must then authenticate, on every endpoint, and TCP may listen beyond loopback",
+        check=_existing_file, metavar="PATH", default_text="none (no authentication)")
+    curve_allowed_keys: str | None = setting(
+        None, "directory of the public key files (*.key) of the clients allowed to connect; "
+        "needed with curve_secret_key", check=_existing_directory, metavar="DIR")
+    insecure_remote: bool = setting(
+        False, "allow TCP endpoints beyond loopback WITHOUT authentication: anyone who reaches "
+        "the port can read and write the cache. Only on a trusted network; prefer CURVE")
     chunk_size: int = setting(
         DEFAULT_CHUNK_SIZE, "tokens per stored chunk; a multiple of vLLM's block size", check=_chunk_size)
     l1_size_gb: float = setting(
@@ -254,11 +272,21 @@ class ServerConfig:
     metrics_port: int = setting(
         0, "serve Prometheus metrics over HTTP on this port; 0: off", check=_port)
     metrics_host: str = setting(
-        "127.0.0.1", "address for the metrics endpoint; non-loopback needs allow_remote")
+        "127.0.0.1", "address for the metrics endpoint (counters only: no KV, no secrets); "
+        "0.0.0.0 in a container, for Prometheus to scrape it")
     log_level: str = setting("INFO", "log verbosity", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     log_format: str = setting(
         "text", "log lines as text, or one JSON object per line for log shippers",
         choices=("text", "json"))
+
+    @property
+    def server_curve(self) -> ServerCurve | None:
+        """The CURVE keys clients must authenticate against; None without them."""
+        if (self.curve_secret_key is None) != (self.curve_allowed_keys is None):
+            raise ValueError("CURVE needs both --curve-secret-key and --curve-allowed-keys")
+        if self.curve_secret_key is None or self.curve_allowed_keys is None:
+            return None
+        return ServerCurve(Path(self.curve_secret_key), Path(self.curve_allowed_keys))
 
     @property
     def write_queue_gb(self) -> float:
@@ -270,13 +298,14 @@ class ServerConfig:
         check_settings(self)
         if not self.listen:
             raise ValueError("at least one --listen endpoint is needed")
+        curve = self.server_curve
+        if curve is not None:
+            curve.check()
         for url in self.listen:
-            check_endpoint(url, self.allow_remote)
+            check_endpoint(url, self.insecure_remote or curve is not None)
             check_free(url)
         if self.metrics_port:
-            metrics_url = f"tcp://{self.metrics_host}:{self.metrics_port}"
-            check_endpoint(metrics_url, self.allow_remote)
-            check_free(metrics_url)
+            check_free(f"tcp://{self.metrics_host}:{self.metrics_port}")
         for url in self.l2:
             check_tier_directory(url)
 

@@ -94,7 +94,8 @@ class Server:
         self._drained = threading.Condition(self._queued_lock)  # both counters reached 0
         self._stopping = False
         self._arrivals = 0  # requests read so far
-        self._mq = MessageQueueServer(config.listen, self._on_request, on_tick=self._tick)
+        self._mq = MessageQueueServer(config.listen, self._on_request, on_tick=self._tick,
+                                      curve=config.server_curve)
         self._secure_ipc_files()
         self.endpoints = self._mq.endpoints
 

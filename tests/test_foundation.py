@@ -296,7 +296,7 @@ def test_tcp_loopback_and_refusal_of_public_bind(short_tmp: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "lmcache_mp.cli", "serve", "--listen", "tcp://0.0.0.0:5555"],
         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "--allow-remote" in out.stderr
+    assert out.returncode == 2 and "--insecure-remote" in out.stderr
 
 
 def test_ping_cli(daemon: DaemonProcess, short_tmp: Path) -> None:

@@ -36,15 +36,15 @@ def printed_config(*args: str, env: dict[str, str] | None = None) -> dict:
 def test_flag_beats_environment_beats_file_beats_default(tmp_path: Path) -> None:
     config = tmp_path / "config.toml"
     config.write_text('chunk_size = 512\nmax_workers = 3\nlease_ttl_s = 5\nl2 = ["disk:///var/tmp/a?size_gb=1"]\n'
-                      "allow_remote = true\n")
+                      "insecure_remote = true\n")
     env = {"LMCACHE_MP_CHUNK_SIZE": "1024", "LMCACHE_MP_MAX_WORKERS": "4",
            "LMCACHE_MP_L2": "disk:///var/tmp/b?size_gb=1 disk:///var/tmp/c?size_gb=2"}
-    got = printed_config("--config", str(config), "--chunk-size", "64", "--no-allow-remote", env=env)
+    got = printed_config("--config", str(config), "--chunk-size", "64", "--no-insecure-remote", env=env)
     assert got["chunk_size"] == 64  # flag
     assert got["max_workers"] == 4  # environment over file
     assert got["l2"] == ["disk:///var/tmp/b?size_gb=1", "disk:///var/tmp/c?size_gb=2"]
     assert got["lease_ttl_s"] == 5  # file
-    assert got["allow_remote"] is False  # a boolean flag overrides the file both ways
+    assert got["insecure_remote"] is False  # a boolean flag overrides the file both ways
     assert got["queue_deadline_s"] == 10.0  # default
     assert "l2_queue_gb" not in got  # unset: written as a comment
 
