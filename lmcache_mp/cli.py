@@ -11,7 +11,9 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import msgspec
 
@@ -22,8 +24,10 @@ from lmcache_mp.logs import configure_logging
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import RequestType
 from lmcache_mp.status_text import render_status
+from lmcache_mp.storage.base import TierCleared
 
 logger = logging.getLogger("lmcache_mp")
+T = TypeVar("T")
 
 
 def _add_url(parser: argparse.ArgumentParser) -> None:
@@ -158,16 +162,23 @@ def cmd_ping(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_status(args: argparse.Namespace) -> int:
+def _ask(args: argparse.Namespace, client_name: str, ask: Callable[[MessageQueueClient], T]) -> T | None:
+    """Connect, say HELLO and run `ask`; None, after saying why, when the daemon does not answer."""
     client = _client(args)
     try:
-        client.handshake("lmcache-mp status", timeout_s=args.timeout)
-        report = client.submit(RequestType.STATUS, []).result(args.timeout)
+        client.handshake(client_name, timeout_s=args.timeout)
+        return ask(client)
     except LMCacheMPError as err:
         print(f"no answer from {args.url}: {err}", file=sys.stderr)
-        return 1
+        return None
     finally:
         client.close()
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    report = _ask(args, "lmcache-mp status", lambda c: c.submit(RequestType.STATUS, []).result(args.timeout))
+    if report is None:
+        return 1
     if args.json:
         print(json.dumps(msgspec.to_builtins(report), indent=2))
     else:
@@ -176,16 +187,15 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_clear(args: argparse.Namespace) -> int:
-    client = _client(args)
-    try:
-        client.handshake("lmcache-mp clear", timeout_s=args.timeout)
+    def clear(client: MessageQueueClient) -> tuple[int, list[TierCleared]]:
         dropped = client.submit(RequestType.CLEAR, []).result(args.timeout)
         tiers = client.submit(RequestType.CLEAR_TIERS, []).result(args.timeout) if args.tiers else []
-    except LMCacheMPError as err:
-        print(f"clear failed at {args.url}: {err}", file=sys.stderr)
+        return dropped, tiers
+
+    cleared = _ask(args, "lmcache-mp clear", clear)
+    if cleared is None:
         return 1
-    finally:
-        client.close()
+    dropped, tiers = cleared
     print(f"CPU pool: {dropped:,} chunks dropped")
     for tier in tiers:
         outcome = f"not cleared: {tier.error}" if tier.error else f"{tier.removed:,} chunks removed"
