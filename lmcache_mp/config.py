@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import grp
 import ipaddress
 import os
 import socket
@@ -42,6 +43,31 @@ def default_url() -> str:
 
 def ipc_path(url: str) -> Path | None:
     return Path(url.removeprefix("ipc://")) if url.startswith("ipc://") else None
+
+
+@dataclass(frozen=True)
+class SocketAccess:
+    """Who may use the daemon's Unix sockets: its own user only (0600 in a 0700 directory), or
+    also one group (0660 in a 0750 directory), for a vLLM that runs as another user."""
+
+    group: str | None = None
+
+    def make_directory(self, path: Path) -> None:
+        """Create `path` (and parents) for sockets; give it to the group if it is ours."""
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self.group is not None and path.stat().st_uid == os.geteuid():
+            self._give(path, 0o750)
+
+    def secure(self, socket_path: Path) -> None:
+        """Set a freshly bound socket's mode (and group)."""
+        if self.group is None:
+            os.chmod(socket_path, 0o600)
+        else:
+            self._give(socket_path, 0o660)
+
+    def _give(self, path: Path, mode: int) -> None:
+        os.chown(path, -1, grp.getgrnam(self.group).gr_gid)
+        os.chmod(path, mode)
 
 
 class SocketInUseError(OSError):
@@ -194,6 +220,14 @@ def _pool_size(value: float) -> str | None:
     return None
 
 
+def _known_group(value: str) -> str | None:
+    try:
+        grp.getgrnam(value)
+    except KeyError:
+        return "no such group on this machine"
+    return None
+
+
 def _existing_file(value: str) -> str | None:
     return None if Path(value).is_file() else "no such file"
 
@@ -228,6 +262,10 @@ class ServerConfig:
         "endpoint to bind; repeat for several. ipc://PATH (a Unix socket, created mode 0600) or "
         "tcp://127.0.0.1:PORT", metavar="URL",
         default_text="ipc://$XDG_RUNTIME_DIR/lmcache-mp/daemon.sock (or /tmp/lmcache-mp-$UID/)")
+    socket_group: str | None = setting(
+        None, "a group whose members may use the daemon's Unix sockets (mode 0660 in a 0750 "
+        "directory), for a vLLM running as another user; by default only the daemon's own user",
+        check=_known_group, metavar="GROUP", default_text="none (0600 sockets, 0700 directory)")
     curve_secret_key: str | None = setting(
         None, "the daemon's CURVE secret key file (NAME.key_secret, from `lmcache-mp keygen`): "
         "clients must then authenticate, on every endpoint, and TCP may listen beyond loopback",
@@ -278,6 +316,10 @@ class ServerConfig:
     log_format: str = setting(
         "text", "log lines as text, or one JSON object per line for log shippers",
         choices=("text", "json"))
+
+    @property
+    def socket_access(self) -> SocketAccess:
+        return SocketAccess(self.socket_group)
 
     @property
     def server_curve(self) -> ServerCurve | None:

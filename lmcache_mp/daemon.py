@@ -18,7 +18,7 @@ class Daemon:
         config.validate()
         # Before anything else (the pool, the attach socket): a second daemon started on a live
         # one's path must fail at once and leave that daemon's sockets alone.
-        self._claims = prepare_ipc_endpoints(config.listen)
+        self._claims = prepare_ipc_endpoints(config.listen, config.socket_access)
         try:
             self._build(config)
         except BaseException:

@@ -103,7 +103,8 @@ class Engine:
         self._deferred: dict[str, bool] = {}
         self._lock = threading.Lock()
         try:
-            self.registry = Registry(config.attach_socket, config.chunk_size, pool.admit)
+            self.registry = Registry(config.attach_socket, config.socket_access, config.chunk_size,
+                                     pool.admit)
         except BaseException:
             self.storage.close()
             pool.close()

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from lmcache_mp.config import SocketAccess
 from lmcache_mp.custom_types import CudaIPCWrapper, KVCache, SharedMemoryTensor
 from lmcache_mp.distributed.api import rank_of
 from lmcache_mp.errors import ServerError
@@ -58,7 +59,8 @@ class Instance:
 
 
 class Registry:
-    def __init__(self, attach_socket: Path, chunk_size: int, admit_chunk: Callable[[int], None]):
+    def __init__(self, attach_socket: Path, access: SocketAccess, chunk_size: int,
+                 admit_chunk: Callable[[int], None]):
         """`admit_chunk(nbytes)` raises ValueError when the pool can never hold a chunk of `nbytes`."""
         self.chunk_size = chunk_size
         self._admit_chunk = admit_chunk
@@ -67,7 +69,7 @@ class Registry:
         self._rank_formats: dict[RankKey, dict[bytes, list[Instance]]] = {}
         self._tokens: dict[bytes, int] = {}  # attach token -> instance id
         self._lock = threading.Lock()
-        self.attach = AttachListener(attach_socket, self._on_attach_closed)
+        self.attach = AttachListener(attach_socket, self._on_attach_closed, access)
         self.attach.start()
 
     def close(self) -> None:
