@@ -1,0 +1,259 @@
+#!/usr/bin/env python
+"""Serving benchmark: multi-turn users whose contexts vLLM's own KV cache cannot keep.
+
+    .venv/bin/python scripts/bench_serving.py [--out bench-out] [--quick] [--users N] [--rounds N]
+
+Workload: USERS users (default 8), each with a private context of 1,024-2,048 random tokens (a
+document or system prompt; fixed seed) and a conversation that grows every round: a round sends
+the user's whole history (context, earlier messages and answers) plus a new message of 50-100
+tokens, and appends the 16-token greedy answer to the history. Rounds interleave users (user 1
+round 1, user 2 round 1, ..., user 1 round 2, ...), one request at a time. vLLM's KV cache is cut
+(`num_gpu_blocks_override`) to the longest conversation, which is under a quarter of the working
+set (every user's final conversation; checked before anything runs), so by the time a user
+returns, the other users' turns have evicted their context from it.
+
+Two modes, each a fresh vLLM engine process on the same random-weight Llama (fp32, 4 layers,
+hidden 512, 8 heads, 4 KV heads of 64: 8 KiB of KV per token, as bench_e2e's bf16 model; fp32
+because bf16 matmuls run ~150x slower on AVX2-only CPUs and because its near-ties would make a
+prefix hit's greedy tokens differ from a full prefill's): no connector; and the connector against
+a fresh daemon whose pool holds the whole working set. TTFT is vLLM's `first_token_latency`.
+
+Checks (exit 1 if a correctness check fails): both modes answer every turn with the same tokens;
+without the connector no returning turn finds any of its tokens in vLLM's cache (the workload
+evicts as intended); with it every returning turn loads tokens from the daemon (vLLM's
+`external_prefix_cache_hits`). Target: returning turns' mean TTFT at least 3x lower with the
+connector. Prints a table, writes serving.json and serving.png to --out. The full run takes
+about 10 minutes on 2 quiet cores (two engine starts of ~45 s each); --quick (6 users with
+512-1,024-token contexts, 2 rounds) about 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench_common import BLOCK, CHUNK, build_model, llm_args, run_child
+from bench_report import finish
+
+DTYPE = "float32"
+LAYERS, KV_HEADS, HEAD_DIM = 4, 4, 64
+MODEL_FLAGS = ["--hidden", "512", "--intermediate", "1536", "--layers", str(LAYERS), "--heads", "8",
+               "--kv-heads", str(KV_HEADS), "--head-dim", str(HEAD_DIM), "--max-pos", "8192"]
+KV_BYTES_PER_TOKEN = LAYERS * 2 * KV_HEADS * HEAD_DIM * 4  # K and V, fp32
+MESSAGE_TOKENS, ANSWER_TOKENS, VOCAB_IDS = (50, 100), 16, (3, 1000)
+POOL_GB = 1
+TARGET_SPEEDUP, MAX_CACHE_SHARE = 3.0, 0.25
+
+
+@dataclass(frozen=True)
+class Workload:
+    contexts: list[list[int]]  # per user
+    messages: list[list[list[int]]]  # per user, per round
+
+    @property
+    def users(self) -> int:
+        return len(self.contexts)
+
+    @property
+    def rounds(self) -> int:
+        return len(self.messages[0])
+
+    def final_tokens(self, user: int) -> int:
+        """Length of the user's conversation after its last answer (answers have a fixed length)."""
+        return len(self.contexts[user]) + sum(map(len, self.messages[user])) + self.rounds * ANSWER_TOKENS
+
+    def order(self) -> list[tuple[int, int]]:
+        """(round, user) in the order sent: every user's round r before anyone's round r + 1."""
+        return [(r, u) for r in range(self.rounds) for u in range(self.users)]
+
+
+def make_workload(users: int, rounds: int, context: tuple[int, int], seed: int = 0) -> Workload:
+    rng = random.Random(seed)
+
+    def tokens(low: int, high: int) -> list[int]:
+        return [rng.randrange(*VOCAB_IDS) for _ in range(rng.randint(low, high))]
+
+    contexts = [tokens(*context) for _ in range(users)]
+    return Workload(contexts, [[tokens(*MESSAGE_TOKENS) for _ in range(rounds)] for _ in range(users)])
+
+
+def prefix_counters(llm: Any) -> dict[str, float]:
+    """vLLM's running totals of prefix-cache hits, its own and the connector's, in tokens."""
+    wanted = ("vllm:prefix_cache_hits", "vllm:external_prefix_cache_hits")
+    return {m.name: m.value for m in llm.get_metrics() if m.name in wanted}
+
+
+def run_engine(spec: dict[str, Any]) -> None:
+    """Child process: one engine serves the whole conversation workload, one request at a time,
+    and prints a RESULT line with its cache size and then one per turn."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    work = Workload(spec["contexts"], spec["messages"])
+    llm = LLM(**{**llm_args(spec["model"], DTYPE, spec["url"]), "max_model_len": spec["max_model_len"],
+                 "num_gpu_blocks_override": spec["gpu_blocks"]})
+    print("RESULT " + json.dumps({"gpu_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks}),
+          flush=True)
+    params = SamplingParams(temperature=0.0, max_tokens=ANSWER_TOKENS, ignore_eos=True)
+    history: list[list[int]] = [list(c) for c in work.contexts]
+    start = time.perf_counter()
+    for rnd, user in work.order():
+        prompt = history[user] + work.messages[user][rnd]
+        before = prefix_counters(llm)
+        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
+        after = prefix_counters(llm)
+        external = after["vllm:external_prefix_cache_hits"] - before["vllm:external_prefix_cache_hits"]
+        answer = list(out.outputs[0].token_ids)
+        history[user] = prompt + answer
+        print("RESULT " + json.dumps({
+            "round": rnd, "user": user, "prompt_tokens": len(prompt), "token_ids": answer,
+            "ttft_s": out.metrics.first_token_latency, "cached_tokens": out.num_cached_tokens,
+            "external_tokens": external,
+            "elapsed_s": time.perf_counter() - start}), flush=True)
+
+
+def summary(turns: list[dict[str, Any]]) -> dict[str, float]:
+    ttft = sorted(t["ttft_s"] * 1e3 for t in turns)
+    return {"n": len(ttft), "mean_ms": statistics.fmean(ttft), "p50_ms": statistics.median(ttft),
+            "p90_ms": ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))],
+            "cached_tokens_mean": statistics.fmean(t["cached_tokens"] for t in turns),
+            "external_tokens_mean": statistics.fmean(t["external_tokens"] for t in turns)}
+
+
+def mode_figures(turns: list[dict[str, Any]]) -> dict[str, Any]:
+    total_s = turns[-1]["elapsed_s"]
+    return {"first": summary([t for t in turns if t["round"] == 0]),
+            "returning": summary([t for t in turns if t["round"] > 0]),
+            "total_s": total_s, "requests_per_s": len(turns) / total_s,
+            "prompt_tokens_per_s": sum(t["prompt_tokens"] for t in turns) / total_s}
+
+
+def print_table(figures: dict[str, dict[str, Any]]) -> None:
+    print(f"\n{'mode':<14}{'turns':<11}{'n':>4}{'mean ms':>10}{'p50 ms':>10}{'p90 ms':>10}"
+          f"{'cached':>9}{'external':>10}")
+    for mode, fig in figures.items():
+        for kind in ("first", "returning"):
+            s = fig[kind]
+            print(f"{mode:<14}{kind:<11}{s['n']:>4}{s['mean_ms']:>10.0f}{s['p50_ms']:>10.0f}{s['p90_ms']:>10.0f}"
+                  f"{s['cached_tokens_mean']:>9.0f}{s['external_tokens_mean']:>10.0f}")
+    for mode, fig in figures.items():
+        print(f"{mode}: total {fig['total_s']:.1f} s, {fig['requests_per_s']:.2f} requests/s, "
+              f"{fig['prompt_tokens_per_s']:.0f} prompt tokens/s")
+
+
+def plot(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for mode, turns in runs.items():
+        ax1.plot([t["ttft_s"] * 1e3 for t in turns], marker="o", markersize=3, label=mode)
+    ax1.set_yscale("log")
+    ax1.set_xlabel("request, in the order sent (users interleaved, round after round)")
+    ax1.set_ylabel("TTFT (ms)")
+    ax1.legend(fontsize=7)
+    groups = {f"{mode}\n{kind}": [t["ttft_s"] * 1e3 for t in turns if (t["round"] > 0) == returning]
+              for mode, turns in runs.items() for kind, returning in (("first", False), ("returning", True))}
+    ax2.boxplot(list(groups.values()), whis=(0, 100))
+    ax2.set_xticks(range(1, len(groups) + 1), list(groups), fontsize=7)
+    ax2.set_yscale("log")
+    ax2.set_ylabel("TTFT (ms)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def engine(script: str, spec: dict[str, Any], log: Path) -> tuple[int, list[dict[str, Any]]]:
+    """Run one engine process; its cache size in blocks and its turns, in the order sent."""
+    info, *turns = run_child(script, spec, log, timeout_s=3600)
+    return info["gpu_blocks"], turns
+
+
+def correctness_checks(work: Workload, runs: dict[str, list[dict[str, Any]]]) -> dict[str, bool]:
+    plain, cached = runs["no connector"], runs["connector"]
+    returning = [i for i, t in enumerate(plain) if t["round"] > 0]
+    diverged = [i for i, (a, b) in enumerate(zip(plain, cached, strict=True))
+                if a["token_ids"] != b["token_ids"]]
+    return {
+        f"every turn answered in both modes ({len(plain)}, {len(cached)} of {len(work.order())})":
+            len(plain) == len(cached) == len(work.order()),
+        f"outputs identical between the modes ({len(diverged)} turns differ)": not diverged,
+        "without the connector, returning turns find nothing in vLLM's cache (evicted): "
+        f"{sum(plain[i]['cached_tokens'] for i in returning)} tokens":
+            all(plain[i]["cached_tokens"] == 0 for i in returning),
+        "with the connector, every returning turn loads from the daemon "
+        f"({sum(cached[i]['external_tokens'] > 0 for i in returning)} of {len(returning)})":
+            all(cached[i]["external_tokens"] > 0 for i in returning),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    parser.add_argument("--out", type=Path, default=Path("bench-out"), help="where to write the PNG and JSON")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 6 users, short contexts, 2 rounds")
+    parser.add_argument("--users", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--engine", help=argparse.SUPPRESS)  # internal: run one engine
+    args = parser.parse_args()
+    if args.engine:
+        run_engine(json.loads(args.engine))
+        return 0
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from lmcache_mp.launcher import start_daemon
+
+    users, rounds, context = (6, 2, (512, 1024)) if args.quick else (args.users, args.rounds, (1024, 2048))
+    work = make_workload(users, rounds, context)
+    working_set = sum(work.final_tokens(u) for u in range(users))
+    max_model_len = -(-max(work.final_tokens(u) for u in range(users)) // BLOCK) * BLOCK
+    cache_tokens = max_model_len  # plus vLLM's null block, which holds nothing
+    share = cache_tokens / working_set
+    print(f"{users} users x {rounds} rounds; working set {working_set:,} tokens "
+          f"({working_set * KV_BYTES_PER_TOKEN / 2**20:.0f} MiB of KV); "
+          f"vLLM's cache {cache_tokens:,} tokens: {share:.1%} of it", flush=True)
+    if share >= MAX_CACHE_SHARE or working_set * KV_BYTES_PER_TOKEN > POOL_GB * 2**30:
+        print(f"FAIL: vLLM's cache must hold under {MAX_CACHE_SHARE:.0%} of the working set "
+              f"and the daemon's {POOL_GB} GiB pool all of it: more users, please")
+        return 1
+    args.out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="lmc-serving-", dir="/tmp"))
+    build_model(tmp / "model", DTYPE, MODEL_FLAGS)
+    spec = {"model": str(tmp / "model"), "contexts": work.contexts, "messages": work.messages,
+            "max_model_len": max_model_len, "gpu_blocks": max_model_len // BLOCK + 1, "url": None}
+    runs: dict[str, list[dict[str, Any]]] = {}
+    blocks: dict[str, int] = {}
+    print("engine without the connector...", flush=True)
+    blocks["no connector"], runs["no connector"] = engine(__file__, spec, args.out / "serving-plain.log")
+    daemon = start_daemon(tmp, "--chunk-size", str(CHUNK), "--l1-size-gb", str(POOL_GB))
+    try:
+        print("engine with the connector, fresh daemon...", flush=True)
+        blocks["connector"], runs["connector"] = engine(__file__, {**spec, "url": daemon.url},
+                                                        args.out / "serving-connector.log")
+    finally:
+        daemon.stop(timeout=30)
+    figures = {mode: mode_figures(turns) for mode, turns in runs.items()}
+    print_table(figures)
+    correctness = {f"vLLM's cache {cache_tokens:,} tokens ({blocks} blocks incl. the null block), "
+                   f"{share:.1%} of the working set": all(b == spec["gpu_blocks"] for b in blocks.values()),
+                   **correctness_checks(work, runs)}
+    speedup = figures["no connector"]["returning"]["mean_ms"] / figures["connector"]["returning"]["mean_ms"]
+    target = f"returning turns' mean TTFT {speedup:.1f}x lower with the connector (>= {TARGET_SPEEDUP:.0f}x)"
+    checks = {**correctness, target: speedup >= TARGET_SPEEDUP}
+    finish(args.out, "serving", checks,
+           {"users": users, "rounds": rounds, "context_tokens": context, "working_set_tokens": working_set,
+            "vllm_cache_tokens": cache_tokens, "cache_share": share, "speedup_returning_mean": speedup,
+            "modes": figures, "checks": checks, "turns": runs},
+           lambda path: plot(runs, path))
+    return 0 if all(correctness.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
