@@ -51,6 +51,7 @@ KV_BYTES_PER_TOKEN = LAYERS * 2 * KV_HEADS * HEAD_DIM * 4  # K and V, fp32
 MESSAGE_TOKENS, ANSWER_TOKENS, VOCAB_IDS = (50, 100), 16, (3, 1000)
 POOL_GB = 1
 TARGET_SPEEDUP, MAX_CACHE_SHARE = 3.0, 0.25
+Turns = list[dict[str, Any]]  # one engine's turns, in the order sent, as its RESULT lines give them
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ def run_engine(spec: dict[str, Any]) -> None:
             "external_tokens": external, "elapsed_s": time.perf_counter() - start}), flush=True)
 
 
-def summary(turns: list[dict[str, Any]]) -> dict[str, float]:
+def summary(turns: Turns) -> dict[str, float]:
     ttft = sorted(t["ttft_s"] * 1e3 for t in turns)
     return {"n": len(ttft), "mean_ms": statistics.fmean(ttft), "p50_ms": statistics.median(ttft),
             "p90_ms": statistics.quantiles(ttft, n=10, method="inclusive")[8],
@@ -129,7 +130,7 @@ def summary(turns: list[dict[str, Any]]) -> dict[str, float]:
             "external_tokens_mean": statistics.fmean(t["external_tokens"] for t in turns)}
 
 
-def mode_figures(turns: list[dict[str, Any]]) -> dict[str, Any]:
+def mode_figures(turns: Turns) -> dict[str, Any]:
     total_s = turns[-1]["elapsed_s"]
     return {"first": summary([t for t in turns if t["round"] == 0]),
             "returning": summary([t for t in turns if t["round"] > 0]),
@@ -150,7 +151,7 @@ def print_table(figures: dict[str, dict[str, Any]]) -> None:
               f"{fig['prompt_tokens_per_s']:.0f} prompt tokens/s")
 
 
-def plot(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
+def plot(runs: dict[str, Turns], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -173,13 +174,13 @@ def plot(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def engine(script: str, spec: dict[str, Any], log: Path) -> tuple[int, list[dict[str, Any]]]:
+def engine(spec: dict[str, Any], log: Path) -> tuple[int, Turns]:
     """Run one engine process; its cache size in blocks and its turns, in the order sent."""
-    info, *turns = run_child(script, spec, log, timeout_s=3600)
+    info, *turns = run_child(__file__, spec, log, timeout_s=3600)
     return info["gpu_blocks"], turns
 
 
-def correctness_checks(work: Workload, runs: dict[str, list[dict[str, Any]]]) -> dict[str, bool]:
+def correctness_checks(work: Workload, runs: dict[str, Turns]) -> dict[str, bool]:
     plain, cached = runs["no connector"], runs["connector"]
     returning = [i for i, t in enumerate(plain) if t["round"] > 0]
     diverged = [i for i, (a, b) in enumerate(zip(plain, cached, strict=True))
@@ -197,6 +198,27 @@ def correctness_checks(work: Workload, runs: dict[str, list[dict[str, Any]]]) ->
     }
 
 
+def cache_plan(work: Workload) -> tuple[int, int]:
+    """(working set, vLLM's cache) in tokens: the cache holds the longest conversation, no more."""
+    working_set = sum(work.final_tokens(u) for u in range(work.users))
+    return working_set, -(-max(work.final_tokens(u) for u in range(work.users)) // BLOCK) * BLOCK
+
+
+def run_modes(spec: dict[str, Any], tmp: Path, out: Path) -> dict[str, tuple[int, Turns]]:
+    """Per mode, its engine's cache size in blocks and its turns."""
+    from lmcache_mp.launcher import start_daemon
+
+    print("engine without the connector...", flush=True)
+    plain = engine(spec, out / "serving-plain.log")
+    daemon = start_daemon(tmp, "--chunk-size", str(CHUNK), "--l1-size-gb", str(POOL_GB))
+    try:
+        print("engine with the connector, fresh daemon...", flush=True)
+        cached = engine({**spec, "url": daemon.url}, out / "serving-connector.log")
+    finally:
+        daemon.stop(timeout=30)
+    return {"no connector": plain, "connector": cached}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="where to write the PNG and JSON")
@@ -209,13 +231,9 @@ def main() -> int:
         run_engine(json.loads(args.engine))
         return 0
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from lmcache_mp.launcher import start_daemon
-
     users, rounds, context = (6, 2, (512, 1024)) if args.quick else (args.users, args.rounds, (1024, 2048))
     work = make_workload(users, rounds, context)
-    working_set = sum(work.final_tokens(u) for u in range(users))
-    max_model_len = -(-max(work.final_tokens(u) for u in range(users)) // BLOCK) * BLOCK
-    cache_tokens = max_model_len  # plus vLLM's null block, which holds nothing
+    working_set, cache_tokens = cache_plan(work)
     share = cache_tokens / working_set
     print(f"{users} users x {rounds} rounds; working set {working_set:,} tokens "
           f"({working_set * KV_BYTES_PER_TOKEN / 2**20:.0f} MiB of KV); "
@@ -225,33 +243,33 @@ def main() -> int:
               f"and the daemon's {POOL_GB} GiB pool all of it: more users, please")
         return 1
     args.out.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="lmc-serving-", dir="/tmp"))
-    build_model(tmp / "model", DTYPE, MODEL_FLAGS)
-    spec = {"model": str(tmp / "model"), "contexts": work.contexts, "messages": work.messages,
-            "warmup": work.warmup, "max_model_len": max_model_len, "gpu_blocks": max_model_len // BLOCK + 1,
-            "url": None}
-    runs: dict[str, list[dict[str, Any]]] = {}
-    blocks: dict[str, int] = {}
-    print("engine without the connector...", flush=True)
-    blocks["no connector"], runs["no connector"] = engine(__file__, spec, args.out / "serving-plain.log")
-    daemon = start_daemon(tmp, "--chunk-size", str(CHUNK), "--l1-size-gb", str(POOL_GB))
-    try:
-        print("engine with the connector, fresh daemon...", flush=True)
-        blocks["connector"], runs["connector"] = engine(__file__, {**spec, "url": daemon.url},
-                                                        args.out / "serving-connector.log")
-    finally:
-        daemon.stop(timeout=30)
+    with tempfile.TemporaryDirectory(prefix="lmc-serving-") as tmp:
+        build_model(Path(tmp) / "model", DTYPE, MODEL_FLAGS)
+        # The cache holds `cache_tokens` in blocks, plus the null block vLLM keeps empty.
+        spec = {"model": str(Path(tmp) / "model"), "contexts": work.contexts, "messages": work.messages,
+                "warmup": work.warmup, "max_model_len": cache_tokens, "gpu_blocks": cache_tokens // BLOCK + 1,
+                "url": None}
+        results = run_modes(spec, Path(tmp), args.out)
+    blocks = {mode: r[0] for mode, r in results.items()}
+    runs = {mode: r[1] for mode, r in results.items()}
     figures = {mode: mode_figures(turns) for mode, turns in runs.items()}
     print_table(figures)
-    correctness = {f"vLLM's cache {cache_tokens:,} tokens ({blocks} blocks incl. the null block), "
-                   f"{share:.1%} of the working set": all(b == spec["gpu_blocks"] for b in blocks.values()),
+    correctness = {f"vLLM's cache {cache_tokens:,} tokens ({share:.1%} of the working set) in both engines "
+                   f"({blocks['no connector']}, {blocks['connector']} blocks incl. the null block)":
+                       all(b == spec["gpu_blocks"] for b in blocks.values()),
                    **correctness_checks(work, runs)}
     speedup = figures["no connector"]["returning"]["mean_ms"] / figures["connector"]["returning"]["mean_ms"]
+    # First turns are the same full prefills in both modes: their ratio shows how much the machine's
+    # speed drifted between the two engines (other load), which the speedup above includes.
+    drift = figures["no connector"]["first"]["mean_ms"] / figures["connector"]["first"]["mean_ms"]
+    print(f"first turns' mean TTFT without / with the connector: {drift:.2f} (same work: machine drift); "
+          f"returning turns' speedup divided by it: {speedup / drift:.1f}x")
     target = f"returning turns' mean TTFT {speedup:.1f}x lower with the connector (>= {TARGET_SPEEDUP:.0f}x)"
     checks = {**correctness, target: speedup >= TARGET_SPEEDUP}
     finish(args.out, "serving", checks,
            {"users": users, "rounds": rounds, "context_tokens": context, "working_set_tokens": working_set,
             "vllm_cache_tokens": cache_tokens, "cache_share": share, "speedup_returning_mean": speedup,
+            "first_turn_ratio": drift,
             "modes": figures, "checks": checks, "turns": runs},
            lambda path: plot(runs, path))
     return 0 if all(correctness.values()) else 1
