@@ -21,8 +21,10 @@ ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", "DO_NO
 
 def build_model(out: Path, dtype: str, flags: list[str]) -> None:
     """Write a random-weight Llama (`make_tiny_model.py` with `flags`) in `dtype` to `out`."""
-    subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), str(out), *flags,
-                    "--dtype", dtype], check=True, capture_output=True)
+    built = subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), str(out), *flags,
+                            "--dtype", dtype], capture_output=True, text=True)
+    if built.returncode:
+        raise RuntimeError(f"make_tiny_model.py failed ({built.returncode}):\n{built.stderr[-2000:]}")
 
 
 def llm_args(model: str, dtype: str, url: str | None, load_mode: str = "async") -> dict[str, Any]:

@@ -167,8 +167,10 @@ def plot(runs: dict[str, Turns], path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
     for mode, turns in runs.items():
         ax1.plot([t["ttft_s"] * 1e3 for t in turns], marker="o", markersize=3, label=mode)
+    first_return = next(i for i, t in enumerate(next(iter(runs.values()))) if t["round"] > 0)
+    ax1.axvline(first_return - 0.5, color="grey", linewidth=0.8, linestyle=":")
     ax1.set_yscale("log")
-    ax1.set_xlabel("request, in the order sent (users interleaved, round after round)")
+    ax1.set_xlabel("turn, in the order sent (users interleaved; returning turns right of the line)")
     ax1.set_ylabel("TTFT (ms)")
     ax1.legend(fontsize=7)
     groups = {f"{mode}\n{kind}": [t["ttft_s"] * 1e3 for t in turns if (t["round"] > 0) == returning]
