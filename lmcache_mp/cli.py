@@ -11,15 +11,23 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
 
 import msgspec
 
-from lmcache_mp import __version__, config
+from lmcache_mp import __version__, config, sd_notify, settings
+from lmcache_mp.curve import ClientCurve, generate_keys
 from lmcache_mp.errors import LMCacheMPError
+from lmcache_mp.logs import configure_logging
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import RequestType
+from lmcache_mp.status_text import render_status
+from lmcache_mp.storage.base import TierCleared
 
 logger = logging.getLogger("lmcache_mp")
+T = TypeVar("T")
 
 
 def _add_url(parser: argparse.ArgumentParser) -> None:
@@ -27,6 +35,19 @@ def _add_url(parser: argparse.ArgumentParser) -> None:
                         help="daemon endpoint, ipc://PATH or tcp://HOST:PORT (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=5.0,
                         help="seconds to wait for each reply (default: %(default)s)")
+    parser.add_argument("--server-key", type=Path, metavar="PATH",
+                        help="the daemon's CURVE public key file (NAME.key), for a daemon that "
+                             "requires authentication; with --client-key")
+    parser.add_argument("--client-key", type=Path, metavar="PATH",
+                        help="this client's CURVE secret key file (NAME.key_secret), whose public "
+                             "key the daemon allows")
+
+
+def _client(args: argparse.Namespace) -> MessageQueueClient:
+    if (args.server_key is None) != (args.client_key is None):
+        raise SystemExit("lmcache-mp: --server-key and --client-key go together")
+    curve = ClientCurve(args.server_key, args.client_key) if args.server_key else None
+    return MessageQueueClient(args.url, curve=curve)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,56 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the daemon in the foreground",
                            description="Run the KV-cache daemon until SIGTERM or SIGINT.")
-    serve.add_argument("--listen", action="append", metavar="URL",
-                       help="endpoint to bind; repeat for several. ipc://PATH (a Unix socket, "
-                            "created mode 0600) or tcp://127.0.0.1:PORT. "
-                            f"Default: {config.default_url()}")
-    serve.add_argument("--allow-remote", action="store_true",
-                       help="allow binding TCP addresses other than loopback. The daemon has "
-                            "no authentication: only do this on a trusted network")
-    serve.add_argument("--chunk-size", type=int, default=config.DEFAULT_CHUNK_SIZE,
-                       help="tokens per stored chunk; must be a multiple of vLLM's block size "
-                            "(default: %(default)s)")
-    serve.add_argument("--l1-size-gb", type=float, default=config.DEFAULT_L1_SIZE_GB,
-                       help="CPU memory pool size in GiB, allocated once at start "
-                            "(default: %(default)s)")
-    serve.add_argument("--l2", action="append", default=[], metavar="URL",
-                       help="a storage tier below the CPU pool; repeat for several, fastest first. "
-                            "disk:///ABS/PATH?size_gb=N: a local (NVMe) directory, kept across "
-                            "restarts, LRU-evicted beyond N GiB, locked against a second daemon. "
-                            "redis://[:PASSWORD@]HOST:PORT/DB (rediss:// for TLS), "
-                            "redis+cluster://HOST:PORT[,HOST:PORT...]: Valkey/Redis, shared by a fleet "
-                            "(?prefix=NAME namespaces keys, ?ttl_s=S expires them). "
-                            "lmcache://HOST:PORT: a v1 remote server. Network tiers take ?timeout_s=T "
-                            "(default 1) and turn failures into misses, retried in the background. "
-                            "Chunks are written behind STOREs and read back (verified) by LOOKUPs")
-    serve.add_argument("--l2-queue-gb", type=float, default=None,
-                       help="write-behind queue per lower tier: chunks waiting to be written stay "
-                            "pinned in the CPU pool up to this size; past it, new chunks are not "
-                            "written to that tier (counted as skipped). Default: a quarter of "
-                            "--l1-size-gb")
-    serve.add_argument("--lease-ttl-s", type=float, default=config.DEFAULT_LEASE_TTL_S,
-                       help="seconds a LOOKUP keeps its hits leased for the RETRIEVE that "
-                            "follows, if the client never retrieves or ends the session "
-                            "(default: %(default)s)")
-    serve.add_argument("--max-workers", type=int, default=config.DEFAULT_MAX_WORKERS,
-                       help="threads that run copies and registrations (default: %(default)s)")
-    serve.add_argument("--max-queued-requests", type=int,
-                       default=config.DEFAULT_MAX_QUEUED_REQUESTS,
-                       help="requests waiting for a worker thread before new ones are refused "
-                            "with OVERLOADED (default: %(default)s)")
-    serve.add_argument("--queue-deadline-s", type=float, default=config.DEFAULT_QUEUE_DEADLINE_S,
-                       help="a queued request not started within this many seconds is refused "
-                            "with OVERLOADED instead of run late; keep it below the clients' "
-                            "timeout (default: %(default)s)")
-    serve.add_argument("--metrics-port", type=int, default=0,
-                       help="serve Prometheus metrics over HTTP on this port (default: off)")
-    serve.add_argument("--metrics-host", default="127.0.0.1",
-                       help="address for the metrics endpoint; non-loopback needs --allow-remote "
-                            "(default: %(default)s)")
-    serve.add_argument("--log-level", default="INFO",
-                       choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                       help="log verbosity (default: %(default)s)")
+    serve.add_argument("--config", type=Path, metavar="PATH",
+                       help="read settings from this TOML file (keys as in --print-config). "
+                            "Precedence: flag > environment (LMCACHE_MP_<SETTING>) > file > default")
+    serve.add_argument("--print-config", action="store_true",
+                       help="print the settings in effect as a TOML file and exit")
+    settings.add_flags(serve, config.ServerConfig)
     serve.set_defaults(func=cmd_serve)
 
     ping = sub.add_parser("ping", help="measure the round trip to a daemon and show who it is",
@@ -102,30 +79,42 @@ def build_parser() -> argparse.ArgumentParser:
     _add_url(status)
     status.add_argument("--json", action="store_true", help="print machine-readable JSON")
     status.set_defaults(func=cmd_status)
+    clear = sub.add_parser("clear", help="empty a daemon's CPU pool (and, with --tiers, its lower tiers)",
+                           description="Drop every chunk from the daemon's CPU pool (chunks under "
+                                       "lease or being written stay). With --tiers, also every chunk "
+                                       "of the daemon's namespace in each lower tier, all models: "
+                                       "shared tiers are emptied for every daemon that uses them.")
+    _add_url(clear)
+    clear.add_argument("--tiers", action="store_true",
+                       help="also empty the lower tiers (disk, Redis); a v1 server cannot be emptied")
+    clear.set_defaults(func=cmd_clear, timeout=60.0)
+    keygen = sub.add_parser("keygen", help="make a CURVE key pair (for the daemon or a client)",
+                            description="Write NAME.key (the public key: give it to the other side) "
+                                        "and NAME.key_secret (keep it; mode 0600) into DIR. The "
+                                        "daemon takes its own secret file (--curve-secret-key) and a "
+                                        "directory of its clients' public files (--curve-allowed-keys); "
+                                        "a client takes the daemon's public file and its own secret one.")
+    keygen.add_argument("dir", type=Path, help="directory to write the two files into")
+    keygen.add_argument("--name", default="lmcache-mp", help="file name stem (default: %(default)s)")
+    keygen.set_defaults(func=cmd_keygen)
     _add_remote_server(sub)
     return parser
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from lmcache_mp.daemon import Daemon
+    try:
+        cfg = settings.resolve(config.ServerConfig, args, config_file=args.config)
+        if args.print_config:
+            print(settings.to_toml(cfg), end="")
+            return 0
+        cfg.validate()
+    except ValueError as err:
+        print(f"lmcache-mp serve: cannot start: {err}", file=sys.stderr)
+        return 2
+    configure_logging(cfg.log_level, cfg.log_format)
+    from lmcache_mp.daemon import Daemon  # torch and the engine: only once the settings are good
     from lmcache_mp.storage.tiers import redact_url
 
-    logging.basicConfig(level=args.log_level,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = config.ServerConfig(
-        listen=args.listen or [config.default_url()],
-        chunk_size=args.chunk_size,
-        l1_size_gb=args.l1_size_gb,
-        lease_ttl_s=args.lease_ttl_s,
-        max_workers=args.max_workers,
-        max_queued_requests=args.max_queued_requests,
-        queue_deadline_s=args.queue_deadline_s,
-        allow_remote=args.allow_remote,
-        metrics_host=args.metrics_host,
-        metrics_port=args.metrics_port,
-        l2=args.l2,
-        l2_queue_gb=args.l2_queue_gb,
-    )
     try:
         daemon = Daemon(cfg)
     except (ValueError, OSError) as err:
@@ -140,16 +129,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logger.info("lmcache-mp %s ready (node-local) pid=%d endpoints=%s chunk_size=%d pool=%.2f GiB%s%s",
                 __version__, os.getpid(), " ".join(daemon.endpoints), cfg.chunk_size, cfg.l1_size_gb,
                 tiers, metrics)
+    sd_notify.notify_when_ready(daemon.readiness, stop)
     while not stop.wait(3600):
         pass
     logger.info("shutting down")
+    sd_notify.notify("STOPPING=1")
     daemon.stop()
     logger.info("stopped")
     return 0
 
 
 def cmd_ping(args: argparse.Namespace) -> int:
-    client = MessageQueueClient(args.url)
+    client = _client(args)
     try:
         start = time.perf_counter()
         hello = client.handshake("lmcache-mp ping", timeout_s=args.timeout)
@@ -171,30 +162,54 @@ def cmd_ping(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    client = MessageQueueClient(args.url)
+def _ask(args: argparse.Namespace, client_name: str, ask: Callable[[MessageQueueClient], T]) -> T | None:
+    """Connect, say HELLO and run `ask`; None, after saying why, when the daemon does not answer."""
+    client = _client(args)
     try:
-        client.handshake("lmcache-mp status", timeout_s=args.timeout)
-        report = client.submit(RequestType.STATUS, []).result(args.timeout)
+        client.handshake(client_name, timeout_s=args.timeout)
+        return ask(client)
     except LMCacheMPError as err:
         print(f"no answer from {args.url}: {err}", file=sys.stderr)
-        return 1
+        return None
     finally:
         client.close()
-    data = msgspec.to_builtins(report)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    report = _ask(args, "lmcache-mp status", lambda c: c.submit(RequestType.STATUS, []).result(args.timeout))
+    if report is None:
+        return 1
     if args.json:
-        print(json.dumps(data, indent=2))
-        return 0
-    tiers = data.pop("tiers")
-    width = max(map(len, data))
-    for name, value in data.items():
-        if isinstance(value, list):
-            value = ", ".join(map(str, value)) or "-"
-        print(f"{name:<{width}}  {value}")
+        print(json.dumps(msgspec.to_builtins(report), indent=2))
+    else:
+        print(render_status(args.url, report))
+    return 0
+
+
+def cmd_clear(args: argparse.Namespace) -> int:
+    def clear(client: MessageQueueClient) -> tuple[int, list[TierCleared]]:
+        dropped = client.submit(RequestType.CLEAR, []).result(args.timeout)
+        tiers = client.submit(RequestType.CLEAR_TIERS, []).result(args.timeout) if args.tiers else []
+        return dropped, tiers
+
+    cleared = _ask(args, "lmcache-mp clear", clear)
+    if cleared is None:
+        return 1
+    dropped, tiers = cleared
+    print(f"CPU pool: {dropped:,} chunks dropped")
     for tier in tiers:
-        print(f"\ntier {tier.pop('name')}")
-        for name, value in tier.items():
-            print(f"  {name:<{width}}  {round(value, 3) if isinstance(value, float) else value}")
+        outcome = f"not cleared: {tier.error}" if tier.error else f"{tier.removed:,} chunks removed"
+        print(f"{tier.name}: {outcome}")
+    return 1 if any(tier.error for tier in tiers) else 0
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    try:
+        public, secret = generate_keys(args.dir, args.name)
+    except OSError as err:
+        print(f"lmcache-mp keygen: {err}", file=sys.stderr)
+        return 1
+    print(f"public key: {public}\nsecret key: {secret}")
     return 0
 
 

@@ -1,14 +1,20 @@
-"""Daemon settings, default locations, and the checks that keep endpoints private."""
+"""Daemon settings, default locations, and the checks that keep endpoints private and free."""
 
 from __future__ import annotations
 
 import fcntl
+import grp
 import ipaddress
 import os
 import socket
-from dataclasses import dataclass, field
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
+
+from lmcache_mp.curve import ServerCurve
+from lmcache_mp.settings import check as check_settings
+from lmcache_mp.settings import setting
 
 DEFAULT_CHUNK_SIZE = 256
 DEFAULT_L1_SIZE_GB = 1.0
@@ -37,6 +43,31 @@ def default_url() -> str:
 
 def ipc_path(url: str) -> Path | None:
     return Path(url.removeprefix("ipc://")) if url.startswith("ipc://") else None
+
+
+@dataclass(frozen=True)
+class SocketAccess:
+    """Who may use the daemon's Unix sockets: its own user only (0600 in a 0700 directory), or
+    also one group (0660 in a 0750 directory), for a vLLM that runs as another user."""
+
+    group: str | None = None
+
+    def make_directory(self, path: Path) -> None:
+        """Create `path` (and parents) for sockets; give it to the group if it is ours."""
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self.group is not None and path.stat().st_uid == os.geteuid():
+            self._give(path, 0o750)
+
+    def secure(self, socket_path: Path) -> None:
+        """Set a freshly bound socket's mode (and group)."""
+        if self.group is None:
+            os.chmod(socket_path, 0o600)
+        else:
+            self._give(socket_path, 0o660)
+
+    def _give(self, path: Path, mode: int) -> None:
+        os.chown(path, -1, grp.getgrnam(self.group).gr_gid)
+        os.chmod(path, mode)
 
 
 class SocketInUseError(OSError):
@@ -100,8 +131,9 @@ def _in_use(path: Path, what: str) -> SocketInUseError:
                             "stop that daemon first or choose another --listen path")
 
 
-def check_endpoint(url: str, allow_remote: bool) -> None:
-    """Refuse endpoints that would expose the daemon beyond this machine, unless asked."""
+def check_endpoint(url: str, remote_ok: bool) -> None:
+    """Refuse endpoints that would expose the daemon beyond this machine, unless `remote_ok`
+    (its clients authenticate with CURVE, or the operator said the network is trusted)."""
     if url.startswith("ipc://"):
         if not url.removeprefix("ipc://"):
             raise ValueError("an ipc:// endpoint needs a path")
@@ -112,7 +144,7 @@ def check_endpoint(url: str, allow_remote: bool) -> None:
     host = parts.hostname
     if host is None or parts.port is None:
         raise ValueError(f"tcp endpoint {url!r} needs a host and a port")
-    if allow_remote or host == "localhost":
+    if remote_ok or host == "localhost":
         return
     try:
         loopback = ipaddress.ip_address(host).is_loopback
@@ -120,47 +152,204 @@ def check_endpoint(url: str, allow_remote: bool) -> None:
         loopback = False
     if not loopback:
         raise ValueError(
-            f"refusing to listen on {url}: it is not a loopback address. The daemon has no "
-            "authentication; pass --allow-remote to bind it beyond this machine anyway."
+            f"refusing to listen on {url}: it is not a loopback address. Give the daemon CURVE keys "
+            "(--curve-secret-key and --curve-allowed-keys; `lmcache-mp keygen` makes them) so that "
+            "clients must authenticate, or pass --insecure-remote on a trusted network."
         )
+
+
+def check_free(url: str) -> None:
+    """Refuse, before anything starts, a TCP port another process holds, or an ipc:// path in
+    a directory we may not create sockets in. (A live daemon on the same ipc:// path is found
+    later, by `claim_socket_path`, which can tell it from a stale socket.)"""
+    path = ipc_path(url)
+    if path is not None:
+        check_writable_directory(path.parent, f"the socket directory of {url}")
+        return
+    parts = urlsplit(url)
+    family = socket.AF_INET6 if ":" in (parts.hostname or "") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((parts.hostname, parts.port))
+        except OSError as err:
+            raise ValueError(f"cannot listen on {url}: {err.strerror}; choose another port or stop "
+                             "the process that holds it") from None
+
+
+def check_writable_directory(path: Path, what: str) -> None:
+    """`path` exists as a writable directory, or can be created (its nearest existing ancestor
+    is a writable directory)."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:  # by trying, not by os.access: root passes access checks on read-only mounts (/proc)
+        if not existing.is_dir():
+            raise NotADirectoryError
+        fd, probe = tempfile.mkstemp(prefix=".lmcache-mp-probe-", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError:
+        raise ValueError(f"{what} ({path}) is not writable by this user: fix its permissions or "
+                         "choose another path") from None
+
+
+def check_tier_directory(url: str) -> None:
+    """A disk tier's directory must be writable; other tiers are checked when they connect."""
+    parts = urlsplit(url)
+    if parts.scheme == "disk" and parts.path.startswith("/"):
+        check_writable_directory(Path(parts.path), f"the disk tier's directory of {url}")
+
+
+def _positive(value: float) -> str | None:
+    return None if value > 0 else "must be positive"
+
+
+def _chunk_size(value: int) -> str | None:
+    if value > 0 and value % 16 == 0:
+        return None
+    return "must be a positive multiple of 16 (vLLM's block sizes are)"
+
+
+def _pool_size(value: float) -> str | None:
+    if value <= 0:
+        return "must be positive"
+    available = available_memory_bytes()
+    if available is not None and value * 2**30 > available:
+        return (f"the machine has only {available / 2**30:.1f} GiB available: lower it "
+                "(the pool is allocated in full)")
+    return None
+
+
+def _known_group(value: str) -> str | None:
+    try:
+        grp.getgrnam(value)
+    except KeyError:
+        return "no such group on this machine"
+    return None
+
+
+def _existing_file(value: str) -> str | None:
+    return None if Path(value).is_file() else "no such file"
+
+
+def _existing_directory(value: str) -> str | None:
+    return None if Path(value).is_dir() else "no such directory"
+
+
+def _port(value: int) -> str | None:
+    return None if 0 <= value <= 65535 else "must be a TCP port (1-65535), or 0 for none"
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 @dataclass
 class ServerConfig:
-    listen: list[str] = field(default_factory=lambda: [default_url()])
-    chunk_size: int = DEFAULT_CHUNK_SIZE
-    l1_size_gb: float = DEFAULT_L1_SIZE_GB
-    lease_ttl_s: float = DEFAULT_LEASE_TTL_S
-    max_workers: int = DEFAULT_MAX_WORKERS
-    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
-    queue_deadline_s: float = DEFAULT_QUEUE_DEADLINE_S
-    allow_remote: bool = False
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int = 0  # 0: no metrics endpoint
-    l2: list[str] = field(default_factory=list)  # lower storage tiers, in order (storage/tiers.py)
-    l2_queue_gb: float | None = None  # write-behind queue per tier; None: a quarter of L1
+    """The daemon's settings: each declared once here (see settings.py for the flags, the
+    environment variables and the config file derived from these declarations)."""
+
+    listen: list[str] = setting(
+        lambda: [default_url()],
+        "endpoint to bind; repeat for several. ipc://PATH (a Unix socket, created mode 0600) or "
+        "tcp://127.0.0.1:PORT", metavar="URL",
+        default_text="ipc://$XDG_RUNTIME_DIR/lmcache-mp/daemon.sock (or /tmp/lmcache-mp-$UID/)")
+    socket_group: str | None = setting(
+        None, "a group whose members may use the daemon's Unix sockets (mode 0660 in a 0750 "
+        "directory), for a vLLM running as another user; by default only the daemon's own user",
+        check=_known_group, metavar="GROUP", default_text="none (0600 sockets, 0700 directory)")
+    curve_secret_key: str | None = setting(
+        None, "the daemon's CURVE secret key file (NAME.key_secret, from `lmcache-mp keygen`): "
+        "clients must then authenticate, on every endpoint, and TCP may listen beyond loopback",
+        check=_existing_file, metavar="PATH", default_text="none (no authentication)")
+    curve_allowed_keys: str | None = setting(
+        None, "directory of the public key files (*.key) of the clients allowed to connect; "
+        "needed with curve_secret_key", check=_existing_directory, metavar="DIR")
+    insecure_remote: bool = setting(
+        False, "allow TCP endpoints beyond loopback WITHOUT authentication: anyone who reaches "
+        "the port can read and write the cache. Only on a trusted network; prefer CURVE")
+    chunk_size: int = setting(
+        DEFAULT_CHUNK_SIZE, "tokens per stored chunk; a multiple of vLLM's block size", check=_chunk_size)
+    l1_size_gb: float = setting(
+        DEFAULT_L1_SIZE_GB, "CPU memory pool in GiB, prepared (faulted in; pinned with "
+        "cudaHostRegister when CUDA is present) in 1 GiB pieces in the background: the daemon "
+        "answers at once, STOREs find NO_SPACE beyond what is ready", check=_pool_size)
+    l2: list[str] = setting(
+        list, "a storage tier below the CPU pool; repeat for several, fastest first. "
+        "disk:///ABS/PATH?size_gb=N: a local (NVMe) directory, kept across restarts, LRU-evicted "
+        "beyond N GiB, locked against a second daemon. redis://[:PASSWORD@]HOST:PORT/DB (rediss:// "
+        "for TLS), redis+cluster://HOST:PORT[,HOST:PORT...]: Valkey/Redis, shared by a fleet "
+        "(?prefix=NAME namespaces keys, ?ttl_s=S expires them). lmcache://HOST:PORT: a v1 remote "
+        "server. Network tiers take ?timeout_s=T (default 1) and turn failures into misses, retried "
+        "in the background. Chunks are written behind STOREs and read back (verified) by LOOKUPs",
+        metavar="URL")
+    l2_queue_gb: float | None = setting(
+        None, "write-behind queue per lower tier: chunks waiting to be written stay pinned in the "
+        "CPU pool up to this size; past it, new chunks are not written to that tier (counted as "
+        "skipped)", check=_positive, default_text="a quarter of l1_size_gb")
+    lease_ttl_s: float = setting(
+        DEFAULT_LEASE_TTL_S, "seconds a LOOKUP keeps its hits leased for the RETRIEVE that follows, "
+        "if the client never retrieves or ends the session", check=_positive)
+    max_workers: int = setting(
+        DEFAULT_MAX_WORKERS, "threads that run copies and registrations", check=_positive)
+    max_queued_requests: int = setting(
+        DEFAULT_MAX_QUEUED_REQUESTS, "requests waiting for a worker thread before new ones are "
+        "refused with OVERLOADED", check=_positive)
+    queue_deadline_s: float = setting(
+        DEFAULT_QUEUE_DEADLINE_S, "a queued request not started within this many seconds is "
+        "refused with OVERLOADED instead of run late; keep it below the clients' timeout",
+        check=_positive)
+    metrics_port: int = setting(
+        0, "serve Prometheus metrics over HTTP on this port; 0: off", check=_port)
+    metrics_host: str = setting(
+        "127.0.0.1", "address for the metrics endpoint (counters only: no KV, no secrets); "
+        "0.0.0.0 in a container, for Prometheus to scrape it")
+    log_level: str = setting("INFO", "log verbosity", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    log_format: str = setting(
+        "text", "log lines as text, or one JSON object per line for log shippers",
+        choices=("text", "json"))
+
+    @property
+    def socket_access(self) -> SocketAccess:
+        return SocketAccess(self.socket_group)
+
+    @property
+    def server_curve(self) -> ServerCurve | None:
+        """The CURVE keys clients must authenticate against; None without them."""
+        if (self.curve_secret_key is None) != (self.curve_allowed_keys is None):
+            raise ValueError("CURVE needs both --curve-secret-key and --curve-allowed-keys")
+        if self.curve_secret_key is None or self.curve_allowed_keys is None:
+            return None
+        return ServerCurve(Path(self.curve_secret_key), Path(self.curve_allowed_keys))
 
     @property
     def write_queue_gb(self) -> float:
         return self.l2_queue_gb if self.l2_queue_gb is not None else self.l1_size_gb / 4
 
     def validate(self) -> None:
+        """Every check that can be made before anything starts; ValueError (one line saying
+        what to change) on the first that fails."""
+        check_settings(self)
         if not self.listen:
             raise ValueError("at least one --listen endpoint is needed")
+        curve = self.server_curve
+        if curve is not None:
+            curve.check()
         for url in self.listen:
-            check_endpoint(url, self.allow_remote)
-        if self.chunk_size <= 0:
-            raise ValueError("--chunk-size must be positive")
-        if self.l1_size_gb <= 0:
-            raise ValueError("--l1-size-gb must be positive")
-        if self.lease_ttl_s <= 0:
-            raise ValueError("--lease-ttl-s must be positive")
+            check_endpoint(url, self.insecure_remote or curve is not None)
+            check_free(url)
         if self.metrics_port:
-            check_endpoint(f"tcp://{self.metrics_host}:{self.metrics_port}", self.allow_remote)
-        if self.l2_queue_gb is not None and self.l2_queue_gb <= 0:
-            raise ValueError("--l2-queue-gb must be positive")
-        if self.max_workers <= 0 or self.max_queued_requests <= 0 or self.queue_deadline_s <= 0:
-            raise ValueError("--max-workers, --max-queued-requests and --queue-deadline-s must be positive")
+            check_free(f"tcp://{self.metrics_host}:{self.metrics_port}")
+        for url in self.l2:
+            check_tier_directory(url)
 
     @property
     def attach_socket(self) -> Path:

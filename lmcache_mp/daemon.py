@@ -18,7 +18,7 @@ class Daemon:
         config.validate()
         # Before anything else (the pool, the attach socket): a second daemon started on a live
         # one's path must fail at once and leave that daemon's sockets alone.
-        self._claims = prepare_ipc_endpoints(config.listen)
+        self._claims = prepare_ipc_endpoints(config.listen, config.socket_access)
         try:
             self._build(config)
         except BaseException:
@@ -43,6 +43,7 @@ class Daemon:
             RequestType.RETRIEVE: e.retrieve,
             RequestType.CANCEL_TRANSFERS: e.cancel_transfers,
             RequestType.CLEAR: e.clear,
+            RequestType.CLEAR_TIERS: e.clear_tiers,
         }
         try:
             self.server = Server(config, handlers, status_extra=e.status, on_tick=e.tick,
@@ -54,6 +55,14 @@ class Daemon:
             e.close()
             raise
         self.endpoints = self.server.endpoints
+
+    def readiness(self) -> tuple[bool, str]:
+        """Whether the daemon is fully usable (its pool prepared), and a line saying so."""
+        status = self.engine.status()
+        if status["pool_ready"]:
+            return True, f"serving on {' '.join(self.endpoints)}"
+        return False, (f"preparing the pool: {status['pool_ready_bytes'] / 2**30:.1f} of "
+                       f"{status['pool_bytes'] / 2**30:.1f} GiB")
 
     def start(self) -> None:
         self.server.start()

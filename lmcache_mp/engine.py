@@ -36,6 +36,7 @@ from lmcache_mp.protocol import (
     StoreResult,
 )
 from lmcache_mp.registry import Instance, Registry
+from lmcache_mp.storage.base import TierCleared
 from lmcache_mp.storage.manager import Hits, RankSpec, StorageManager
 from lmcache_mp.storage.pool import MemoryPool, PoolObject, ReserveFailure
 from lmcache_mp.storage.tiers import open_tier, redact_url
@@ -102,7 +103,8 @@ class Engine:
         self._deferred: dict[str, bool] = {}
         self._lock = threading.Lock()
         try:
-            self.registry = Registry(config.attach_socket, config.chunk_size, pool.admit)
+            self.registry = Registry(config.attach_socket, config.socket_access, config.chunk_size,
+                                     pool.admit)
         except BaseException:
             self.storage.close()
             pool.close()
@@ -302,6 +304,9 @@ class Engine:
     def clear(self) -> int:
         return self.storage.clear()
 
+    def clear_tiers(self) -> list[TierCleared]:
+        return self.storage.clear_tiers()
+
     def tick(self) -> None:
         self.leases.expire()
 
@@ -362,6 +367,9 @@ class Engine:
             "pool_ready": gauges["pool_ready_bytes"] >= gauges["pool_capacity_bytes"],
             "objects": gauges["pool_objects"],
             "registered_instances": self.registry.instance_ids(),
+            "instances": self.registry.describe(),
+            "lookup_chunks_total": self.metrics.lookup_chunks_total,
+            "lookup_hits_total": self.metrics.lookup_hits_total,
             "sessions": gauges["lease_sessions"],
             "leases": gauges["leases"],
             "transfers_running": copying,

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from lmcache_mp.curve import ClientCurve
 from lmcache_mp.errors import LMCacheMPError
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import RequestType, StatusReport
@@ -39,10 +40,12 @@ class DaemonProcess:
 
 
 def start_daemon(tmp_dir: Path, *args: str, url: str | None = None, ready_timeout: float = 30.0,
-                 command_prefix: Sequence[str] = (), pool_ready: bool = True) -> DaemonProcess:
+                 command_prefix: Sequence[str] = (), pool_ready: bool = True,
+                 curve: ClientCurve | None = None) -> DaemonProcess:
     """Start `lmcache-mp serve --listen URL ARGS...` (under `command_prefix`, e.g. a namespace
     wrapper, when given) and wait until it answers HELLO and, with `pool_ready`, until its pool's
-    memory is all prepared (the daemon answers before that, but a STORE may find NO_SPACE)."""
+    memory is all prepared (the daemon answers before that, but a STORE may find NO_SPACE).
+    `curve`: the keys to ask with, for a daemon that requires CURVE."""
     url = url or f"ipc://{tmp_dir / 'daemon.sock'}"
     log_path = tmp_dir / f"daemon-{time.monotonic_ns()}.log"
     env = dict(os.environ, LMCACHE_MP_RUNTIME_DIR=str(tmp_dir))
@@ -54,7 +57,7 @@ def start_daemon(tmp_dir: Path, *args: str, url: str | None = None, ready_timeou
         )
     daemon = DaemonProcess(url, proc, log_path, started_at)
     deadline = time.monotonic() + ready_timeout
-    client = MessageQueueClient(url)
+    client = MessageQueueClient(url, curve=curve)
     try:
         while True:
             if proc.poll() is not None:

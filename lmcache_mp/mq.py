@@ -21,6 +21,7 @@ from typing import Any, Generic, TypeVar
 import msgspec
 import zmq
 
+from lmcache_mp.curve import ClientCurve, ServerCurve
 from lmcache_mp.custom_types import get_customized_decoder, get_customized_encoder
 from lmcache_mp.errors import (
     ClientClosedError,
@@ -44,8 +45,8 @@ T = TypeVar("T")
 
 REQUEST_ID = struct.Struct("<Q")
 DEFAULT_REQUEST_TIMEOUT_S = 300.0
-# Bounded queues everywhere: ZeroMQ drops nothing on a DEALER past its high-water mark,
-# it blocks; the I/O thread then stops reading the outbox and submitters see timeouts.
+# Bounded queues everywhere. A client never blocks on a full queue (or no connection): it
+# drops the request, which times out; the server's ROUTER drops replies to a client past it.
 SOCKET_HWM = 100_000
 MAX_FRAME_BYTES = 64 * 2**20
 # How long a stopping server keeps trying to deliver its last replies to connected clients.
@@ -180,8 +181,9 @@ class MessageQueueClient:
     """
 
     def __init__(self, server_url: str, context: zmq.Context | None = None,
-                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S):
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, curve: ClientCurve | None = None):
         self.server_url = server_url
+        self.curve = curve
         self.request_timeout_s = request_timeout_s
         self.codec = Codec()
         self._ids = itertools.count(1)
@@ -196,6 +198,8 @@ class MessageQueueClient:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, SOCKET_HWM)
         self._sock.setsockopt(zmq.RCVHWM, SOCKET_HWM)
+        if curve is not None:
+            curve.secure(self._sock)
         self._sock.connect(server_url)
         self._next_expiry_scan = 0.0
         self._poller = zmq.Poller()
@@ -219,9 +223,17 @@ class MessageQueueClient:
     def handshake(self, client_name: str, timeout_s: float = 10.0) -> HelloReply:
         """HELLO: every client sends it first. Raises ProtocolMismatchError when the daemon
         speaks another protocol version, RequestTimeoutError when nothing answers."""
-        hello: HelloReply = self.submit(
-            RequestType.HELLO, [PROTOCOL_VERSION, client_name], timeout_s=timeout_s
-        ).result(timeout_s)
+        try:
+            hello: HelloReply = self.submit(
+                RequestType.HELLO, [PROTOCOL_VERSION, client_name], timeout_s=timeout_s
+            ).result(timeout_s)
+        except RequestTimeoutError as err:
+            if self.curve is None:
+                raise
+            raise RequestTimeoutError(  # CURVE refusals are silent on the wire: say what to check
+                f"{err}; with CURVE, check that the daemon's public key is "
+                f"{self.curve.server_public_key_file} and that it allows the public key of "
+                f"{self.curve.client_secret_key_file}") from None
         if hello.protocol_version != PROTOCOL_VERSION:
             raise ProtocolMismatchError(
                 f"the daemon at {self.server_url} (lmcache-mp {hello.server_version}) speaks "
@@ -263,7 +275,14 @@ class MessageQueueClient:
 
     def _flush(self) -> None:
         while self._outbox:
-            self._sock.send_multipart(self._outbox.popleft(), copy=False)
+            frames = self._outbox.popleft()
+            try:
+                self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                # No connection to queue it on: the daemon refused our CURVE key (ZeroMQ then
+                # drops the connection for good), or its queue is full. Blocking here would hang
+                # the caller; the request never reaches the daemon and times out instead.
+                logger.debug("%s: request dropped, no connection to send it on", self.server_url)
 
     def _poll_now(self) -> None:
         if self._closed or not self._io.acquire(blocking=False):
@@ -376,10 +395,11 @@ class MessageQueueServer:
 
     def __init__(self, endpoints: list[str], on_request: Callable[[bytes, list[bytes]], None],
                  on_tick: Callable[[], None] | None = None, context: zmq.Context | None = None,
-                 tick_s: float = 1.0):
+                 tick_s: float = 1.0, curve: ServerCurve | None = None):
         self._context = context or zmq.Context()
         self._owns_context = context is None
         sock = self._context.socket(zmq.ROUTER)
+        self._auth = curve.secure(self._context, sock) if curve is not None else None
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, SOCKET_HWM)
         sock.setsockopt(zmq.RCVHWM, SOCKET_HWM)
@@ -395,6 +415,7 @@ class MessageQueueServer:
                 self.endpoints.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
         except BaseException:
             sock.close(linger=0)
+            self._stop_auth()
             if self._owns_context:
                 self._context.term()
             raise
@@ -459,8 +480,13 @@ class MessageQueueServer:
                 finally:
                     self._sock.close(linger=CLOSE_LINGER_MS)
                     os.close(self._doorbell)
+            self._stop_auth()
             if self._owns_context:
                 self._context.term()  # returns once the replies are out, or after the linger
+
+    def _stop_auth(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()  # its ZAP socket would keep the context from terminating
 
     def _flush_outbox(self) -> None:
         while self._outbox:

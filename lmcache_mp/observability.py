@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from lmcache_mp.protocol import ChunkOutcome, ErrorCode, RequestType
@@ -28,18 +28,26 @@ class _Gauges(Collector):
         self._read = read
         self._read_tiers = read_tiers
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         for name, value in self._read().items():
-            yield GaugeMetricFamily(f"lmcache_mp_{name}", name.replace("_", " "), value=value)
-        families: dict[str, GaugeMetricFamily] = {}
+            yield _family(f"lmcache_mp_{name}", name.replace("_", " "), value=value)
+        families: dict[str, Metric] = {}
         for tier, values in self._read_tiers().items():
             for name, value in values.items():
                 family = families.get(name)
                 if family is None:
-                    family = families[name] = GaugeMetricFamily(
+                    family = families[name] = _family(
                         f"lmcache_mp_tier_{name}", f"lower tier {name.replace('_', ' ')}", labels=["tier"])
                 family.add_metric([tier], value)
         yield from families.values()
+
+
+def _family(name: str, documentation: str, **kwargs) -> CounterMetricFamily | GaugeMetricFamily:
+    """A `..._total` value only ever grows: typed as a counter, so Prometheus' rate() and
+    Grafana treat restarts right; anything else is a gauge."""
+    if name.endswith("_total"):
+        return CounterMetricFamily(name.removesuffix("_total"), documentation, **kwargs)
+    return GaugeMetricFamily(name, documentation, **kwargs)
 
 
 class Metrics:
@@ -69,6 +77,8 @@ class Metrics:
             self.retrieve_chunks.labels(result)
         for direction in ("store", "retrieve"):
             self.bytes.labels(direction)
+        self.lookup_chunks_total = 0
+        self.lookup_hits_total = 0
 
     def watch(self, read: Callable[[], dict[str, float]],
               read_tiers: Callable[[], dict[str, dict[str, float]]]) -> None:
@@ -82,6 +92,8 @@ class Metrics:
         self.latency.labels(request_type.name).observe(seconds)
 
     def looked_up(self, asked: int, hits: int) -> None:
+        self.lookup_chunks_total += asked  # plain totals too, for STATUS's hit rate
+        self.lookup_hits_total += hits
         self.lookup_chunks.labels("hit").inc(hits)
         self.lookup_chunks.labels("miss").inc(asked - hits)
 

@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 
 from lmcache_mp.custom_types import IPCCacheEngineKey, KVCache
-from lmcache_mp.storage.base import TierStats
+from lmcache_mp.storage.base import TierCleared, TierStats
 
 # Bump on any incompatible change to a schema below. Clients refuse a server whose
 # protocol version differs from theirs (see HELLO).
@@ -45,6 +45,7 @@ class RequestType(enum.IntEnum):
     CLEAR = 11
     CANCEL_TRANSFERS = 12
     RELEASE_LEASES = 13
+    CLEAR_TIERS = 14
 
 
 class ErrorCode(enum.IntEnum):
@@ -133,6 +134,19 @@ class RetrieveResult(msgspec.Struct, array_like=True, gc=False):
         return self.ok
 
 
+class InstanceInfo(msgspec.Struct, gc=False):
+    """A registered worker, as STATUS shows it."""
+
+    instance_id: int
+    model_name: str
+    world_size: int
+    worker_id: int
+    layout: str
+    num_layers: int
+    num_blocks: int
+    kv_bytes: int  # the registered KV cache's size
+
+
 class StatusReport(msgspec.Struct, gc=False):
     server_version: str
     protocol_version: int
@@ -147,6 +161,10 @@ class StatusReport(msgspec.Struct, gc=False):
     pool_ready: bool = False
     objects: int = 0
     registered_instances: list[int] = []
+    instances: list[InstanceInfo] = []
+    # LOOKUP's chunks asked for and found since start: the hit rate
+    lookup_chunks_total: int = 0
+    lookup_hits_total: int = 0
     sessions: int = 0
     leases: int = 0
     # STOREs and RETRIEVEs copying, per (instance, request), and those pairs remembered as
@@ -207,6 +225,10 @@ PROTOCOL: dict[RequestType, RequestSpec] = {
     # CLEAR() -> number of objects dropped from the CPU pool (objects under lease or being
     # written stay; lower tiers are persistent and keep theirs).
     RequestType.CLEAR: RequestSpec((), int, HandlerKind.WORKER),
+    # CLEAR_TIERS() -> per lower tier, in order, the objects removed from its namespace (every
+    # model) or why it could not (a v1 server has no DELETE; a tier that is down). Chunks queued
+    # for writing may still land after it. Slow on a large network tier (it scans).
+    RequestType.CLEAR_TIERS: RequestSpec((), list[TierCleared], HandlerKind.WORKER),
     # CANCEL_TRANSFERS(instance id, request ids) -> how many of these requests had a STORE or
     # RETRIEVE copying that was stopped and waited for. Sent by a worker whose STORE or RETRIEVE
     # got no reply in time, before it lets vLLM reuse the blocks. Once it is answered, no STORE

@@ -23,11 +23,12 @@ from pathlib import Path
 
 import torch
 
+from lmcache_mp.config import SocketAccess
 from lmcache_mp.custom_types import CudaIPCWrapper, KVCache, SharedMemoryTensor
 from lmcache_mp.distributed.api import rank_of
 from lmcache_mp.errors import ServerError
 from lmcache_mp.keys import invalid
-from lmcache_mp.protocol import ErrorCode, KVCacheRegistration, RegisterReply
+from lmcache_mp.protocol import ErrorCode, InstanceInfo, KVCacheRegistration, RegisterReply
 from lmcache_mp.storage.base import ChunkFormat
 from lmcache_mp.transfer.context import TransferContext
 from lmcache_mp.transfer.layouts import describe_caches
@@ -58,7 +59,8 @@ class Instance:
 
 
 class Registry:
-    def __init__(self, attach_socket: Path, chunk_size: int, admit_chunk: Callable[[int], None]):
+    def __init__(self, attach_socket: Path, access: SocketAccess, chunk_size: int,
+                 admit_chunk: Callable[[int], None]):
         """`admit_chunk(nbytes)` raises ValueError when the pool can never hold a chunk of `nbytes`."""
         self.chunk_size = chunk_size
         self._admit_chunk = admit_chunk
@@ -67,7 +69,7 @@ class Registry:
         self._rank_formats: dict[RankKey, dict[bytes, list[Instance]]] = {}
         self._tokens: dict[bytes, int] = {}  # attach token -> instance id
         self._lock = threading.Lock()
-        self.attach = AttachListener(attach_socket, self._on_attach_closed)
+        self.attach = AttachListener(attach_socket, self._on_attach_closed, access)
         self.attach.start()
 
     def close(self) -> None:
@@ -193,6 +195,18 @@ class Registry:
     def instance_ids(self) -> list[int]:
         with self._lock:
             return sorted(self._instances)
+
+    def describe(self) -> list[InstanceInfo]:
+        """Every registered instance, for STATUS."""
+        with self._lock:
+            instances = sorted(self._instances.values(), key=lambda inst: inst.instance_id)
+        infos = []
+        for inst in instances:
+            reg, geometry = inst.registration, inst.context.geometry
+            infos.append(InstanceInfo(inst.instance_id, reg.model_name, reg.world_size, reg.worker_id,
+                                      geometry.layout.name, geometry.num_layers, geometry.num_blocks,
+                                      geometry.cache_nbytes))
+        return infos
 
     @property
     def num_attach_channels(self) -> int:

@@ -11,7 +11,6 @@ request gets one reply: a result or an error.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import traceback
@@ -23,7 +22,7 @@ import msgspec
 
 from lmcache_mp import __version__
 from lmcache_mp.cancellation import ARRIVAL
-from lmcache_mp.config import ServerConfig, SocketClaim, claim_socket_path, ipc_path
+from lmcache_mp.config import ServerConfig, SocketAccess, SocketClaim, claim_socket_path, ipc_path
 from lmcache_mp.errors import ServerError
 from lmcache_mp.mq import REQUEST_ID, Codec, MessageQueueServer
 from lmcache_mp.observability import Metrics
@@ -47,7 +46,7 @@ Handler = Callable[..., Any]
 DRAIN_TIMEOUT_S = 5.0
 
 
-def prepare_ipc_endpoints(listen: list[str]) -> list[SocketClaim]:
+def prepare_ipc_endpoints(listen: list[str], access: SocketAccess) -> list[SocketClaim]:
     """Create the private directories of the ipc:// endpoints, claim their paths and remove stale
     sockets there; raises SocketInUseError where another daemon serves (or claimed) one. Release
     the claims once the server has stopped."""
@@ -56,7 +55,7 @@ def prepare_ipc_endpoints(listen: list[str]) -> list[SocketClaim]:
         for url in listen:
             path = ipc_path(url)
             if path is not None:
-                path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                access.make_directory(path.parent)
                 claims.append(claim_socket_path(path, url))
     except BaseException:
         for claim in claims:
@@ -72,7 +71,8 @@ class Server:
     def __init__(self, config: ServerConfig, handlers: dict[RequestType, Handler] | None = None,
                  status_extra: Callable[[], dict[str, Any]] | None = None,
                  on_tick: Callable[[], None] | None = None, metrics: Metrics | None = None):
-        config.validate()
+        # The config was validated at start (Daemon): again here, the pool would already be
+        # allocated and the available-memory check would count it against itself.
         self.config = config
         self.metrics = metrics or Metrics()
         self.codec = Codec()
@@ -93,7 +93,8 @@ class Server:
         self._drained = threading.Condition(self._queued_lock)  # both counters reached 0
         self._stopping = False
         self._arrivals = 0  # requests read so far
-        self._mq = MessageQueueServer(config.listen, self._on_request, on_tick=self._tick)
+        self._mq = MessageQueueServer(config.listen, self._on_request, on_tick=self._tick,
+                                      curve=config.server_curve)
         self._secure_ipc_files()
         self.endpoints = self._mq.endpoints
 
@@ -127,7 +128,7 @@ class Server:
         for url in self.config.listen:
             path = ipc_path(url)
             if path is not None:
-                os.chmod(path, 0o600)
+                self.config.socket_access.secure(path)
 
     def _tick(self) -> None:
         if self._on_tick is not None:

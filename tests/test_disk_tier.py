@@ -135,6 +135,18 @@ def test_absent_and_removed_are_misses(tier: DiskTier) -> None:
     assert (stats.objects, stats.bytes, stats.misses_total, stats.corrupt_total) == (0, 0, 2, 0)
 
 
+def test_clear_removes_every_object_and_file(tier: DiskTier) -> None:
+    for i in range(5):
+        tier.put(key(i), payload(100, seed=i))
+    tier.put(key(1, OTHER_FMT), payload(100))
+    assert tier.clear() == 6
+    assert tier.stats().objects == tier.stats().bytes == 0
+    assert not any(tier.contains(key(i)) for i in range(5)) and tier.get(key(1)) is None
+    assert not list(tier.root.glob("*/*.kv"))
+    tier.put(key(1), payload(100, seed=9))  # usable again
+    assert torch.equal(tier.get(key(1)), payload(100, seed=9))
+
+
 def test_same_hash_other_format_is_another_object(tier: DiskTier) -> None:
     tier.put(key(1), payload(100, seed=1))
     tier.put(key(1, OTHER_FMT), payload(100, seed=2))

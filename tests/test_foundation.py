@@ -30,6 +30,7 @@ from lmcache_mp.protocol import (
     ChunkOutcome,
     ErrorCode,
     HelloReply,
+    InstanceInfo,
     KVCacheRegistration,
     RegisterReply,
     RequestType,
@@ -37,6 +38,7 @@ from lmcache_mp.protocol import (
     StatusReport,
     StoreResult,
 )
+from lmcache_mp.storage.base import TierCleared
 
 HASH_KEY = IPCCacheEngineKey("m", 2, None, chunk_hash=b"\x01" * 32, request_id="req-1")
 TOKEN_KEY = IPCCacheEngineKey("m", 1, 0, token_ids=(1, 2, 3), start=0, end=3, request_id="r")
@@ -57,6 +59,7 @@ PAYLOADS = {
     RequestType.RETRIEVE: [[TOKEN_KEY], 1, [3, 4], b"evt"],
     RequestType.END_SESSION: ["req-1"],
     RequestType.CLEAR: [],
+    RequestType.CLEAR_TIERS: [],
     RequestType.RELEASE_LEASES: [[HASH_KEY, TOKEN_KEY]],
     RequestType.CANCEL_TRANSFERS: [1, ["req-1", "req-2"]],
 }
@@ -64,7 +67,8 @@ REPLIES = {
     RequestType.HELLO: HelloReply(PROTOCOL_VERSION, "0.1.0", 256, "/tmp/x.attach"),
     RequestType.PING: 7,
     RequestType.GET_CHUNK_SIZE: 256,
-    RequestType.STATUS: StatusReport("0.1.0", 1, 1.5, 256, ["ipc:///x"], registered_instances=[3]),
+    RequestType.STATUS: StatusReport("0.1.0", 1, 1.5, 256, ["ipc:///x"], registered_instances=[3],
+                                     instances=[InstanceInfo(3, "m", 2, 1, "CPU_ATTN", 4, 16, 1 << 20)]),
     RequestType.REGISTER_KV_CACHE: RegisterReply("CPU_ATTN", 2, 16, 32, 65536),
     RequestType.UNREGISTER_KV_CACHE: True,
     RequestType.LOOKUP: 3,
@@ -72,6 +76,7 @@ REPLIES = {
     RequestType.RETRIEVE: RetrieveResult(b"", False, "lease expired"),
     RequestType.END_SESSION: None,
     RequestType.CLEAR: 5,
+    RequestType.CLEAR_TIERS: [TierCleared("disk:///d", 3), TierCleared("lmcache://h:1", 0, "no DELETE")],
     RequestType.RELEASE_LEASES: None,
     RequestType.CANCEL_TRANSFERS: 1,
 }
@@ -291,7 +296,7 @@ def test_tcp_loopback_and_refusal_of_public_bind(short_tmp: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "lmcache_mp.cli", "serve", "--listen", "tcp://0.0.0.0:5555"],
         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "--allow-remote" in out.stderr
+    assert out.returncode == 2 and "--insecure-remote" in out.stderr
 
 
 def test_ping_cli(daemon: DaemonProcess, short_tmp: Path) -> None:

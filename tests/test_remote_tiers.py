@@ -126,6 +126,25 @@ def test_round_trip_is_byte_exact_and_pipelined(server: Server, tmp_path: Path, 
         assert s.read_latency_p50_ms > 0 and s.write_latency_p99_ms >= s.write_latency_p50_ms > 0
 
 
+@pytest.mark.parametrize("server", SERVERS)
+def test_clear_empties_only_its_own_namespace(server: Server, tmp_path: Path, tier_at) -> None:
+    with server(tmp_path) as url:
+        tier = tier_at(url)
+        keys, data = chunks(30)
+        assert tier.batched_put(list(zip(keys, data, strict=True))) == 30
+        if url.startswith("lmcache://"):
+            with pytest.raises(NotImplementedError, match="no DELETE"):
+                tier.clear()
+            assert tier.batched_contains(keys) == [True] * 30
+            return
+        neighbour = tier_at(url + "?prefix=neighbour")  # another deployment on the same server
+        assert neighbour.batched_put(list(zip(keys[:3], data[:3], strict=True))) == 3
+        assert tier.clear() == 30
+        assert tier.batched_contains(keys) == [False] * 30
+        assert neighbour.batched_contains(keys[:3]) == [True] * 3
+        assert tier.batched_put([(keys[0], data[0])]) == 1 and tier.stats().up == 1
+
+
 def test_redis_keys_are_namespaced_and_damaged_values_are_misses_and_deleted(tmp_path: Path,
                                                                               tier_at) -> None:
     with redis_server(tmp_path) as server:

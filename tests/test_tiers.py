@@ -3,6 +3,7 @@ restarts, corruption, a full disk, and prefix-aware eviction."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import signal
 import socket
@@ -126,7 +127,17 @@ def test_chunks_survive_a_restart_on_disk_byte_for_byte(daemons, short_tmp: Path
         assert metrics[f'lmcache_mp_tier_promotions_total{{tier="disk://{disk}"}}'] == 5
         cli = subprocess.run([sys.executable, "-m", "lmcache_mp.cli", "status", "--url", daemon.url],
                              capture_output=True, text=True, timeout=30)
-        assert f"tier disk://{disk}" in cli.stdout and "promotions_total" in cli.stdout, cli.stdout
+        row = re.search(rf"^  disk://{disk} +yes +5 +\S+ \S+ / \S+ \S+ +5 +0 +5 +0 ", cli.stdout, re.M)
+        assert row, cli.stdout  # objects, used / capacity, hits, misses, promoted, errors
+        # `lmcache-mp clear --tiers`: the pool and the disk emptied; the prompt is a miss again
+        cleared = subprocess.run([sys.executable, "-m", "lmcache_mp.cli", "clear", "--tiers", "--url",
+                                  daemon.url], capture_output=True, text=True, timeout=60)
+        assert cleared.returncode == 0, cleared.stderr
+        assert cleared.stdout.splitlines() == ["CPU pool: 5 chunks dropped",
+                                               f"disk://{disk}: 5 chunks removed"]
+        emptied = status(daemon.url)
+        assert (emptied.objects, emptied.tiers[0].objects) == (0, 0)
+        assert not list(disk.glob("*/*.kv"))
     finally:
         _stop(daemon)
 

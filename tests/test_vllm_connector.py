@@ -75,13 +75,14 @@ def engine_spec(model: Path, daemon: Daemon | None, rounds: list[list[list[int]]
 class Engine:
     """One engine process; its log (vLLM's and the RESULT lines) goes to a file."""
 
-    def __init__(self, spec: dict[str, Any], log_path: Path):
+    def __init__(self, spec: dict[str, Any], log_path: Path, env: dict[str, str] = ENV,
+                 timeout_s: float = ENGINE_TIMEOUT_S):
         self.log_path = log_path
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "tests.vllm_engine_run", json.dumps(spec)],
-                                         cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT,
+                                         cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
-        self.deadline = time.monotonic() + ENGINE_TIMEOUT_S
+        self.deadline = time.monotonic() + timeout_s
 
     def log_tail(self) -> str:
         return self.log_path.read_text(errors="replace")[-6000:]
@@ -116,8 +117,9 @@ class Engine:
             self.proc.wait(10)
 
 
-def run_engine(spec: dict[str, Any], log_path: Path) -> list[list[dict[str, Any]]]:
-    engine = Engine(spec, log_path)
+def run_engine(spec: dict[str, Any], log_path: Path, env: dict[str, str] = ENV,
+               timeout_s: float = ENGINE_TIMEOUT_S) -> list[list[dict[str, Any]]]:
+    engine = Engine(spec, log_path, env, timeout_s)
     try:
         rounds = [engine.round(i) for i in range(len(spec["rounds"]))]
         engine.finish()

@@ -39,6 +39,7 @@ def engine_args(spec: dict[str, Any]) -> dict[str, Any]:
         "num_gpu_blocks_override": spec["num_blocks"],
         "enable_prefix_caching": spec.get("prefix_caching", True),
         "disable_hybrid_kv_cache_manager": True,
+        "tensor_parallel_size": spec.get("tensor_parallel_size", 1),
     }
     if spec.get("connector") is not None:
         args["kv_transfer_config"] = kv_transfer_config(spec["connector"])

@@ -54,7 +54,7 @@ from vllm_adapter.connector_worker import WorkerSide
 
 if TYPE_CHECKING:
     import torch
-    from vllm.config import VllmConfig
+    from vllm.config import ParallelConfig, VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -92,6 +92,18 @@ def _block_size(kv_cache_config: KVCacheConfig) -> int:
     return block_size
 
 
+def check_parallel_config(parallel: ParallelConfig) -> None:
+    """Tensor and pipeline parallelism are supported: each of the world's ranks (TP x PP, the
+    daemon's world size) stores and loads its own share of every chunk. Context parallelism is
+    refused: it splits a block's tokens across ranks while the cache keeps its shape (an MLA
+    latent cache looks the same with and without DCP), so a chunk stored under one split would
+    be read back under another as wrong KV."""
+    dcp, pcp = parallel.decode_context_parallel_size, parallel.prefill_context_parallel_size
+    if dcp > 1 or pcp > 1:
+        raise ValueError(f"LMCacheMPDaemonConnector does not support context parallelism "
+                         f"(decode_context_parallel_size={dcp}, prefill_context_parallel_size={pcp})")
+
+
 class LMCacheMPDaemonConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -99,9 +111,11 @@ class LMCacheMPDaemonConnector(KVConnectorBase_V1):
         settings = ConnectorSettings.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         model_name = vllm_config.model_config.model
         parallel = vllm_config.parallel_config
+        check_parallel_config(parallel)
         block_size = _block_size(kv_cache_config)
-        logger.info("LMCacheMPDaemonConnector (%s) from %s: daemon %s, model %s, block size %d",
-                    role.name, __file__, settings.url, model_name, block_size)
+        logger.info("LMCacheMPDaemonConnector (%s) from %s: daemon %s, model %s, block size %d, "
+                    "rank %d of world size %d", role.name, __file__, settings.url, model_name, block_size,
+                    parallel.rank, parallel.world_size)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:

@@ -9,11 +9,13 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from lmcache_mp.config import default_url
+from lmcache_mp.curve import ClientCurve
 from lmcache_mp.errors import LMCacheMPError
 from vllm_adapter.multi_process_adapter import DEFAULT_TIMEOUT_S, LoadStoreOp
 
@@ -38,12 +40,15 @@ class ConnectorSettings:
     # "async": loads run while the engine steps on (other requests keep running);
     # "sync": a request's load runs right before its forward pass, one scheduler step sooner.
     load_mode: str = "async"
+    # CURVE keys, for a daemon that requires them: its public key file and this client's
+    # secret key file (`lmcache-mp keygen`).
+    curve: ClientCurve | None = None
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorSettings:
         ours = {key.removeprefix(_PREFIX): value for key, value in extra.items() if key.startswith(_PREFIX)}
         unknown = sorted(set(ours) - {"url", "timeout_s", "reconnect_interval_s", "save_decode_cache",
-                                      "load_mode"})
+                                      "load_mode", "server_public_key", "client_key"})
         if unknown:  # a typo would otherwise silently fall back to a default
             raise ValueError(f"unknown kv_connector_extra_config keys: {[_PREFIX + k for k in unknown]}")
         settings = cls(
@@ -52,12 +57,23 @@ class ConnectorSettings:
             reconnect_interval_s=float(ours.get("reconnect_interval_s", DEFAULT_RECONNECT_INTERVAL_S)),
             save_decode_cache=_as_bool(ours.get("save_decode_cache", False)),
             load_mode=str(ours.get("load_mode", "async")),
+            curve=_curve(ours.get("server_public_key"), ours.get("client_key")),
         )
         if settings.load_mode not in ("async", "sync"):
             raise ValueError(f'{_PREFIX}load_mode must be "async" or "sync", not {settings.load_mode!r}')
         if settings.timeout_s <= 0 or settings.reconnect_interval_s <= 0:
             raise ValueError(f"{_PREFIX}timeout_s and {_PREFIX}reconnect_interval_s must be positive")
         return settings
+
+
+def _curve(server_public_key: str | None, client_key: str | None) -> ClientCurve | None:
+    if (server_public_key is None) != (client_key is None):
+        raise ValueError(f"{_PREFIX}server_public_key and {_PREFIX}client_key go together")
+    if server_public_key is None or client_key is None:
+        return None
+    curve = ClientCurve(Path(server_public_key), Path(client_key))
+    curve.check()  # unreadable keys: refused at start, not at every reconnection
+    return curve
 
 
 def _as_bool(value: Any) -> bool:

@@ -86,7 +86,7 @@ class SchedulerSide:
         self._link = BackgroundConnect(
             lambda: LMCacheMPSchedulerAdapter(settings.url, None, model_name, world_size, rank, block_size,
                                               timeout_s=settings.timeout_s,
-                                              connect_timeout_s=CONNECT_TIMEOUT_S),
+                                              connect_timeout_s=CONNECT_TIMEOUT_S, curve=settings.curve),
             settings.reconnect_interval_s, f"scheduler at {settings.url}")
         self._heartbeat: _Heartbeat | None = None
         self._chunk_blocks = 0  # vLLM blocks per daemon chunk, known once connected

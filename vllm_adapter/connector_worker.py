@@ -56,7 +56,8 @@ class WorkerSide:
         self._link = BackgroundConnect(
             lambda: LMCacheMPWorkerAdapter(settings.url, None, model_name, world_size, rank, block_size,
                                            timeout_s=settings.timeout_s, connect_timeout_s=CONNECT_TIMEOUT_S,
-                                           reregister_interval_s=settings.reconnect_interval_s),
+                                           reregister_interval_s=settings.reconnect_interval_s,
+                                           curve=settings.curve),
             settings.reconnect_interval_s, f"worker {rank} at {settings.url}")
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layout = ""

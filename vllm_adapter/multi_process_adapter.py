@@ -36,6 +36,7 @@ from typing import TypeVar
 import torch
 import zmq
 
+from lmcache_mp.curve import ClientCurve
 from lmcache_mp.custom_types import IPCCacheEngineKey
 from lmcache_mp.errors import KVExportError, LMCacheMPError, RequestTimeoutError, ServerError
 from lmcache_mp.mq import MessageQueueClient, MessagingFuture
@@ -125,10 +126,11 @@ class _KeyMaker:
 
 
 def _connect(server_url: str, context: zmq.Context | None, name: str, timeout_s: float,
-             vllm_block_size: int, connect_timeout_s: float | None) -> tuple[MessageQueueClient, int]:
+             vllm_block_size: int, connect_timeout_s: float | None,
+             curve: ClientCurve | None) -> tuple[MessageQueueClient, int]:
     """Connect and say HELLO (waiting `connect_timeout_s`, default `timeout_s`); returns the
     client and the daemon's chunk size."""
-    client = MessageQueueClient(server_url, context, request_timeout_s=timeout_s)
+    client = MessageQueueClient(server_url, context, request_timeout_s=timeout_s, curve=curve)
     try:
         hello = client.handshake(name, timeout_s=connect_timeout_s or timeout_s)
     except BaseException:
@@ -147,9 +149,10 @@ def _connect(server_url: str, context: zmq.Context | None, name: str, timeout_s:
 class LMCacheMPSchedulerAdapter:
     def __init__(self, server_url: str, context: zmq.Context | None, model_name: str, world_size: int,
                  kv_rank: int, vllm_block_size: int, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 connect_timeout_s: float | None = None):
+                 connect_timeout_s: float | None = None, curve: ClientCurve | None = None):
+        """`curve`: the keys to authenticate with, for a daemon that requires CURVE."""
         self.mq_client, self.chunk_size = _connect(server_url, context, "vllm-scheduler", timeout_s,
-                                                   vllm_block_size, connect_timeout_s)
+                                                   vllm_block_size, connect_timeout_s, curve)
         self.model_name = model_name
         self.world_size = world_size
         self.worker_id = kv_rank
@@ -290,18 +293,20 @@ class LMCacheMPWorkerAdapter:
                  kv_rank: int, vllm_block_size: int, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  connect_timeout_s: float | None = None,
                  reregister_interval_s: float = REREGISTER_INTERVAL_S, instance_id: int | None = None,
-                 store_retry_s: float | None = None, max_held_stores: int = MAX_HELD_STORES):
+                 store_retry_s: float | None = None, max_held_stores: int = MAX_HELD_STORES,
+                 curve: ClientCurve | None = None):
         """`instance_id`: the id to register under (default: a random one, `new_instance_id`).
         `store_retry_s`: how long a store that did not land (or went unsent while the daemon
         was away) is tried again (default `timeout_s`); `max_held_stores`: how many such
-        stores are held at most."""
+        stores are held at most. `curve`: the keys to authenticate with, for a daemon that
+        requires CURVE."""
         self.server_url = server_url
         self._context = context
         self._timeout_s = timeout_s
         self._probe_interval_s = min(reregister_interval_s, MAX_PROBE_INTERVAL_S)
         self._vllm_block_size = vllm_block_size
         self.mq_client, chunk_size = _connect(server_url, context, f"vllm-worker-{kv_rank}", timeout_s,
-                                              vllm_block_size, connect_timeout_s)
+                                              vllm_block_size, connect_timeout_s, curve)
         self.instance_id = new_instance_id() if instance_id is None else instance_id
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.model_name = model_name

@@ -19,6 +19,8 @@ straight into pool memory):
                                                errors are counted and the write skipped, never raised
     batched_put(keys_and_chunks, blocking=True) -> int   many at once; how many were stored
     remove(key)                                forget one chunk
+    clear() -> int                             forget every chunk of this deployment (all models);
+                                               how many; NotImplementedError where the tier can't
     stats() -> TierStats                       counters for STATUS and /metrics
     close()                                    release files, connections and locks
 
@@ -145,6 +147,15 @@ class TierStats:
     skipped_writes_total: int = 0  # chunks not queued for this tier because its queue was full
 
 
+@dataclass
+class TierCleared:
+    """What CLEAR_TIERS did to one tier: objects removed, or why it could not clear."""
+
+    name: str
+    removed: int = 0
+    error: str = ""
+
+
 class StorageTier(ABC):
     """A tier below the CPU pool; see the module docstring for its primitives and contract.
 
@@ -198,6 +209,11 @@ class StorageTier(ABC):
     @abstractmethod
     def remove(self, key: ChunkKey) -> None:
         """Forget `key` if present."""
+
+    def clear(self) -> int:
+        """Forget every chunk this deployment stored here (the tier's whole namespace, every
+        model); how many. Writes in flight may land after it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be cleared")
 
     @abstractmethod
     def stats(self) -> TierStats:

@@ -503,6 +503,15 @@ class DiskTier(StorageTier):
             self._busy.add(name)
         self._unlink_busy([name])
 
+    def clear(self) -> int:
+        with self._lock:
+            names = list(self._index)
+            self._index.clear()
+            self._bytes = 0
+            self._busy.update(names)
+        self._unlink_busy(names)
+        return len(names)
+
     def stats(self) -> TierStats:
         with self._lock:
             return dataclasses.replace(self._stats, objects=len(self._index), bytes=self._bytes)

@@ -40,7 +40,7 @@ from collections.abc import Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from lmcache_mp.storage.base import ChunkFormat, ChunkKey, StorageTier, TierStats
+from lmcache_mp.storage.base import ChunkFormat, ChunkKey, StorageTier, TierCleared, TierStats
 from lmcache_mp.storage.pool import MemoryPool, PoolObject, PoolStats, ReserveFailure
 from lmcache_mp.storage.write_behind import CopyGate, TierWriter
 
@@ -335,6 +335,16 @@ class StorageManager:
 
     def clear(self) -> int:
         return self.pool.clear()
+
+    def clear_tiers(self) -> list[TierCleared]:
+        results = []
+        for tier in self._tiers:
+            name = tier.stats().name
+            try:
+                results.append(TierCleared(name, removed=tier.clear()))
+            except (NotImplementedError, OSError) as e:
+                results.append(TierCleared(name, error=str(e)))
+        return results
 
     def stats(self) -> tuple[PoolStats, list[TierStats]]:
         tiers = []

@@ -128,6 +128,25 @@ class RedisTier(NetworkTier):
         return sum(n for n in self._pipelined("delete", [(self._name_of(k),) for k in keys])
                    if isinstance(n, int))
 
+    def _clear_namespace(self) -> int:
+        # SCAN (not KEYS: it would block the server) each primary for this prefix's keys, and
+        # UNLINK them in batches on that node's own connection (keys of a batch may be in
+        # different slots, which a cluster-wide multi-key command refuses).
+        client = self._client_or_connect()
+        nodes = ([client.get_redis_connection(n) for n in client.get_primaries()]
+                 if isinstance(client, RedisCluster) else [client])
+        removed = 0
+        for node in nodes:
+            batch: list[bytes] = []
+            for name in node.scan_iter(match=f"{self._prefix}:*", count=1000):
+                batch.append(name)
+                if len(batch) == 1000:
+                    removed += self._run_pipeline(node, "unlink", [(n,) for n in batch], {}).count(1)
+                    batch = []
+            if batch:
+                removed += self._run_pipeline(node, "unlink", [(n,) for n in batch], {}).count(1)
+        return removed
+
     def _ping(self) -> None:
         self._client_or_connect().ping()
 

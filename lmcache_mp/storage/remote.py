@@ -194,6 +194,19 @@ class NetworkTier(StorageTier):
     def remove(self, key: ChunkKey) -> None:
         self._guarded("write", "DELETE", 1, self._delete_many, [key])
 
+    def clear(self) -> int:
+        if not self.is_up:
+            raise ConnectionError(f"{self.name} is down: nothing was cleared")
+        try:
+            return self._clear_namespace()
+        except self.transient_errors as e:
+            self._went_down("CLEAR", e)
+            raise ConnectionError(f"{self.name}: clearing failed ({type(e).__name__}: {e})") from None
+
+    def _clear_namespace(self) -> int:
+        """Delete every key of this tier's namespace; how many."""
+        raise NotImplementedError(f"{self.name} cannot be cleared")
+
     def stats(self) -> TierStats:
         with self._lock:
             c = dict(self._counts)

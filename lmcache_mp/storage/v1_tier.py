@@ -103,6 +103,10 @@ class V1RemoteTier(NetworkTier):
     def _delete_many(self, keys: list[ChunkKey]) -> int:
         return 0  # no DELETE in the protocol (see the module docstring)
 
+    def _clear_namespace(self) -> int:
+        raise NotImplementedError(f"{self.name}: the v1 protocol has no DELETE; restart or clear the "
+                                  "remote server itself")
+
     def _ping(self) -> None:
         with self._connection() as conn:
             if not conn.health():

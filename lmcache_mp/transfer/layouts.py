@@ -96,6 +96,11 @@ class KVGeometry:
     def page_nbytes(self) -> int:
         return torch.Size(self.page_shape).numel() * self.dtype.itemsize
 
+    @property
+    def cache_nbytes(self) -> int:
+        """The registered caches' size: every block of every layer."""
+        return self.num_layers * self.num_blocks * self.page_nbytes
+
     def chunk_nbytes(self, blocks_per_chunk: int) -> int:
         return self.num_layers * blocks_per_chunk * self.page_nbytes
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from lmcache_mp.config import claim_socket_path
+from lmcache_mp.config import SocketAccess, claim_socket_path
 from lmcache_mp.custom_types import SharedMemoryTensor
 from lmcache_mp.storage.pool_memory import MADV_POPULATE_WRITE, _madvise
 from lmcache_mp.transfer.dtypes import dtype_to_str, str_to_dtype
@@ -131,21 +131,21 @@ class _Channel:
 
 
 class AttachListener:
-    """Accepts attach channels on a Unix socket (mode 0600). `claim(token)` hands the
-    descriptors of a channel to the registration that names its token; when a channel
-    closes, `on_close(token)` runs on the listener thread."""
+    """Accepts attach channels on a Unix socket (mode 0600, or 0660 for `access`'s group).
+    `claim(token)` hands the descriptors of a channel to the registration that names its token;
+    when a channel closes, `on_close(token)` runs on the listener thread."""
 
-    def __init__(self, path: Path, on_close: Callable[[bytes], None]):
+    def __init__(self, path: Path, on_close: Callable[[bytes], None], access: SocketAccess):
         self.path = path
         self._on_close = on_close
         self._channels: dict[bytes, _Channel] = {}
         self._by_fd: dict[int, _Channel] = {}
         self._cond = threading.Condition()
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        access.make_directory(path.parent)
         self._claim = claim_socket_path(path, f"attach socket {path}")
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._server.bind(str(path))
-        os.chmod(path, 0o600)
+        access.secure(path)
         self._server.listen(64)
         self._server.setblocking(False)
         self._selector = selectors.DefaultSelector()

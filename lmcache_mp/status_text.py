@@ -1,0 +1,73 @@
+"""`lmcache-mp status` as an operator reads it: a few summary lines and two tables."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from lmcache_mp.protocol import StatusReport
+
+
+def render_status(url: str, s: StatusReport) -> str:
+    hit_rate = f"{s.lookup_hits_total / s.lookup_chunks_total:.1%}" if s.lookup_chunks_total else "-"
+    used = s.pool_used_bytes / s.pool_bytes if s.pool_bytes else 0.0
+    prepared = "ready" if s.pool_ready else f"{_size(s.pool_ready_bytes)} prepared so far"
+    lines = [
+        f"lmcache-mp {s.server_version} at {url} (protocol {s.protocol_version}), "
+        f"up {_duration(s.uptime_s)}, chunk size {s.chunk_size} tokens",
+        f"pool      {_size(s.pool_used_bytes)} of {_size(s.pool_bytes)} used ({used:.0%}), "
+        f"{s.objects:,} chunks; {prepared}",
+        f"lookups   {s.lookup_chunks_total:,} chunks asked, {s.lookup_hits_total:,} found: "
+        f"hit rate {hit_rate}",
+        f"leases    {s.leases:,} chunks leased by {s.sessions:,} sessions",
+        f"requests  {s.requests_in_flight} in flight, {s.transfers_running} copies running, "
+        f"{s.cancelled_transfers} cancelled transfers remembered",
+        "",
+        "instances",
+    ]
+    rows = [[str(i.instance_id), i.model_name, f"{i.worker_id}/{i.world_size}", i.layout, str(i.num_layers),
+             f"{i.num_blocks:,}", _size(i.kv_bytes)] for i in s.instances]
+    header = ["id", "model", "rank", "layout", "layers", "blocks", "KV cache"]
+    lines += _table(header, rows) if rows else ["  none"]
+    lines += ["", "tiers"]
+    rows = [[t.name, "yes" if t.up else "DOWN", f"{t.objects:,}", _capacity(t.bytes, t.capacity_bytes),
+             f"{t.hits_total:,}", f"{t.misses_total:,}", f"{t.promotions_total:,}",
+             f"{t.corrupt_total + t.errors_total + t.write_errors_total:,}",
+             f"{t.read_latency_p99_ms:.1f}/{t.write_latency_p99_ms:.1f}",
+             f"{t.write_queue_chunks:,} ({_size(t.write_queue_bytes)})"] for t in s.tiers]
+    header = ["tier", "up", "objects", "used", "hits", "misses", "promoted", "errors", "p99 ms r/w",
+              "write queue"]
+    lines += _table(header, rows) if rows else ["  none (the CPU pool only)"]
+    return "\n".join(lines)
+
+
+def _table(header: Sequence[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [list(header), *rows]) for i in range(len(header))]
+    return ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+            for row in [list(header), *rows]]
+
+
+def _capacity(used: int, capacity: int) -> str:
+    if not capacity:  # a network tier: the server evicts, by its own policy
+        return _size(used)
+    return f"{_size(used)} / {_size(capacity)}"
+
+
+def _size(nbytes: float) -> str:
+    if nbytes < 1024:
+        return f"{nbytes:.0f} B"
+    for unit in ("KiB", "MiB"):
+        nbytes /= 1024
+        if nbytes < 1024:
+            return f"{nbytes:.1f} {unit}"
+    return f"{nbytes / 1024:.1f} GiB"
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    days, hours = divmod(hours, 24)
+    if days:
+        return f"{days} d {hours} h"
+    if hours:
+        return f"{hours} h {minutes} min"
+    return f"{minutes} min {secs} s" if minutes else f"{secs} s"

@@ -1,0 +1,55 @@
+"""What the vLLM benchmarks share: the random-weight model, the engines' settings, and running
+one engine in a child process that prints its results as `RESULT <json>` lines."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+CHUNK, BLOCK = 256, 128
+# One reserved core for every engine, with or without the connector: vLLM otherwise reserves one
+# more core when a connector is configured and the two runs differ in speed and in tokens.
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", "DO_NOT_TRACK": "1",
+              "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+              "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "PYTHONPATH": str(REPO)}
+
+
+def build_model(out: Path, dtype: str, flags: list[str]) -> None:
+    """Write a random-weight Llama (`make_tiny_model.py` with `flags`) in `dtype` to `out`."""
+    built = subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), str(out), *flags,
+                            "--dtype", dtype], capture_output=True, text=True)
+    if built.returncode:
+        raise RuntimeError(f"make_tiny_model.py failed ({built.returncode}):\n{built.stderr[-2000:]}")
+
+
+def llm_args(model: str, dtype: str, url: str | None, load_mode: str = "async") -> dict[str, Any]:
+    """`vllm.LLM` keyword arguments: one request at a time, prefix caching on, and the connector
+    against the daemon at `url` (none when `url` is None)."""
+    args: dict[str, Any] = {"model": model, "dtype": dtype, "max_model_len": 4096, "enforce_eager": True,
+                            "seed": 0, "max_num_seqs": 1, "block_size": BLOCK, "enable_prefix_caching": True,
+                            "disable_log_stats": False}
+    if url:
+        args["disable_hybrid_kv_cache_manager"] = True
+        args["kv_transfer_config"] = {
+            "kv_connector": "LMCacheMPDaemonConnector", "kv_connector_module_path": "vllm_adapter.connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"lmcache.mp.url": url, "lmcache.mp.load_mode": load_mode}}
+    return args
+
+
+def run_child(script: str, spec: dict[str, Any], log: Path, env: dict[str, str] | None = None,
+              timeout_s: float = 900) -> list[dict[str, Any]]:
+    """Run `script --engine SPEC` with ENGINE_ENV (plus `env`), its stderr to `log`; return the
+    payloads of its `RESULT <json>` lines, in order."""
+    with open(log, "w") as f:
+        out = subprocess.run([sys.executable, script, "--engine", json.dumps(spec)],
+                             env={**os.environ, **ENGINE_ENV, **(env or {})}, text=True,
+                             stdout=subprocess.PIPE, stderr=f, timeout=timeout_s)
+    if out.returncode:
+        raise RuntimeError(f"engine failed ({out.returncode}); see {log}")
+    return [json.loads(line[7:]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
