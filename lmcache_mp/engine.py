@@ -36,7 +36,7 @@ from lmcache_mp.protocol import (
     StoreResult,
 )
 from lmcache_mp.registry import Instance, Registry
-from lmcache_mp.storage.manager import Hits, RankSpec, StorageManager
+from lmcache_mp.storage.manager import Hits, StorageManager
 from lmcache_mp.storage.pool import MemoryPool, PoolObject, ReserveFailure
 from lmcache_mp.storage.tiers import open_tier, redact_url
 from lmcache_mp.transfer import cuda
@@ -127,8 +127,8 @@ class Engine:
         if not keys:
             return 0
         model, world_size = check_same_model(keys)
-        hashes = self.keys.op_chunks(keys, lookup=True).hashes
-        ranks = [[RankSpec(inst.fmt, inst.context.chunk_nbytes) for inst in instances]
+        hashes = self.keys.lookup_hashes(keys)
+        ranks = [[inst.rank_spec for inst in instances]
                  for instances in self.registry.rank_instances(model, world_size)]
         if not ranks:
             return 0  # some rank has no registered cache: nothing could be retrieved
