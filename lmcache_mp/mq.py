@@ -135,6 +135,10 @@ class MessagingFuture(Generic[T]):
             self._client._poll_now()
         return self._done
 
+    def done(self) -> bool:
+        """Whether it is settled, without driving the socket (see `query`)."""
+        return self._done
+
     def wait(self, timeout: float | None = None) -> bool:
         if not self._done and self._client is not None:
             self._client._wait_for(self, timeout)

@@ -3,10 +3,11 @@
     python -m tests.kv_worker SPEC_JSON
 
 SPEC: url, layout, shape, dtype, num_layers, world_size, rank, action ("store" | "retrieve"
-| "hold"), block_ids, block_hashes (hex) or token_ids+start+end, request_id, seed, out.
-`store` fills the caches from `seed` and stores; `retrieve` fills them with zeros, looks
-up (leasing the hits), retrieves and saves the pages of `block_ids` to `out`; `hold`
-registers, prints "READY <instance id>" and sleeps until killed.
+| "hold" | "store_and_hold"), block_ids, block_hashes (hex) or token_ids+start+end, request_id,
+seed, out. `store` fills the caches from `seed` and stores; `retrieve` fills them with zeros,
+looks up (leasing the hits), retrieves and saves the pages of `block_ids` to `out`; `hold`
+registers, prints "READY <instance id>" and sleeps until killed; `store_and_hold` stores as
+`store` does, then holds (a rank that stays registered with its chunks stored).
 """
 
 from __future__ import annotations
@@ -60,21 +61,21 @@ def wait_done(worker: LMCacheMPWorkerAdapter, request_id: str, retrieve: bool, t
 def main() -> int:
     spec = json.loads(sys.argv[1])
     dtype = str_to_dtype(spec["dtype"])
-    caches = make_caches(spec["shape"], dtype, spec["num_layers"],
-                         spec.get("seed") if spec["action"] == "store" else None)
+    stores = spec["action"] in ("store", "store_and_hold")
+    caches = make_caches(spec["shape"], dtype, spec["num_layers"], spec.get("seed") if stores else None)
     args = (spec["url"], None, spec.get("model", "test-model"), spec.get("world_size", 1),
             spec.get("rank", 0), spec["block_size"])
     worker = LMCacheMPWorkerAdapter(*args)
     worker.register_kv_caches(caches, spec["layout"] or None)
     request_id = spec.get("request_id", "req")
     op = op_of(spec)
-    if spec["action"] == "hold":
-        print("READY", worker.instance_id, flush=True)
-        time.sleep(3600)
-    elif spec["action"] == "store":
+    if stores:
         worker.submit_store_request(request_id, op, None)
         wait_done(worker, request_id, retrieve=False)
-    else:
+    if spec["action"] in ("hold", "store_and_hold"):
+        print("READY", worker.instance_id, flush=True)
+        time.sleep(3600)
+    elif not stores:
         scheduler = LMCacheMPSchedulerAdapter(*args)
         if op.token_ids is not None:
             scheduler.maybe_submit_lookup_request(request_id, token_ids=op.token_ids)
