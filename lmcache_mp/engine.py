@@ -163,10 +163,9 @@ class Engine:
         self.metrics.looked_up(len(hashes), len(hits))
         if request_id is None:
             self.storage.unpin(objects)  # nobody to retrieve them: count, but lease nothing
-        else:
+        elif hits:  # a miss opens no session: END_SESSION would find nothing to release
             self.leases.add(request_id, objects)
-            if hits:
-                self._remember(request_id, hashes[len(hits) - 1])
+            self._remember(request_id, hashes[len(hits) - 1])
         return len(hits)
 
     # ---- STORE / RETRIEVE ---------------------------------------------------------------------

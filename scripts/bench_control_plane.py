@@ -8,9 +8,11 @@
    scheduler side, `LMCacheMPSchedulerAdapter` as vLLM's scheduler uses it, then looks up
    prompts of 1, 8, 32 and 128 chunks: hits on every rank, leased, and the session ended with
    END_SESSION as vLLM does once it has loaded them. Every round runs, in rotation so that all
-   see the same noise: a PING through the same client, the hit with its END_SESSION, a bare
-   pyzmq DEALER/ROUTER echo to another process (what any ZeroMQ request costs before doing any
-   work), and a miss of as many chunks. Every hit is checked to hit all its chunks.
+   see the same noise, each after a bare pyzmq DEALER/ROUTER echo to another process (what any
+   ZeroMQ request costs before doing any work; the first one timed): a PING through the same
+   client, the hit with its END_SESSION (then, untimed, a PING that waits until the daemon has
+   answered the END_SESSION), and a miss of as many chunks. Every hit is checked to hit all its
+   chunks, and after each world size's rounds no session and no lease may be left.
    Targets (issues 14 and 12): a 32-chunk hit with its END_SESSION within 1.2x the PING (p50)
    and 3x (p99); a 32-chunk LOOKUP within 1.1x the bare echo (p50).
 2. Misses over TCP loopback, and lookups per second from one client (one at a time and 64 in
@@ -37,7 +39,7 @@ import zmq
 from bench_report import finish
 
 from lmcache_mp.custom_types import IPCCacheEngineKey
-from lmcache_mp.launcher import start_daemon
+from lmcache_mp.launcher import daemon_status, start_daemon
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import RequestType
 
@@ -173,8 +175,9 @@ class Rotation:
     def ping(self) -> None:
         self.sched.mq_client.submit(RequestType.PING, [self._n]).result(5)
 
-    def lookup(self, hashes: list[bytes], end: bool) -> tuple[float, float, int]:
-        """(seconds to the lookup's result, seconds to that and the END_SESSION sent, hit tokens)."""
+    def lookup(self, hashes: list[bytes]) -> tuple[float, float, int]:
+        """A lookup and its END_SESSION, as vLLM makes them: (seconds to the lookup's result,
+        seconds to that and the END_SESSION sent, hit tokens)."""
         self._n += 1
         request_id = f"bench-{self._n}"
         sched = self.sched
@@ -184,8 +187,7 @@ class Rotation:
         hit = sched.check_lookup_result(request_id)
         sched.cleanup_lookup_result(request_id)
         looked_up = time.perf_counter()
-        if end:
-            sched.end_session(request_id)
+        sched.end_session(request_id)
         ended = time.perf_counter()
         return looked_up - start, ended - start, hit or 0
 
@@ -204,19 +206,24 @@ def run_rotation(rot: Rotation, chunks: int, samples: int) -> dict[str, list[flo
     times: dict[str, list[float]] = {k: [] for k in ("ping", "hit", "hit+end", "echo", "miss")}
     for i in range(samples + samples // 10):
         keep = i >= samples // 10  # the first tenth warms up
-        t = time.perf_counter()
-        rot.ping()
-        ping = time.perf_counter() - t
-        hit, hit_end, tokens = rot.lookup(hit_hashes, end=True)
-        if tokens != chunks * CHUNK:
-            raise AssertionError(f"a {chunks}-chunk hit found {tokens // CHUNK} chunks")
-        rot.settle()
+        # An echo before each daemon request, so that each finds the daemon idle alike (the one
+        # timed follows a daemon request, as each daemon request follows an echo).
         t = time.perf_counter()
         rot.echo.round_trip()
         echo = time.perf_counter() - t
-        miss, _, tokens = rot.lookup(miss_hashes, end=False)
+        t = time.perf_counter()
+        rot.ping()
+        ping = time.perf_counter() - t
+        rot.echo.round_trip()
+        hit, hit_end, tokens = rot.lookup(hit_hashes)
+        if tokens != chunks * CHUNK:
+            raise AssertionError(f"a {chunks}-chunk hit found {tokens // CHUNK} chunks")
+        rot.settle()
+        rot.echo.round_trip()
+        miss, _, tokens = rot.lookup(miss_hashes)
         if tokens:
             raise AssertionError(f"a miss found {tokens // CHUNK} chunks")
+        rot.settle()
         if keep:
             for name, value in zip(times, (ping, hit, hit_end, echo, miss), strict=True):
                 times[name].append(value)
@@ -252,6 +259,9 @@ def hit_path(tmp: Path, samples: int, world_sizes: tuple[int, ...] = WORLD_SIZES
                     print(f"world size {world_size}: {chunks}-chunk hits, misses, PING, echo...", flush=True)
                     rows.append({"chunks": chunks, **summarize(run_rotation(rot, chunks, samples))})
                 results[f"world size {world_size}"] = rows
+                left = daemon_status(daemon.url)
+                if left.sessions or left.leases:
+                    raise AssertionError(f"{left.sessions} sessions holding {left.leases} leases left")
             finally:
                 if rot is not None:
                     rot.close()

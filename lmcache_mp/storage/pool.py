@@ -331,8 +331,8 @@ class MemoryPool:
                 objects = self._ready(keys)
                 if objects is None:
                     break
-                self._pin_all(objects)
                 out.append(objects)
+            self._pin_all([obj for objects in out for obj in objects])
             return out
 
     def pin(self, keys: list[Hashable]) -> list[PoolObject] | None:
