@@ -32,7 +32,8 @@ PHASES: dict[str, tuple[type, str]] = {
     "socket thread, whole request": (server.Server, "_on_request"),
     "decode request": (mq.Codec, "decode_payload"),
     "LOOKUP handler (engine.lookup)": (engine.Engine, "lookup"),
-    "  key mapping (op_chunks)": (keys.ChunkMapper, "op_chunks"),
+    "  key mapping (lookup_hashes)": (keys.ChunkMapper, "lookup_hashes"),
+    "  key mapping (op_chunks, token keys)": (keys.ChunkMapper, "op_chunks"),
     "  ranks and fingerprints (registry)": (engine.Registry, "rank_instances"),
     "  prefix walk + pinning (storage.lookup)": (manager.StorageManager, "lookup"),
     "    pool.pin_prefix": (pool.MemoryPool, "pin_prefix"),
@@ -77,7 +78,8 @@ def main() -> None:
     if sep != "--" or command[1:3] != ["-m", "lmcache_mp.cli"]:
         raise SystemExit(__doc__)
     for name, (cls, attr) in PHASES.items():
-        setattr(cls, attr, _timed(name, getattr(cls, attr)))
+        if hasattr(cls, attr):  # an older tree may lack one (to profile it the same way)
+            setattr(cls, attr, _timed(name, getattr(cls, attr)))
     atexit.register(_dump, out)
     sys.argv = ["lmcache_mp.cli", *command[3:]]
     runpy.run_module("lmcache_mp.cli", run_name="__main__")
