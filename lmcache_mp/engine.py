@@ -127,12 +127,23 @@ class Engine:
         if not keys:
             return 0
         model, world_size = check_same_model(keys)
-        hashes = self.keys.lookup_hashes(keys)
+        return self._lookup(model, world_size, keys[0].request_id, self.keys.lookup_hashes(keys))
+
+    def lookup_chunks(self, model: str, world_size: int, request_id: str | None,
+                      chunk_hashes: list[bytes]) -> int | Future[int]:
+        """LOOKUP_CHUNKS: `lookup` of one hash-mode key per chunk hash."""
+        if not all(chunk_hashes):
+            raise invalid("LOOKUP_CHUNKS: a chunk hash is empty")
+        return self._lookup(model, world_size, request_id, chunk_hashes)
+
+    def _lookup(self, model: str, world_size: int, request_id: str | None,
+                hashes: list[bytes]) -> int | Future[int]:
+        if not hashes:
+            return 0
         ranks = [[inst.rank_spec for inst in instances]
                  for instances in self.registry.rank_instances(model, world_size)]
         if not ranks:
             return 0  # some rank has no registered cache: nothing could be retrieved
-        request_id = keys[0].request_id
         hits = self.storage.lookup(hashes, ranks)
         if isinstance(hits, list):
             return self._lease(request_id, hashes, hits)

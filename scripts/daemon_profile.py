@@ -32,6 +32,7 @@ PHASES: dict[str, tuple[type, str]] = {
     "socket thread, whole request": (server.Server, "_on_request"),
     "decode request": (mq.Codec, "decode_payload"),
     "LOOKUP handler (engine.lookup)": (engine.Engine, "lookup"),
+    "LOOKUP_CHUNKS handler (engine.lookup_chunks)": (engine.Engine, "lookup_chunks"),
     "  key mapping (lookup_hashes)": (keys.ChunkMapper, "lookup_hashes"),
     "  key mapping (op_chunks, token keys)": (keys.ChunkMapper, "op_chunks"),
     "  ranks and fingerprints (registry)": (engine.Registry, "rank_instances"),

@@ -22,9 +22,10 @@ import pytest
 import torch
 
 from lmcache_mp.custom_types import IPCCacheEngineKey
+from lmcache_mp.errors import ServerError
 from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import MessageQueueClient
-from lmcache_mp.protocol import ChunkOutcome, RequestType
+from lmcache_mp.protocol import ChunkOutcome, ErrorCode, RequestType
 from tests.helpers import BLOCK, CHUNK, LAYERS, NUM_BLOCKS, SHAPE, block_hashes, freeze, lookup, status
 from tests.kv_worker import make_caches
 from tests.test_fault_paths import lease
@@ -261,3 +262,26 @@ def test_a_failed_end_session_is_logged(daemon: DaemonProcess, caplog: pytest.Lo
     finally:
         daemon.proc.send_signal(signal.SIGCONT)
         scheduler.shutdown()
+
+
+@pytest.mark.daemon_args(*DAEMON_ARGS)
+def test_lookup_chunks_answers_and_leases_as_lookup_does(daemon: DaemonProcess, worker_for) -> None:
+    """LOOKUP_CHUNKS, the scheduler adapter's compact LOOKUP of hash keys: the same prefix, the same
+    leases, the same refusal of keys that name nothing."""
+    worker = worker_for(daemon.url)
+    client = worker.mq_client
+    hashes = chunk_hashes(list(range(4 * CHUNK)))
+    assert store(client, worker.instance_id, hashes[:3], "s") == [ChunkOutcome.STORED] * 3
+    keys = [IPCCacheEngineKey("m", 1, None, chunk_hash=h, request_id="a") for h in hashes]
+    assert client.submit(RequestType.LOOKUP, [keys]).result(10) == 3
+    assert client.submit(RequestType.LOOKUP_CHUNKS, ["m", 1, "b", hashes]).result(10) == 3
+    assert (status(daemon.url).sessions, status(daemon.url).leases) == (2, 6)
+    assert client.submit(RequestType.LOOKUP_CHUNKS, ["m", 2, "c", hashes]).result(10) == 0  # no rank 1
+    assert client.submit(RequestType.LOOKUP_CHUNKS, ["other", 1, "c", hashes]).result(10) == 0
+    assert client.submit(RequestType.LOOKUP_CHUNKS, ["m", 1, None, hashes]).result(10) == 3  # leases nothing
+    with pytest.raises(ServerError) as refused:
+        client.submit(RequestType.LOOKUP_CHUNKS, ["m", 1, "d", [hashes[0], b""]]).result(10)
+    assert refused.value.code == ErrorCode.INVALID_ARGUMENT
+    for request_id in ("a", "b"):
+        client.submit(RequestType.END_SESSION, [request_id]).result(10)
+    assert (status(daemon.url).sessions, status(daemon.url).leases) == (0, 0)

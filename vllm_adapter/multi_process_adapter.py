@@ -177,13 +177,18 @@ class LMCacheMPSchedulerAdapter:
         if token_ids is not None:
             aligned_end = len(token_ids) // self.chunk_size * self.chunk_size
             op = LoadStoreOp([], token_ids=token_ids, start=0, end=aligned_end)
+            keys = self._keys.keys_for(request_id, op)
+            request: tuple[RequestType, list[Any]] | None = (
+                (RequestType.LOOKUP, [keys]) if aligned_end else None)
         else:
-            op = LoadStoreOp([], block_hashes=block_hashes)
-        keys = self._keys.keys_for(request_id, op)
-        if not keys or (token_ids is not None and op.end == 0):
+            # The usual case: every key one chunk hash, their shared fields sent once.
+            hashes = list(striding_block_hashes(block_hashes or [], self.blocks_in_chunk))
+            request = ((RequestType.LOOKUP_CHUNKS, [self.model_name, self.world_size, request_id, hashes])
+                       if hashes else None)
+        if request is None:
             future: MessagingFuture[int] = MessagingFuture.settled(RequestType.LOOKUP, 0)
         else:
-            future = send_lmcache_request(self.mq_client, RequestType.LOOKUP, [keys])
+            future = send_lmcache_request(self.mq_client, *request)
         self.lookup_futures[request_id] = future
 
     def check_lookup_result(self, request_id: str) -> int | None:
