@@ -58,6 +58,7 @@ PAYLOADS = {
     RequestType.END_SESSION: ["req-1"],
     RequestType.CLEAR: [],
     RequestType.RELEASE_LEASES: [[HASH_KEY, TOKEN_KEY]],
+    RequestType.LOOKUP_CHUNKS: ["m", 2, "req-1", [b"\x01" * 32, b"\x02" * 32]],
     RequestType.CANCEL_TRANSFERS: [1, ["req-1", "req-2"]],
 }
 REPLIES = {
@@ -73,6 +74,7 @@ REPLIES = {
     RequestType.END_SESSION: None,
     RequestType.CLEAR: 5,
     RequestType.RELEASE_LEASES: None,
+    RequestType.LOOKUP_CHUNKS: 2,
     RequestType.CANCEL_TRANSFERS: 1,
 }
 
@@ -326,7 +328,7 @@ def test_client_times_out_and_refuses_mismatched_server(short_tmp: Path) -> None
     th.start()
     client = MessageQueueClient(url)
     try:
-        with pytest.raises(ProtocolMismatchError, match="protocol 2"):
+        with pytest.raises(ProtocolMismatchError, match=f"protocol {PROTOCOL_VERSION + 1}"):
             client.handshake("tests", timeout_s=5)
         th.join(5)
         with pytest.raises(RequestTimeoutError):
