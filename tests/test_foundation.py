@@ -301,7 +301,8 @@ def test_ping_cli(daemon: DaemonProcess, short_tmp: Path) -> None:
     out = subprocess.run([*cli, "ping", "--url", daemon.url, "--count", "5"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert "protocol 1" in out.stdout and "chunk size 256" in out.stdout and "median" in out.stdout
+    assert f"protocol {PROTOCOL_VERSION}," in out.stdout
+    assert "chunk size 256" in out.stdout and "median" in out.stdout
     nobody = f"ipc://{short_tmp / 'nobody.sock'}"
     out = subprocess.run([*cli, "ping", "--url", nobody, "--timeout", "0.5"],
                          capture_output=True, text=True, timeout=60)
