@@ -35,6 +35,7 @@ class Daemon:
         e = self.engine
         handlers = {  # where each runs is declared in protocol.PROTOCOL
             RequestType.LOOKUP: e.lookup,
+            RequestType.LOOKUP_CHUNKS: e.lookup_chunks,
             RequestType.RELEASE_LEASES: e.release_leases,
             RequestType.END_SESSION: e.end_session,
             RequestType.REGISTER_KV_CACHE: e.register,

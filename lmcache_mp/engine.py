@@ -37,7 +37,7 @@ from lmcache_mp.protocol import (
 )
 from lmcache_mp.registry import Instance, Registry
 from lmcache_mp.storage.base import TierCleared
-from lmcache_mp.storage.manager import Hits, RankSpec, StorageManager
+from lmcache_mp.storage.manager import Hits, StorageManager
 from lmcache_mp.storage.pool import MemoryPool, PoolObject, ReserveFailure
 from lmcache_mp.storage.tiers import open_tier, redact_url
 from lmcache_mp.transfer import cuda
@@ -129,12 +129,23 @@ class Engine:
         if not keys:
             return 0
         model, world_size = check_same_model(keys)
-        hashes = self.keys.op_chunks(keys, lookup=True).hashes
-        ranks = [[RankSpec(inst.fmt, inst.context.chunk_nbytes) for inst in instances]
+        return self._lookup(model, world_size, keys[0].request_id, self.keys.lookup_hashes(keys))
+
+    def lookup_chunks(self, model: str, world_size: int, request_id: str | None,
+                      chunk_hashes: list[bytes]) -> int | Future[int]:
+        """LOOKUP_CHUNKS: `lookup` of one hash-mode key per chunk hash."""
+        if not all(chunk_hashes):
+            raise invalid("LOOKUP_CHUNKS: a chunk hash is empty")
+        return self._lookup(model, world_size, request_id, chunk_hashes)
+
+    def _lookup(self, model: str, world_size: int, request_id: str | None,
+                hashes: list[bytes]) -> int | Future[int]:
+        if not hashes:
+            return 0
+        ranks = [[inst.rank_spec for inst in instances]
                  for instances in self.registry.rank_instances(model, world_size)]
         if not ranks:
             return 0  # some rank has no registered cache: nothing could be retrieved
-        request_id = keys[0].request_id
         hits = self.storage.lookup(hashes, ranks)
         if isinstance(hits, list):
             return self._lease(request_id, hashes, hits)
@@ -165,10 +176,9 @@ class Engine:
         self.metrics.looked_up(len(hashes), len(hits))
         if request_id is None:
             self.storage.unpin(objects)  # nobody to retrieve them: count, but lease nothing
-        else:
+        elif hits:  # a miss opens no session: END_SESSION would find nothing to release
             self.leases.add(request_id, objects)
-            if hits:
-                self._remember(request_id, hashes[len(hits) - 1])
+            self._remember(request_id, hashes[len(hits) - 1])
         return len(hits)
 
     # ---- STORE / RETRIEVE ---------------------------------------------------------------------

@@ -51,6 +51,12 @@ class ChunkMapper:
             hashes.extend(chain[first:])
         return OpChunks(request_ids, hashes, parent)
 
+    def lookup_hashes(self, keys: list[IPCCacheEngineKey]) -> list[bytes]:
+        """The chunk hashes a LOOKUP's keys cover (`op_chunks(keys, lookup=True).hashes`), with
+        the scheduler's usual request, every key one chunk hash, in one comprehension."""
+        hashes = [key.chunk_hash for key in keys]
+        return hashes if all(hashes) else self.op_chunks(keys, lookup=True).hashes
+
     def _token_chunks(self, key: IPCCacheEngineKey, lookup: bool) -> tuple[int, list[bytes]]:
         """(index of the key's first chunk, hashes of every chunk from 0 through its last)."""
         end = min(key.end or len(key.token_ids), len(key.token_ids)) // self.chunk_size

@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -26,8 +26,11 @@ DEFAULT_MAX_SESSIONS = 65_536
 @dataclass
 class _Session:
     deadline: float
-    # key -> (object, number of pins this session holds on it)
-    held: dict[Hashable, tuple[PoolObject, int]] = field(default_factory=dict)
+    # One entry per pin this session holds (an object leased twice is here twice), in the order
+    # taken: chunk-major, as `MemoryPool.unpin` wants them back. A plain list, because the hot path
+    # is a LOOKUP leasing its whole prefix and END_SESSION giving it all back: each one C-level
+    # call; the rarer partial releases (RETRIEVE, RELEASE_LEASES) filter it.
+    pins: list[PoolObject] = field(default_factory=list)
 
 
 class LeaseTable:
@@ -50,9 +53,7 @@ class LeaseTable:
                     evicted.append(self._sessions.popitem(last=False)[1])
             session.deadline = time.monotonic() + self._ttl_s
             self._sessions[request_id] = session  # most recent deadline last
-            for obj in objects:
-                _, count = session.held.get(obj.key, (obj, 0))
-                session.held[obj.key] = (obj, count + 1)
+            session.pins.extend(objects)
         if evicted:
             logger.warning("lease table full (%d sessions): ended the oldest", self._max_sessions)
         for old in evicted:
@@ -62,28 +63,27 @@ class LeaseTable:
         """Drop this request's pins on `keys`; returns how many pins were released."""
         if request_id is None:
             return 0
-        released: list[PoolObject] = []
-        with self._lock:
-            session = self._sessions.get(request_id)
-            if session is None:
-                return 0
-            for key in keys:
-                entry = session.held.pop(key, None)
-                if entry is not None:
-                    released.extend([entry[0]] * entry[1])
-            if not session.held:
-                del self._sessions[request_id]
-        self._pool.unpin(released)
-        return len(released)
+        wanted = set(keys)
+        return self._release_where(request_id, lambda key: key in wanted)
 
     def release_chunks(self, request_id: str, chunk_hashes: Iterable[bytes]) -> int:
         """Drop this request's pins on these chunks, on every rank and chunk format (the held
         keys are pool keys, `(chunk hash, fingerprint)`); returns how many pins were released."""
         wanted = set(chunk_hashes)
+        return self._release_where(request_id, lambda key: cast(tuple, key)[0] in wanted)
+
+    def _release_where(self, request_id: str, match: Callable[[Hashable], bool]) -> int:
         with self._lock:
             session = self._sessions.get(request_id)
-            keys = [] if session is None else [k for k in session.held if cast(tuple, k)[0] in wanted]
-        return self.release(request_id, keys)  # a key released meanwhile is skipped there
+            if session is None:
+                return 0
+            released = [obj for obj in session.pins if match(obj.key)]
+            if released:
+                session.pins = [obj for obj in session.pins if not match(obj.key)]
+            if not session.pins:
+                del self._sessions[request_id]
+        self._pool.unpin(released)
+        return len(released)
 
     def end(self, request_id: str) -> int:
         with self._lock:
@@ -110,10 +110,8 @@ class LeaseTable:
     def counts(self) -> tuple[int, int]:
         """(sessions, pins held)."""
         with self._lock:
-            return len(self._sessions), sum(
-                count for s in self._sessions.values() for _, count in s.held.values())
+            return len(self._sessions), sum(len(s.pins) for s in self._sessions.values())
 
     def _unpin_all(self, session: _Session) -> int:
-        objects = [obj for obj, count in session.held.values() for _ in range(count)]
-        self._pool.unpin(objects)
-        return len(objects)
+        self._pool.unpin(session.pins)
+        return len(session.pins)

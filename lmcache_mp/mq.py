@@ -44,6 +44,10 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 REQUEST_ID = struct.Struct("<Q")
+# Each request type's frame, both ways (a frame that is not here may still be the msgpack of a
+# known type in another encoding: decoded the slow way).
+_TYPE_FRAME = {rt: msgspec.msgpack.encode(int(rt)) for rt in RequestType}
+_TYPE_FRAMES = {frame: rt for rt, frame in _TYPE_FRAME.items()}
 DEFAULT_REQUEST_TIMEOUT_S = 300.0
 # Bounded queues everywhere. A client never blocks on a full queue (or no connection): it
 # drops the request, which times out; the server's ROUTER drops replies to a client past it.
@@ -73,14 +77,15 @@ class Codec:
         if len(payload) != expected:
             raise ValueError(f"{request_type.name} takes {expected} payload values, got {len(payload)}")
         encode = self.encoder.encode
-        return [REQUEST_ID.pack(request_id), encode(int(request_type)), *map(encode, payload)]
+        return [REQUEST_ID.pack(request_id), _TYPE_FRAME[request_type], *map(encode, payload)]
 
     def decode_status(self, frame: bytes) -> int:
         return self._int.decode(frame)
 
     def decode_request_type(self, frame: bytes) -> RequestType:
         """Raises msgspec.DecodeError or ValueError on a frame that names no request type."""
-        return RequestType(self._int.decode(frame))
+        request_type = _TYPE_FRAMES.get(frame)  # every request's: one dict lookup
+        return request_type if request_type is not None else RequestType(self._int.decode(frame))
 
     def decode_payload(self, request_type: RequestType, frames: list[bytes]) -> list[Any]:
         decoders = self._payload[request_type]
@@ -134,6 +139,10 @@ class MessagingFuture(Generic[T]):
     def query(self) -> bool:
         if not self._done and self._client is not None:
             self._client._poll_now()
+        return self._done
+
+    def done(self) -> bool:
+        """Whether it is settled, without driving the socket (see `query`)."""
         return self._done
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -324,20 +333,21 @@ class MessageQueueClient:
             if self._doorbell in events:
                 with contextlib.suppress(BlockingIOError):
                     os.eventfd_read(self._doorbell)
-            if self._sock in events:
-                self._drain()
+            # One reply, which the poll promised: the next poll returns at once if more wait.
+            # (Reading on until EAGAIN costs a failed read and an exception per round trip,
+            # several times a PING's own handling where system calls are slow, as on VMs.)
+            if self._sock in events and self._on_reply(self._sock.recv_multipart(zmq.NOBLOCK)):
+                self._wake_waiters()
             # Whether or not replies arrived: under steady traffic every slice has events, and a
             # request whose reply never comes must still time out on schedule.
             self._expire_overdue()
 
     def _drain(self) -> None:
+        """Settle every reply that has arrived, asking the socket before each read (ZMQ_EVENTS
+        costs less than a read that fails with EAGAIN)."""
         settled = False
-        while True:
-            try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            settled |= self._on_reply(frames)
+        while self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            settled |= self._on_reply(self._sock.recv_multipart(zmq.NOBLOCK))
         if settled:
             self._wake_waiters()
 
@@ -468,7 +478,7 @@ class MessageQueueServer:
                         os.eventfd_read(self._doorbell)
                 self._flush_outbox()
                 if self._sock in events:
-                    self._drain_socket()
+                    self._read_one()
                 if self._on_tick is not None and time.monotonic() >= next_tick:
                     next_tick = time.monotonic() + self._tick_s
                     self._on_tick()
@@ -492,17 +502,16 @@ class MessageQueueServer:
         while self._outbox:
             self._sock.send_multipart(self._outbox.popleft(), copy=False)
 
-    def _drain_socket(self) -> None:
-        # Drain everything that is ready before polling again: fewer wake-ups under load.
-        for _ in range(1024):
-            try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                self._on_request(frames[0], frames[1:])
-            except Exception:  # a bug in one request must not stop the daemon serving
-                logger.exception("unhandled error while dispatching a request")
+    def _read_one(self) -> None:
+        """Handle the one request the poll promised. The next poll returns at once while more
+        wait (no sleep, so no extra wake-up under load); reading on until EAGAIN would cost a
+        failed read and an exception per request, more than a PING's own handling where system
+        calls are slow (VMs)."""
+        frames = self._sock.recv_multipart(zmq.NOBLOCK)
+        try:
+            self._on_request(frames[0], frames[1:])
+        except Exception:  # a bug in one request must not stop the daemon serving
+            logger.exception("unhandled error while dispatching a request")
 
 
 _STATUS_FRAMES = {int(code): msgspec.msgpack.encode(int(code)) for code in ErrorCode}

@@ -65,12 +65,15 @@ class Metrics:
                                        ["result"], registry=self.registry)
         self.bytes = Counter("lmcache_mp_copied_bytes", "KV bytes copied", ["direction"],
                              registry=self.registry)
+        # Every request updates these: their children are looked up once here, not by `labels()`
+        # per request (which costs more than a PING's own handling).
+        self._latency = {rt: self.latency.labels(rt.name) for rt in RequestType}
+        self._requests: dict[tuple[RequestType, ErrorCode], Counter] = {}
         for rt in RequestType:  # pre-register every series at 0
-            self.latency.labels(rt.name)
             for code in (ErrorCode.OK, ErrorCode.INVALID_ARGUMENT, ErrorCode.INTERNAL):
-                self.requests.labels(rt.name, code.name)
-        for result in ("hit", "miss"):
-            self.lookup_chunks.labels(result)
+                self._requests[rt, code] = self.requests.labels(rt.name, code.name)
+        self._lookup_hits = self.lookup_chunks.labels("hit")
+        self._lookup_misses = self.lookup_chunks.labels("miss")
         for outcome in ChunkOutcome:
             self.store_chunks.labels(outcome.name.lower())
         for result in ("loaded", "failed"):
@@ -88,14 +91,18 @@ class Metrics:
         start_http_server(port, addr=host, registry=self.registry)
 
     def request_done(self, request_type: RequestType, status: ErrorCode, seconds: float) -> None:
-        self.requests.labels(request_type.name, status.name).inc()
-        self.latency.labels(request_type.name).observe(seconds)
+        requests = self._requests.get((request_type, status))
+        if requests is None:  # a status first seen now
+            requests = self._requests[request_type, status] = self.requests.labels(request_type.name,
+                                                                                    status.name)
+        requests.inc()
+        self._latency[request_type].observe(seconds)
 
     def looked_up(self, asked: int, hits: int) -> None:
         self.lookup_chunks_total += asked  # plain totals too, for STATUS's hit rate
         self.lookup_hits_total += hits
-        self.lookup_chunks.labels("hit").inc(hits)
-        self.lookup_chunks.labels("miss").inc(asked - hits)
+        self._lookup_hits.inc(hits)
+        self._lookup_misses.inc(asked - hits)
 
     def stored(self, outcomes: list[ChunkOutcome], chunk_bytes: int) -> None:
         for outcome in outcomes:

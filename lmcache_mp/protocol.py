@@ -26,7 +26,7 @@ from lmcache_mp.storage.base import TierCleared, TierStats
 
 # Bump on any incompatible change to a schema below. Clients refuse a server whose
 # protocol version differs from theirs (see HELLO).
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: LOOKUP_CHUNKS
 
 
 class RequestType(enum.IntEnum):
@@ -46,6 +46,7 @@ class RequestType(enum.IntEnum):
     CANCEL_TRANSFERS = 12
     RELEASE_LEASES = 13
     CLEAR_TIERS = 14
+    LOOKUP_CHUNKS = 15
 
 
 class ErrorCode(enum.IntEnum):
@@ -211,6 +212,11 @@ PROTOCOL: dict[RequestType, RequestSpec] = {
     # LOOKUP(keys without worker id) -> number of leading chunks present on every rank, in any
     # tier (deferred while chunks are read up from a lower tier).
     RequestType.LOOKUP: RequestSpec((Keys,), int, HandlerKind.DEFERRED),
+    # LOOKUP_CHUNKS(model name, world size, request id or None, chunk hashes) -> as LOOKUP of one
+    # hash-mode key per hash (without worker id, all of that request): the scheduler's usual
+    # LOOKUP with the fields its keys share sent once. A list of bytes decodes ~40x faster than as
+    # many keys, which made most of a LOOKUP's cost beyond a PING's (issue 14).
+    RequestType.LOOKUP_CHUNKS: RequestSpec((str, int, str | None, list[bytes]), int, HandlerKind.DEFERRED),
     # STORE / RETRIEVE(keys, instance id, block ids, CUDA event IPC handle or b"").
     RequestType.STORE: RequestSpec((Keys, int, list[int], bytes), StoreResult, HandlerKind.WORKER),
     RequestType.RETRIEVE: RequestSpec((Keys, int, list[int], bytes), RetrieveResult,

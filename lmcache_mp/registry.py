@@ -14,6 +14,7 @@ One lock guards the tables; mapping memory and copies happen outside it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -30,6 +31,7 @@ from lmcache_mp.errors import ServerError
 from lmcache_mp.keys import invalid
 from lmcache_mp.protocol import ErrorCode, InstanceInfo, KVCacheRegistration, RegisterReply
 from lmcache_mp.storage.base import ChunkFormat
+from lmcache_mp.storage.manager import RankSpec
 from lmcache_mp.transfer.context import TransferContext
 from lmcache_mp.transfer.layouts import describe_caches
 from lmcache_mp.transfer.shm import AttachListener, map_storages, view_shared
@@ -52,6 +54,12 @@ class Instance:
     def rank_key(self) -> RankKey:
         r = self.registration
         return r.model_name, r.world_size, r.worker_id
+
+    @functools.cached_property
+    def rank_spec(self) -> RankSpec:
+        """How this instance's rank stores a chunk, for the storage manager's LOOKUP (made once:
+        every LOOKUP asks)."""
+        return RankSpec(self.fmt, self.context.chunk_nbytes)
 
     def pool_key(self, chunk_hash: bytes) -> tuple[bytes, bytes]:
         """The chunk's key in the L1 pool (`ChunkKey.ident`)."""

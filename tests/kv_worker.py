@@ -3,15 +3,16 @@
     python -m tests.kv_worker SPEC_JSON
 
 SPEC: url, layout, shape, dtype, num_layers, world_size, rank, action ("store" | "retrieve"
-| "hold" | "serve"), block_ids, block_hashes (hex) or token_ids+start+end, request_id, seed, out.
-`store` fills the caches from `seed` and stores; `retrieve` fills them with zeros, looks
-up (leasing the hits), retrieves and saves the pages of `block_ids` to `out`; `hold`
-registers, prints "READY <instance id>" and sleeps until killed; `serve` registers caches
-filled from `seed` (zeros without one), prints "READY <instance id>", then runs one command
-per line of stdin (a JSON object: "op" "store" or "retrieve", request_id, block_ids,
-block_hashes or token_ids+start+end, and for a retrieve `out`) and answers each with one JSON
-line on stdout: {"failed": [...]} (a retrieve that did not load; its pages saved to `out`
-either way). It unregisters and exits at the end of stdin: one rank of a long-lived engine.
+| "hold" | "store_and_hold" | "serve"), block_ids, block_hashes (hex) or token_ids+start+end,
+request_id, seed, out. `store` fills the caches from `seed` and stores; `retrieve` fills them
+with zeros, looks up (leasing the hits), retrieves and saves the pages of `block_ids` to `out`;
+`hold` registers, prints "READY <instance id>" and sleeps until killed; `store_and_hold` stores
+as `store` does, then holds (a rank that stays registered with its chunks stored); `serve`
+registers caches filled from `seed` (zeros without one), prints "READY <instance id>", then
+runs one command per line of stdin (a JSON object: "op" "store" or "retrieve", request_id,
+block_ids, block_hashes or token_ids+start+end, and for a retrieve `out`) and answers each with
+one JSON line on stdout: {"failed": [...]} (a retrieve that did not load; its pages saved to
+`out` either way). It unregisters and exits at the end of stdin: one rank of a long-lived engine.
 """
 
 from __future__ import annotations
@@ -82,8 +83,9 @@ def serve(worker: LMCacheMPWorkerAdapter, caches: dict[str, torch.Tensor], spec:
 def main() -> int:
     spec = json.loads(sys.argv[1])
     dtype = str_to_dtype(spec["dtype"])
-    caches = make_caches(spec["shape"], dtype, spec["num_layers"],
-                         spec.get("seed") if spec["action"] in ("store", "serve") else None)
+    stores = spec["action"] in ("store", "store_and_hold")
+    seeded = stores or spec["action"] == "serve"
+    caches = make_caches(spec["shape"], dtype, spec["num_layers"], spec.get("seed") if seeded else None)
     args = (spec["url"], None, spec.get("model", "test-model"), spec.get("world_size", 1),
             spec.get("rank", 0), spec["block_size"])
     worker = LMCacheMPWorkerAdapter(*args)
@@ -94,13 +96,13 @@ def main() -> int:
         return 0
     request_id = spec.get("request_id", "req")
     op = op_of(spec)
-    if spec["action"] == "hold":
-        print("READY", worker.instance_id, flush=True)
-        time.sleep(3600)
-    elif spec["action"] == "store":
+    if stores:
         worker.submit_store_request(request_id, op, None)
         wait_done(worker, request_id, retrieve=False)
-    else:
+    if spec["action"] in ("hold", "store_and_hold"):
+        print("READY", worker.instance_id, flush=True)
+        time.sleep(3600)
+    elif not stores:
         scheduler = LMCacheMPSchedulerAdapter(*args)
         if op.token_ids is not None:
             scheduler.maybe_submit_lookup_request(request_id, token_ids=op.token_ids)

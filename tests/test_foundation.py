@@ -61,6 +61,7 @@ PAYLOADS = {
     RequestType.CLEAR: [],
     RequestType.CLEAR_TIERS: [],
     RequestType.RELEASE_LEASES: [[HASH_KEY, TOKEN_KEY]],
+    RequestType.LOOKUP_CHUNKS: ["m", 2, "req-1", [b"\x01" * 32, b"\x02" * 32]],
     RequestType.CANCEL_TRANSFERS: [1, ["req-1", "req-2"]],
 }
 REPLIES = {
@@ -78,6 +79,7 @@ REPLIES = {
     RequestType.CLEAR: 5,
     RequestType.CLEAR_TIERS: [TierCleared("disk:///d", 3), TierCleared("lmcache://h:1", 0, "no DELETE")],
     RequestType.RELEASE_LEASES: None,
+    RequestType.LOOKUP_CHUNKS: 2,
     RequestType.CANCEL_TRANSFERS: 1,
 }
 
@@ -304,7 +306,8 @@ def test_ping_cli(daemon: DaemonProcess, short_tmp: Path) -> None:
     out = subprocess.run([*cli, "ping", "--url", daemon.url, "--count", "5"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert "protocol 1" in out.stdout and "chunk size 256" in out.stdout and "median" in out.stdout
+    assert f"protocol {PROTOCOL_VERSION}," in out.stdout
+    assert "chunk size 256" in out.stdout and "median" in out.stdout
     nobody = f"ipc://{short_tmp / 'nobody.sock'}"
     out = subprocess.run([*cli, "ping", "--url", nobody, "--timeout", "0.5"],
                          capture_output=True, text=True, timeout=60)
@@ -331,7 +334,7 @@ def test_client_times_out_and_refuses_mismatched_server(short_tmp: Path) -> None
     th.start()
     client = MessageQueueClient(url)
     try:
-        with pytest.raises(ProtocolMismatchError, match="protocol 2"):
+        with pytest.raises(ProtocolMismatchError, match=f"protocol {PROTOCOL_VERSION + 1}"):
             client.handshake("tests", timeout_s=5)
         th.join(5)
         with pytest.raises(RequestTimeoutError):

@@ -70,7 +70,7 @@ def test_metrics_endpoint_counts_the_data_path(short_tmp: Path) -> None:
         chunk_bytes = LAYERS * (CHUNK // BLOCK) * 2 * BLOCK * 64 * 2
         assert after['lmcache_mp_copied_bytes_total{direction="store"}'] == 3 * chunk_bytes
         assert after['lmcache_mp_copied_bytes_total{direction="retrieve"}'] == 3 * chunk_bytes
-        assert after['lmcache_mp_request_seconds_count{type="LOOKUP"}'] == 2
+        assert after['lmcache_mp_request_seconds_count{type="LOOKUP_CHUNKS"}'] == 2  # the scheduler's
         assert after["lmcache_mp_pool_objects"] == 3
         assert after["lmcache_mp_registered_instances"] == 1
         # `lmcache-mp status`, as an operator reads it: the hit rate and the registered worker

@@ -3,27 +3,34 @@
 A worker retries a store's chunks that found no space, and holds the stores made while the
 daemon is away until it is back, reporting the request finished only once its chunks landed
 (or were given up, within bounds). RELEASE_LEASES drops the pins on chunks a request will not
-retrieve.
+retrieve. The scheduler's hit path (issue 14): hits on every rank leased, END_SESSION releasing
+them, and its failure logged.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import signal
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 from lmcache_mp.custom_types import IPCCacheEngineKey
+from lmcache_mp.errors import ServerError
 from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import MessageQueueClient
-from lmcache_mp.protocol import ChunkOutcome, RequestType
-from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes, freeze, status
+from lmcache_mp.protocol import ChunkOutcome, ErrorCode, RequestType
+from tests.helpers import BLOCK, CHUNK, LAYERS, NUM_BLOCKS, SHAPE, block_hashes, freeze, lookup, status
 from tests.kv_worker import make_caches
 from tests.test_fault_paths import lease
 from tests.test_tiers import count_lookup, store
-from vllm_adapter import LMCacheMPWorkerAdapter, LoadStoreOp
+from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp
 
 # A pool of a few dozen chunks (16 KiB each), quick to fill with pinned ones.
 DAEMON_ARGS = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.0005")
@@ -179,3 +186,103 @@ def test_release_leases_drops_only_the_named_chunks(daemon: DaemonProcess, worke
     assert status(daemon.url).leases == 2
     client.submit(RequestType.END_SESSION, ["r"]).result(10)
     assert status(daemon.url).leases == 0
+
+
+@contextlib.contextmanager
+def ranks_holding(url: str, world_size: int, hashes: list[bytes]) -> Iterator[None]:
+    """`world_size` worker processes, registered as the ranks of model "m", each with the chunks
+    of `hashes` (vLLM block hashes, from block 0 on) stored, holding their registrations: the
+    setup of `scripts/bench_control_plane.py`'s hit rotation."""
+    procs = []
+    try:
+        for rank in range(world_size):
+            spec = {"url": url, "layout": "CPU_ATTN", "shape": SHAPE, "dtype": "bfloat16",
+                    "num_layers": LAYERS, "block_size": BLOCK, "action": "store_and_hold", "model": "m",
+                    "world_size": world_size, "rank": rank, "seed": rank,
+                    "block_ids": list(range(len(hashes))), "block_hashes": [h.hex() for h in hashes]}
+            procs.append(subprocess.Popen([sys.executable, "-m", "tests.kv_worker", json.dumps(spec)],
+                                          stdout=subprocess.PIPE, text=True))
+            assert procs[-1].stdout is not None
+            assert procs[-1].stdout.readline().startswith("READY"), f"rank {rank} did not come up"
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(10)
+
+
+def wait_for_leases(url: str, sessions: int, leases: int) -> None:
+    deadline = time.monotonic() + 10
+    while (st := status(url)).sessions != sessions or st.leases != leases:
+        assert time.monotonic() < deadline, f"{st.sessions} sessions, {st.leases} leases"
+        time.sleep(0.01)
+
+
+@pytest.mark.daemon_args("--chunk-size", str(CHUNK))
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_benchmark_hits_lease_every_rank_and_end_session_releases_them(
+        daemon: DaemonProcess, world_size: int) -> None:
+    """Issue 14: the benchmark's hit scenario (ranks registered in other processes, their chunks
+    stored, the scheduler adapter looking up and ending sessions) hits every chunk on every rank,
+    leases each, and END_SESSION, fire and forget, releases them all; a miss leases nothing."""
+    hashes = block_hashes(list(range(NUM_BLOCKS * BLOCK)))
+    chunks = len(hashes) // BLOCKS_PER_CHUNK
+    scheduler = LMCacheMPSchedulerAdapter(daemon.url, None, "m", world_size, 0, BLOCK)
+    try:
+        with ranks_holding(daemon.url, world_size, hashes):
+            for request_id, prefix in (("all", chunks), ("part", chunks // 4)):
+                hit = lookup(scheduler, request_id, block_hashes=hashes[:prefix * BLOCKS_PER_CHUNK])
+                assert hit == prefix * CHUNK
+                wait_for_leases(daemon.url, 1, prefix * world_size)
+                scheduler.end_session(request_id)
+                wait_for_leases(daemon.url, 0, 0)
+            other = block_hashes([10**6 + t for t in range(4 * CHUNK)])
+            assert lookup(scheduler, "miss", block_hashes=other) == 0
+            assert status(daemon.url).leases == 0
+    finally:
+        scheduler.shutdown()
+
+
+@pytest.mark.daemon_args(*DAEMON_ARGS)
+def test_a_failed_end_session_is_logged(daemon: DaemonProcess, caplog: pytest.LogCaptureFixture) -> None:
+    """END_SESSION is fire and forget, but its failure is not silent: the scheduler adapter logs
+    it (the request's leases then last until the daemon's TTL)."""
+    scheduler = LMCacheMPSchedulerAdapter(daemon.url, None, "m", 1, 0, BLOCK, timeout_s=0.3)
+    try:
+        freeze(daemon.proc)
+        scheduler.end_session("r1")
+        time.sleep(0.5)
+        scheduler.maybe_submit_lookup_request("r2", block_hashes=block_hashes(list(range(CHUNK))))
+        with caplog.at_level(logging.WARNING, logger="vllm_adapter.multi_process_adapter"):
+            deadline = time.monotonic() + 5
+            while "END_SESSION for request r1 failed" not in caplog.text:
+                assert time.monotonic() < deadline, "the failed END_SESSION went unnoticed"
+                scheduler.check_lookup_result("r2")
+                time.sleep(0.01)
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+        scheduler.shutdown()
+    status(daemon.url)  # running again before the fixture stops it (a SIGTERM racing the SIGCONT is lost)
+
+
+@pytest.mark.daemon_args(*DAEMON_ARGS)
+def test_lookup_chunks_answers_and_leases_as_lookup_does(daemon: DaemonProcess, worker_for) -> None:
+    """LOOKUP_CHUNKS, the scheduler adapter's compact LOOKUP of hash keys: the same prefix, the same
+    leases, the same refusal of keys that name nothing."""
+    worker = worker_for(daemon.url)
+    client = worker.mq_client
+    hashes = chunk_hashes(list(range(4 * CHUNK)))
+    assert store(client, worker.instance_id, hashes[:3], "s") == [ChunkOutcome.STORED] * 3
+    keys = [IPCCacheEngineKey("m", 1, None, chunk_hash=h, request_id="a") for h in hashes]
+    assert client.submit(RequestType.LOOKUP, [keys]).result(10) == 3
+    assert client.submit(RequestType.LOOKUP_CHUNKS, ["m", 1, "b", hashes]).result(10) == 3
+    assert (status(daemon.url).sessions, status(daemon.url).leases) == (2, 6)
+    assert client.submit(RequestType.LOOKUP_CHUNKS, ["m", 2, "c", hashes]).result(10) == 0  # no rank 1
+    assert client.submit(RequestType.LOOKUP_CHUNKS, ["other", 1, "c", hashes]).result(10) == 0
+    assert client.submit(RequestType.LOOKUP_CHUNKS, ["m", 1, None, hashes]).result(10) == 3  # leases nothing
+    with pytest.raises(ServerError) as refused:
+        client.submit(RequestType.LOOKUP_CHUNKS, ["m", 1, "d", [hashes[0], b""]]).result(10)
+    assert refused.value.code == ErrorCode.INVALID_ARGUMENT
+    for request_id in ("a", "b"):
+        client.submit(RequestType.END_SESSION, [request_id]).result(10)
+    assert (status(daemon.url).sessions, status(daemon.url).leases) == (0, 0)

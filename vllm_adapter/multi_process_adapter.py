@@ -28,10 +28,10 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import zmq
@@ -77,6 +77,11 @@ FIRST_RETRY_S = 0.25
 MAX_RETRY_S = 30.0
 # Finished request ids remembered to report each exactly once (bounded).
 _REPORTED_MEMORY = 100_000
+# Fire-and-forget requests (END_SESSION, RELEASE_LEASES) whose replies the scheduler adapter
+# watches for failures (bounded: past it, the oldest is no longer watched), and how long its
+# shutdown waits for those still unanswered.
+MAX_WATCHED_RELEASES = 4096
+SHUTDOWN_RELEASE_WAIT_S = 1.0
 
 
 def new_instance_id() -> int:
@@ -159,6 +164,10 @@ class LMCacheMPSchedulerAdapter:
         self.blocks_in_chunk = self.chunk_size // vllm_block_size
         self._keys = _KeyMaker(model_name, world_size, None, self.blocks_in_chunk)
         self.lookup_futures: dict[str, MessagingFuture[int]] = {}
+        # (what, reply) of the releases sent, oldest first: the scheduler never waits for them, but
+        # one that fails (leases then held until the daemon's TTL) is logged, not lost.
+        self._releases: deque[tuple[str, MessagingFuture[None]]] = deque()
+        self.unwatched_releases = 0  # dropped from the watch unanswered (MAX_WATCHED_RELEASES)
 
     def maybe_submit_lookup_request(self, request_id: str, block_hashes: list[bytes] | None = None,
                                     token_ids: list[int] | None = None) -> None:
@@ -171,20 +180,27 @@ class LMCacheMPSchedulerAdapter:
         if token_ids is not None:
             aligned_end = len(token_ids) // self.chunk_size * self.chunk_size
             op = LoadStoreOp([], token_ids=token_ids, start=0, end=aligned_end)
+            keys = self._keys.keys_for(request_id, op)
+            request: tuple[RequestType, list[Any]] | None = (
+                (RequestType.LOOKUP, [keys]) if aligned_end else None)
         else:
-            op = LoadStoreOp([], block_hashes=block_hashes)
-        keys = self._keys.keys_for(request_id, op)
-        if not keys or (token_ids is not None and op.end == 0):
+            # The usual case: every key one chunk hash, their shared fields sent once.
+            hashes = list(striding_block_hashes(block_hashes or [], self.blocks_in_chunk))
+            request = ((RequestType.LOOKUP_CHUNKS, [self.model_name, self.world_size, request_id, hashes])
+                       if hashes else None)
+        if request is None:
             future: MessagingFuture[int] = MessagingFuture.settled(RequestType.LOOKUP, 0)
         else:
-            future = send_lmcache_request(self.mq_client, RequestType.LOOKUP, [keys])
+            future = send_lmcache_request(self.mq_client, *request)
         self.lookup_futures[request_id] = future
 
     def check_lookup_result(self, request_id: str) -> int | None:
         """Tokens hit (a multiple of the chunk size), or None while the lookup is pending.
         A failed lookup (daemon down, error) counts as 0: a miss, never a guess."""
         future = self.lookup_futures[request_id]
-        if not future.query():
+        settled = future.query()  # drives the socket: settles earlier releases' replies too
+        self._check_releases()
+        if not settled:
             return None
         error = future.exception()
         if error is not None:
@@ -204,13 +220,40 @@ class LMCacheMPSchedulerAdapter:
         pinned until `end_session` (fire and forget)."""
         keys = self._keys.keys_for(request_id, LoadStoreOp([], block_hashes=block_hashes))
         if keys:
-            send_lmcache_request(self.mq_client, RequestType.RELEASE_LEASES, [keys])
+            self._release(f"RELEASE_LEASES for request {request_id}", RequestType.RELEASE_LEASES, [keys])
 
     def end_session(self, request_id: str) -> None:
-        """Release whatever the request still holds at the daemon (fire and forget)."""
-        send_lmcache_request(self.mq_client, RequestType.END_SESSION, [request_id])
+        """Release whatever the request still holds at the daemon (fire and forget: a failure is
+        logged once its reply, or its timeout, is seen)."""
+        self._release(f"END_SESSION for request {request_id}", RequestType.END_SESSION, [request_id])
+
+    def _release(self, what: str, request_type: RequestType, payload: list[Any]) -> None:
+        self._releases.append((what, send_lmcache_request(self.mq_client, request_type, payload)))
+        self._check_releases()
+        if len(self._releases) > MAX_WATCHED_RELEASES:  # the oldest is unanswered
+            what, _ = self._releases.popleft()
+            self.unwatched_releases += 1
+            if self.unwatched_releases == 1 or self.unwatched_releases % 1000 == 0:
+                logger.warning("%d releases sent to the daemon got no reply yet and are no longer "
+                               "watched (the latest: %s); their leases end by the daemon's TTL",
+                               self.unwatched_releases, what)
+
+    def _check_releases(self) -> None:
+        """Log the failures of the releases answered so far (never waits)."""
+        releases = self._releases
+        while releases and releases[0][1].done():
+            what, future = releases.popleft()
+            error = future.exception()
+            if error is not None:
+                logger.warning("%s failed: %s; the daemon releases its leases after their TTL", what, error)
 
     def shutdown(self) -> None:
+        """Close the connection once the releases sent have been answered (up to
+        SHUTDOWN_RELEASE_WAIT_S): closing drops requests still queued in the socket."""
+        deadline = time.monotonic() + SHUTDOWN_RELEASE_WAIT_S
+        for _, future in self._releases:
+            future.wait(max(0.0, deadline - time.monotonic()))
+        self._check_releases()
         self.mq_client.close()
 
 

@@ -193,7 +193,8 @@ class StorageManager:
 
     def _pin_l1_prefix(self, hashes: list[bytes], combo: tuple[RankSpec, ...]) -> Hits:
         fps = [spec.fmt.fingerprint for spec in combo]
-        return self.pool.pin_prefix([[(h, fp) for fp in fps] for h in hashes])  # chunk-major
+        # chunk-major; a generator, so that a prefix that ends early builds no keys past its end
+        return self.pool.pin_prefix([(h, fp) for fp in fps] for h in hashes)
 
     def _promote(self, hashes: list[bytes], combos: list[tuple[RankSpec, ...]], pinned: Hits,
                  pinned_combo: int | None) -> Hits:

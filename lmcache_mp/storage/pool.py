@@ -62,7 +62,7 @@ import enum
 import mmap
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -285,9 +285,8 @@ class MemoryPool:
                 if pin:
                     obj.pins = 1  # WRITING -> pinned: its slab stays stuck on the same count
                     self._num_pinned += 1
-                else:
-                    self._make_evictable(obj)
             if not pin:
+                self._make_evictable(objects)
                 self._refresh(objects)
 
     def link(self, keys: list[Hashable], parent: Hashable | None = None) -> None:
@@ -321,27 +320,27 @@ class MemoryPool:
                 self._drop(obj)
                 self._unstick(obj.slab)
 
-    def pin_prefix(self, chunks: list[list[Hashable]]) -> list[list[PoolObject]]:
+    def pin_prefix(self, chunks: Iterable[list[Hashable]]) -> list[list[PoolObject]]:
         """The objects of the leading chunks whose every key (one per rank) is READY, each pinned;
-        stops at the first incomplete chunk, whose objects and later ones are left alone. Flattened,
-        the result is chunk-major, the order `unpin` wants back."""
+        stops at the first incomplete chunk, whose objects and later ones are left alone (not even
+        drawn from `chunks`, which may be a generator). Flattened, the result is chunk-major, the
+        order `unpin` wants back."""
         with self._lock:
             out: list[list[PoolObject]] = []
             for keys in chunks:
                 objects = self._ready(keys)
                 if objects is None:
                     break
-                for obj in objects:
-                    self._pin_one(obj)
                 out.append(objects)
+            self._pin_all([obj for objects in out for obj in objects])
             return out
 
     def pin(self, keys: list[Hashable]) -> list[PoolObject] | None:
         """All or nothing: every key's object pinned, in order, or None (and nothing pinned)."""
         with self._lock:
             objects = self._ready(keys)
-            for obj in objects or ():
-                self._pin_one(obj)
+            if objects is not None:
+                self._pin_all(objects)
             return objects
 
     def repin(self, objects: list[PoolObject]) -> None:
@@ -358,6 +357,8 @@ class MemoryPool:
         """Release one pin per occurrence; objects left with none become the most recently used, in
         chunk order like a commit (the first the most recent, its ancestors more recent still).
         Raises ValueError, changing nothing, if any object would drop below zero pins."""
+        if not objects:
+            return  # a miss, a lookup's one format combination: no lock, no walk
         with self._lock:
             for obj, count in Counter(objects).items():
                 if obj.pins < count:
@@ -366,9 +367,9 @@ class MemoryPool:
             for obj in objects:
                 obj.pins -= 1
                 if obj.pins == 0:
-                    self._num_pinned -= 1
-                    self._make_evictable(obj)
                     released.append(obj)
+            self._num_pinned -= len(released)
+            self._make_evictable(released)
             self._refresh(released)
 
     def clear(self) -> int:
@@ -555,25 +556,33 @@ class MemoryPool:
 
     def _ready(self, keys: list[Hashable]) -> list[PoolObject] | None:
         objects = []
+        get, ready = self._index.get, ObjectState.READY
         for key in keys:
-            obj = self._index.get(key)
-            if obj is None or obj.state is not ObjectState.READY:
+            obj = get(key)
+            if obj is None or obj.state is not ready:
                 return None
             objects.append(obj)
         return objects
 
-    def _pin_one(self, obj: PoolObject) -> None:
-        if obj.pins == 0:
-            del obj.slab.size_class.evictable[obj]
-            self._stick(obj.slab)
-            self._num_pinned += 1
-        obj.pins += 1
+    def _pin_all(self, objects: list[PoolObject]) -> None:
+        """One more pin on each (READY) object; one loop, no call per object: a LOOKUP pins its
+        whole prefix on every rank."""
+        stick = self._stick
+        for obj in objects:
+            if obj.pins == 0:
+                del obj.slab.size_class.evictable[obj]
+                stick(obj.slab)
+                self._num_pinned += 1
+            obj.pins += 1
 
-    def _make_evictable(self, obj: PoolObject) -> None:
-        """obj is now READY and unpinned: evictable, as the most recently used (until `_refresh`
-        puts the call's objects in their final order)."""
-        obj.slab.size_class.evictable[obj] = None
-        self._unstick(obj.slab)
+    def _make_evictable(self, objects: list[PoolObject]) -> None:
+        """The objects are now READY and unpinned: evictable, as the most recently used (until
+        `_refresh` puts the call's objects in their final order). One loop, no call per object: a
+        LOOKUP's leases come back by the hundred."""
+        unstick = self._unstick
+        for obj in objects:
+            obj.slab.size_class.evictable[obj] = None
+            unstick(obj.slab)
 
     def _refresh(self, objects: list[PoolObject]) -> None:
         """Make `objects` and all their ancestors the most recently used, each ancestor after its
@@ -583,9 +592,12 @@ class MemoryPool:
         order: list[PoolObject] = []  # every object seen, each after its ancestors
         seen: set[PoolObject] = set()
         for start in objects:
-            order.extend(reversed(list(self._walk_up(start, seen))))
+            walk = self._walk_up(start, seen)
+            walk.reverse()
+            order.extend(walk)
+        ready = ObjectState.READY
         for obj in reversed(order):
-            if obj.state is ObjectState.READY and obj.pins == 0:
+            if obj.state is ready and obj.pins == 0:
                 obj.slab.size_class.evictable.move_to_end(obj)
 
     def _descends_from(self, obj: PoolObject, others: set[PoolObject | None]) -> bool:
@@ -593,21 +605,23 @@ class MemoryPool:
         close a cycle. O(ancestors)."""
         return any(node in others for node in self._walk_up(obj, set()))
 
-    def _walk_up(self, obj: PoolObject, seen: set[PoolObject]) -> Iterator[PoolObject]:
+    @staticmethod
+    def _walk_up(obj: PoolObject, seen: set[PoolObject]) -> list[PoolObject]:
         """`obj` and its ancestors, nearest first, stopping at the first already in `seen` (which
-        collects them): a walk never loops, even over a parent cycle."""
+        collects them): a walk never loops, even over a parent cycle. A parent that was freed
+        counts as none and is cleared. (A list built in one loop, not a generator: this runs for
+        every object a LOOKUP's leases give back.)"""
+        walk: list[PoolObject] = []
+        freed = ObjectState.FREED
         node: PoolObject | None = obj
         while node is not None and node not in seen:
             seen.add(node)
-            yield node
-            node = self._parent(node)
-
-    @staticmethod
-    def _parent(obj: PoolObject) -> PoolObject | None:
-        parent = obj.parent
-        if parent is not None and parent.state is ObjectState.FREED:
-            obj.parent = parent = None
-        return parent
+            walk.append(node)
+            parent = node.parent
+            if parent is not None and parent.state is freed:
+                node.parent = parent = None
+            node = parent
+        return walk
 
     def _stick(self, slab: _Slab) -> None:
         slab.stuck += 1
