@@ -10,6 +10,8 @@ moves 8 chunks. "End to end" is the adapter's request -> daemon copy -> reply.
 Baseline, same process, same run: the fastest single-threaded torch gather and scatter of the
 very same pages into/out of chunk-shaped buffers that we know of: `index_select` to gather, one
 `copy_` per page to scatter (2.4x faster than `index_copy_` here, so the bar is higher).
+RETRIEVE runs twice, against a daemon with one copy thread (`--max-workers 1`) and against one
+with two (the default), which splits a RETRIEVE's chunks over both (issue 12).
 Target (issue 5): >= 70% of the baseline in both directions. Prints a table, writes
 data_plane.png and data_plane.json to --out.
 """
@@ -131,9 +133,10 @@ def plot(rows: dict[str, float], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     names = list(rows)
-    ax.bar(names, [rows[n] for n in names], color=["#999", "#1f77b4", "#999", "#ff7f0e"])
+    ax.bar(names, [rows[n] for n in names], color=["#999", "#1f77b4", "#999", "#ff7f0e", "#d62728"])
     for i, n in enumerate(names):
         ax.annotate(f"{rows[n]:.1f}", (i, rows[n]), ha="center", va="bottom", fontsize=8)
+    ax.tick_params(axis="x", labelsize=7)
     ax.set_ylabel("GB/s")
     ax.set_title("KV copy throughput (32 layers x 8 heads x 128, bf16, 256-token chunks)", fontsize=8)
     fig.tight_layout()
@@ -151,25 +154,33 @@ def main() -> int:
     print(f"KV cache {LAYERS} layers x {NUM_BLOCKS} blocks; {nbytes / 2**20:.0f} MiB per request", flush=True)
     kv = make_kv()
     gather, scatter = baseline(kv, args.iterations)
-    daemon = start_daemon(tmp, "--l1-size-gb", "1.2", "--chunk-size", str(CHUNK))
-    try:
-        store, retrieve = through_daemon(daemon.url, kv, args.iterations)
-    finally:
-        daemon.stop()
+    retrieve: dict[int, list[float]] = {}
+    for workers in (1, 2):  # copy threads: a RETRIEVE is split over both when there are two
+        daemon = start_daemon(tmp, "--l1-size-gb", "1.2", "--chunk-size", str(CHUNK),
+                              "--max-workers", str(workers))
+        try:
+            store, retrieve[workers] = through_daemon(daemon.url, kv, args.iterations)
+        finally:
+            daemon.stop()
 
     def gbps(samples: list[float]) -> float:
         return nbytes / statistics.median(samples) / 1e9
 
-    rows = {"baseline gather": gbps(gather), "STORE": gbps(store),
-            "baseline scatter": gbps(scatter), "RETRIEVE": gbps(retrieve)}
+    rows = {"baseline gather": gbps(gather), "STORE": gbps(store), "baseline scatter": gbps(scatter),
+            "RETRIEVE, 1 thread": gbps(retrieve[1]), "RETRIEVE, split": gbps(retrieve[2])}
     ratios = {"STORE / gather": rows["STORE"] / rows["baseline gather"],
-              "RETRIEVE / scatter": rows["RETRIEVE"] / rows["baseline scatter"]}
-    print(f"\n{'path':<20}{'GB/s':>8}{'median ms':>12}")
-    for (name, rate), samples in zip(rows.items(), (gather, store, scatter, retrieve), strict=True):
-        print(f"{name:<20}{rate:>8.2f}{statistics.median(samples) * 1e3:>12.1f}")
+              "RETRIEVE, 1 thread / scatter": rows["RETRIEVE, 1 thread"] / rows["baseline scatter"],
+              "RETRIEVE, split / scatter": rows["RETRIEVE, split"] / rows["baseline scatter"]}
+    print(f"\n{'path':<22}{'GB/s':>8}{'median ms':>12}")
+    for (name, rate), samples in zip(rows.items(), (gather, store, scatter, retrieve[1], retrieve[2]),
+                                     strict=True):
+        print(f"{name:<22}{rate:>8.2f}{statistics.median(samples) * 1e3:>12.1f}")
+    print(f"split RETRIEVE / 1-thread RETRIEVE: {rows['RETRIEVE, split'] / rows['RETRIEVE, 1 thread']:.2f}x")
     finish(args.out, "data_plane", {f"{name} = {ratio:.0%} (target >= 70%)": ratio >= 0.7
                                     for name, ratio in ratios.items()},
-           {"gbps": rows, "ratios": ratios, "request_bytes": nbytes}, lambda path: plot(rows, path))
+           {"gbps": rows, "ratios": ratios, "request_bytes": nbytes,
+            "split_speedup": rows["RETRIEVE, split"] / rows["RETRIEVE, 1 thread"]},
+           lambda path: plot(rows, path))
     return 0
 
 

@@ -118,6 +118,12 @@ class Copies:
         self._block_ids = block_ids
         self._device_ids = device_ids
 
+    @property
+    def splittable(self) -> bool:
+        """Whether chunks may be copied from several threads at once: yes, unless they go
+        through the context's one staging buffer (caches on a device, copied in stream order)."""
+        return self._ctx._staging is None
+
     def _span(self, i: int) -> tuple[int, list[int]]:
         bpc = self._ctx.blocks_per_chunk
         return i * bpc, self._block_ids[i * bpc:(i + 1) * bpc]
