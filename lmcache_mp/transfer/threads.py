@@ -42,38 +42,34 @@ class _Chunks:
             self._next += 1
             return self._next - 1
 
-    def work(self) -> int:
-        """Copy chunks until none is left or a copy says stop (returns False) or raises; the
-        number of chunks copied."""
-        copied = 0
+    def work(self, copied: Callable[[], None] = lambda: None) -> None:
+        """Copy chunks until none is left or a copy says stop (returns False) or raises;
+        `copied` is called after each chunk copied."""
         try:
             while (i := self._take()) is not None:
                 if not self._copy(i):
                     self._stop()
-                    break
-                copied += 1
+                    return
+                copied()
         except BaseException:
             self._stop()
             raise
-        return copied
 
     def _stop(self) -> None:
         with self._lock:
             self._stopped = True
 
-    def help(self) -> int:
-        """A helper's part: join unless the operation has finished without it; the number of
-        chunks it copied."""
+    def help(self, copied: Callable[[], None]) -> None:
+        """A helper's part (see `work`): join unless the operation has finished without it."""
         with self._lock:
             if self._closed:
-                return 0
+                return
             self._helping += 1
         try:
-            return self.work()
+            self.work(copied)
         except BaseException as err:
             with self._lock:
                 self._error = self._error or err
-            return 0
         finally:
             with self._lock:
                 self._helping -= 1
@@ -136,13 +132,15 @@ class CopyThreads:
         return taken
 
     def _help(self, context: contextvars.Context, chunks: _Chunks) -> None:
-        copied = 0
         try:
-            copied = context.run(chunks.help)
+            context.run(chunks.help, self._helped)
         finally:
-            self._release(copied)
+            self._release()
 
-    def _release(self, helped: int = 0) -> None:
+    def _helped(self) -> None:
+        with self._lock:
+            self.helped_chunks += 1
+
+    def _release(self) -> None:
         with self._lock:
             self._copying -= 1
-            self.helped_chunks += helped
