@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from lmcache_mp.transfer.context import Copies, TransferContext, kept_runs
+from lmcache_mp.transfer.context import Copies, TransferContext, consecutive_runs, kept_runs
 from lmcache_mp.transfer.layouts import describe_caches
 from lmcache_mp.transfer.threads import CopyThreads
 
@@ -19,8 +19,12 @@ NUM_BLOCKS = 12
 CHUNK_TOKENS = 64  # 4 blocks of 16
 
 
-def _caches(layout: str, shape: tuple[int, ...], seed: int) -> list[torch.Tensor]:
+def _caches(layout: str, shape: tuple[int, ...], seed: int,
+            one_allocation: bool = False) -> list[torch.Tensor]:
+    """Three layers' caches: separate tensors, or views of one allocation (as vLLM on CPU has them)."""
     gen = torch.Generator().manual_seed(seed)
+    if one_allocation:
+        return list(torch.randn((3, *shape), generator=gen).to(torch.bfloat16))
     return [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(3)]
 
 
@@ -97,6 +101,43 @@ def test_an_event_handle_for_a_cpu_cache_is_refused() -> None:
         pass
 
 
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_one_copy_writes_a_run_of_pages_of_every_layer(layout: str) -> None:
+    """Layers that are views of one allocation are written as one strided view, per run of
+    consecutive block ids: the same bytes as one copy per layer and page, nothing else touched."""
+    stored = _caches(layout, LAYOUTS[layout], seed=8)
+    ctx = _context(stored, layout, staged=False)
+    obj = torch.empty(ctx.chunk_nbytes, dtype=torch.uint8)
+    with ctx.operation([9, 2, 5, 7], b"") as copies:
+        copies.gather(0, ctx.chunk_view(obj))
+    results = []
+    for one_allocation in (False, True):
+        target = _caches(layout, LAYOUTS[layout], seed=9, one_allocation=one_allocation)
+        tctx = _context(target, layout, staged=False)
+        assert (tctx._all_layers is not None) == one_allocation
+        with tctx.operation([4, 5, -1, 6], b"") as copies:  # a run of two pages, a skip, one page
+            copies.scatter(tctx.chunk_view(obj), 0)
+        results.append(target)
+    for one, many in zip(*results, strict=True):
+        assert torch.equal(one, many)
+    block_dim = ctx.geometry.layout.block_dim
+    untouched = _caches(layout, LAYOUTS[layout], seed=9)
+    for got, old, src in zip(results[1], untouched, stored, strict=True):
+        for block in range(NUM_BLOCKS):
+            expected = {4: src.select(block_dim, 9), 5: src.select(block_dim, 2),
+                        6: src.select(block_dim, 7)}.get(block, old.select(block_dim, block))
+            assert torch.equal(got.select(block_dim, block), expected), block
+
+
+@pytest.mark.parametrize(("ids", "start", "end", "runs"), [
+    ([4, 5, 6, 7], 0, 4, [(0, 4)]),
+    ([7, 6, 5, 4], 0, 4, [(0, 1), (1, 1), (2, 1), (3, 1)]),
+    ([-1, 3, 4, 9, 10, 2], 1, 6, [(1, 2), (3, 2), (5, 1)]),
+])
+def test_consecutive_runs(ids: list[int], start: int, end: int, runs: list[tuple[int, int]]) -> None:
+    assert consecutive_runs(ids, start, end) == runs
+
+
 @pytest.mark.parametrize(("ids", "runs"), [
     ([0, 1, 2, 3], [(0, 4)]),
     ([-1, -1, 2, 3], [(2, 4)]),
@@ -157,7 +198,7 @@ def test_a_split_retrieve_is_byte_exact_and_skips_minus_one_blocks() -> None:
     retrieve_ids = [-1, 6, 8, 9, 11, -1, 0, 2, 4, 5, -1, 1]
     results = []
     for split in (False, True):
-        target = _caches(layout, LAYOUTS[layout], seed=6)
+        target = _caches(layout, LAYOUTS[layout], seed=6, one_allocation=split)
         tctx = _context(target, layout, staged=False)
         threads = CopyThreads(2)
         try:
