@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "follows, if the client never retrieves or ends the session "
                             "(default: %(default)s)")
     serve.add_argument("--max-workers", type=int, default=config.DEFAULT_MAX_WORKERS,
-                       help="threads that run copies and registrations (default: %(default)s)")
+                       help="threads that run copies and registrations; a RETRIEVE of several chunks is "
+                            "split over the idle ones (default: %(default)s)")
     serve.add_argument("--max-queued-requests", type=int,
                        default=config.DEFAULT_MAX_QUEUED_REQUESTS,
                        help="requests waiting for a worker thread before new ones are refused "
