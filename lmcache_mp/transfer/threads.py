@@ -1,9 +1,9 @@
 """Splitting one RETRIEVE's chunk copies over the daemon's idle copy threads.
 
 A RETRIEVE is on the critical path of the request that waits for it (vLLM computes nothing for it
-until its KV is in place), and one thread copying pages does not use all the memory bandwidth a
-machine has (measured in `scripts/bench_data_plane.py`: the split RETRIEVE against the one-thread
-copy). So a RETRIEVE of several chunks hands chunks out to helper threads that are free at that
+until its KV is in place), and one thread copying pages can leave memory bandwidth unused while
+another core is free (`scripts/bench_data_plane.py` measures the split RETRIEVE against the
+one-thread one). So a RETRIEVE of several chunks hands chunks out to helper threads that are free at that
 moment, and copies the rest itself.
 
 At most `threads` threads copy at once (the daemon's `--max-workers`): the worker threads running
