@@ -42,6 +42,7 @@ from lmcache_mp.storage.pool import MemoryPool, PoolObject, ReserveFailure
 from lmcache_mp.storage.tiers import open_tier, redact_url
 from lmcache_mp.transfer import cuda
 from lmcache_mp.transfer.context import Copies, TransferContext
+from lmcache_mp.transfer.threads import CopyThreads
 
 _OUTCOMES = {ReserveFailure.ALREADY_PRESENT: ChunkOutcome.ALREADY_PRESENT,
              ReserveFailure.NO_SPACE: ChunkOutcome.NO_SPACE}
@@ -97,6 +98,7 @@ class Engine:
         self.leases = LeaseTable(pool, config.lease_ttl_s)
         self.fence = TransferFence(config.queue_deadline_s)
         self.keys = ChunkMapper(config.chunk_size)
+        self.copy_threads = CopyThreads(config.max_workers)
         self._last_chunk: OrderedDict[str, bytes] = OrderedDict()  # request id -> chunk hash
         # Requests with a LOOKUP in promotion -> whether END_SESSION came meanwhile (bounded by
         # the manager's bound on promotions in flight).
@@ -106,12 +108,14 @@ class Engine:
             self.registry = Registry(config.attach_socket, config.socket_access, config.chunk_size,
                                      pool.admit)
         except BaseException:
+            self.copy_threads.close()
             self.storage.close()
             pool.close()
             raise
 
     def close(self) -> None:
         self.registry.close()
+        self.copy_threads.close()
         self.storage.close()
         self.storage.pool.close()  # last: the tiers' writers copy out of the pool until closed
 
@@ -212,7 +216,8 @@ class Engine:
         slots = self.storage.reserve(instance.fmt, chunks.hashes, context.chunk_nbytes, parent)
         fresh = [slot for slot in slots if isinstance(slot, PoolObject)]
         try:
-            with self.storage.copying(), _operation(context, block_ids, event_handle) as copies:
+            with (self.copy_threads.seat(), self.storage.copying(),
+                  _operation(context, block_ids, event_handle) as copies):
                 for i, slot in enumerate(slots):
                     if pairs and self.fence.cancelled(pairs):
                         raise _store_cancelled()
@@ -262,12 +267,19 @@ class Engine:
         if objects is None:
             return RetrieveResult(b"", False, "some chunks are no longer stored (evicted, "
                                               "cleared, or stored by another kind of cache)")
+
+        def copy(i: int) -> bool:
+            if pairs and self.fence.cancelled(pairs):
+                return False  # stop between chunks: the CANCEL waits for every thread to stop
+            copies.scatter(context.chunk_view(objects[i].data), i)
+            return True
+
         try:
-            with self.storage.copying(), _operation(context, block_ids, event_handle) as copies:
-                for i, obj in enumerate(objects):
-                    if pairs and self.fence.cancelled(pairs):
-                        break
-                    copies.scatter(context.chunk_view(obj.data), i)
+            with (self.copy_threads.seat(), self.storage.copying(),
+                  _operation(context, block_ids, event_handle) as copies):
+                # Split over free copy threads: the request waits for these copies, and one
+                # thread does not use all the memory bandwidth (transfer/threads.py).
+                self.copy_threads.run(len(objects), copy, split=copies.splittable)
         finally:
             self.storage.unpin(objects)
         return _CANCELLED if pairs and self.fence.cancelled(pairs) else RetrieveResult(b"", True)
@@ -357,6 +369,7 @@ class Engine:
             "lease_sessions": sessions,
             "leases": leases,
             "lease_sessions_expired_total": self.leases.expired_total,
+            "retrieve_split_chunks_total": self.copy_threads.helped_chunks,
             "registered_instances": len(self.registry.instance_ids()),
             "attach_channels": self.registry.num_attach_channels,
         }
@@ -384,5 +397,6 @@ class Engine:
             "leases": gauges["leases"],
             "transfers_running": copying,
             "cancelled_transfers": cancelled,
+            "split_chunks": self.copy_threads.helped_chunks,
             "tiers": tiers,
         }

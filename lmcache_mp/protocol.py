@@ -173,6 +173,8 @@ class StatusReport(msgspec.Struct, gc=False):
     transfers_running: int = 0
     cancelled_transfers: int = 0
     requests_in_flight: int = 0
+    # RETRIEVE chunks copied by a helper thread, not the request's own (a split RETRIEVE), ever
+    split_chunks: int = 0
     tiers: list[TierStats] = []  # the tiers below the pool, in order
 
 

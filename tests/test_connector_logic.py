@@ -31,7 +31,7 @@ from tests.helpers import block_hashes, freeze, status
 from tests.kv_worker import make_caches, pages
 from vllm_adapter.connector_common import ConnectorSettings, LMCacheMPConnectorMetadata
 from vllm_adapter.connector_scheduler import SchedulerSide
-from vllm_adapter.connector_worker import IDLE_STEP_PAUSE_S, WorkerSide
+from vllm_adapter.connector_worker import IDLE_LOAD_WAIT_S, IDLE_STEP_PAUSE_S, WorkerSide
 from vllm_adapter.multi_process_adapter import LoadStoreOp
 
 BLOCK, CHUNK = 16, 32  # the hashes of tests.test_data_path are over 16-token blocks
@@ -104,10 +104,10 @@ class Worker:
         self.side.begin_step(meta)
         self.side.start_load_kv(meta)
         self.side.wait_for_save(meta)
-        self.collect(finished)
+        self.collect(finished, meta.idle)
 
-    def collect(self, finished: set[str] = frozenset()) -> None:
-        results = self.side.transfer_results(set(finished))
+    def collect(self, finished: set[str] = frozenset(), idle: bool = False) -> None:
+        results = self.side.transfer_results(set(finished), idle)
         self.reported["sent"].update(results.finished_sending)
         self.reported["received"].update(results.finished_recving)
         self.reported["failed"].update(results.failed_recving)
@@ -290,6 +290,47 @@ def test_leases_outside_the_planned_load_are_released_at_once(daemon: DaemonProc
     finally:
         worker.side.shutdown()
         scheduler.shutdown()
+
+
+@pytest.mark.daemon_args(*DAEMON_ARGS)
+def test_an_idle_step_reports_the_load_it_started(halves: tuple[SchedulerSide, Worker],
+                                                   daemon: DaemonProcess) -> None:
+    """Issue 12: in a step that computes nothing (the request waits for its load), the worker
+    waits for the load it started, so that this very step reports it and the next computes the
+    request (not vLLM spinning empty steps until one sees the reply). The wait is bounded, and a
+    step that computes never waits."""
+    scheduler, worker = halves
+    tokens = list(range(900, 900 + 2 * CHUNK + 1))
+    tables = {"w": list(range(5)), "r": list(range(20, 25)), "f": list(range(40, 45))}
+    store_prompt(scheduler, worker, request("w", tokens), tables)
+    reader = request("r", tokens)
+    assert match(scheduler, reader) == (2 * CHUNK, True)
+    scheduler.update_state_after_alloc(reader, Blocks(tables["r"][:4]), 2 * CHUNK)
+    meta = scheduler.build_connector_meta(step(tables))
+    assert meta.idle and list(meta.loads) == ["r"]
+    worker.run(meta)
+    assert worker.reported["received"] == {"r": 1} and worker.reported["failed"] == {}
+    assert torch.equal(pages(worker.caches, "CPU_ATTN", SHAPE, tables["r"][:4]),
+                       pages(worker.caches, "CPU_ATTN", SHAPE, tables["w"][:4]))
+
+    frozen = request("f", tokens)
+    assert match(scheduler, frozen) == (2 * CHUNK, True)
+    scheduler.update_state_after_alloc(frozen, Blocks(tables["f"][:4]), 2 * CHUNK)
+    load = scheduler.build_connector_meta(step(tables)).loads
+    freeze(daemon.proc)  # its answer will be late
+    try:
+        started = time.monotonic()
+        worker.run(LMCacheMPConnectorMetadata(loads=load, idle=False))  # a step that computes
+        busy_s = time.monotonic() - started
+        started = time.monotonic()
+        worker.run(LMCacheMPConnectorMetadata(idle=True))
+        idle_s = time.monotonic() - started
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    assert busy_s < IDLE_LOAD_WAIT_S <= idle_s < 1.0, (busy_s, idle_s)
+    assert "f" not in worker.reported["received"]
+    worker.wait_reported("received", "f")
+    assert worker.reported["failed"] == {}
 
 
 @pytest.mark.daemon_args(*DAEMON_ARGS)

@@ -340,3 +340,45 @@ def test_requests_queued_past_their_deadline_are_refused_not_run(daemon: DaemonP
         assert c.submit(RequestType.PING, [4]).result(5) == 4
     finally:
         worker.shutdown()
+
+
+SPLIT_BLOCKS = 2048  # half of it: 512 chunks, milliseconds of copying, long enough to be split
+
+
+@pytest.mark.daemon_args(*DAEMON_ARGS)  # two worker threads, the default: a RETRIEVE is split
+def test_a_large_retrieve_is_split_byte_exact_and_all_or_nothing(daemon: DaemonProcess) -> None:
+    """Issue 12: a RETRIEVE of many chunks is copied by two threads at once (STATUS counts the
+    chunks the helper copied). Every page lands where one thread would put it, blocks named -1
+    are left alone, and a RETRIEVE that names a chunk the daemon lacks still writes nothing."""
+    half = SPLIT_BLOCKS // 2
+    bpc = CHUNK // BLOCK
+    worker = LMCacheMPWorkerAdapter(daemon.url, None, "m", 1, 0, BLOCK)
+    try:
+        worker.register_kv_caches(make_caches([SPLIT_BLOCKS, 2, BLOCK, 64], torch.bfloat16, LAYERS, seed=7),
+                                  "CPU_ATTN")
+        caches = list(worker.kv_caches.values())
+        client, iid = worker.mq_client, worker.instance_id
+        hashes = block_hashes(list(range(half * BLOCK)))[bpc - 1::bpc]
+        keys = [IPCCacheEngineKey("m", 1, 0, chunk_hash=h, request_id="r") for h in hashes]
+        outcomes = client.submit(RequestType.STORE, [keys, iid, list(range(half)), b""]).result(30).outcomes
+        assert set(outcomes) == {ChunkOutcome.STORED}
+        for cache in caches:
+            cache[half:] = -3.0
+        target = [-1 if b % 7 == 3 else half + b for b in range(half)]  # some blocks vLLM holds already
+        before = status(daemon.url).split_chunks
+
+        missing = [*keys[:-1], IPCCacheEngineKey("m", 1, 0, chunk_hash=b"never stored", request_id="r")]
+        refused = client.submit(RequestType.RETRIEVE, [missing, iid, target, b""]).result(30)
+        assert not refused.ok and "no longer stored" in refused.reason
+        assert all(bool((cache[half:] == -3.0).all()) for cache in caches)  # not a page written
+
+        assert client.submit(RequestType.RETRIEVE, [keys, iid, target, b""]).result(30).ok
+        for layer, cache in enumerate(caches):
+            for pos, block in enumerate(target):
+                expected = cache[pos] if block >= 0 else torch.full_like(cache[pos], -3.0)
+                assert torch.equal(cache[half + pos], expected), (layer, pos)
+        report = status(daemon.url)
+        assert report.split_chunks > before, "the RETRIEVE was copied by one thread only"
+        assert report.leases == 0 and report.transfers_running == 0
+    finally:
+        worker.shutdown()

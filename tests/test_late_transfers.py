@@ -191,10 +191,12 @@ BIG_BLOCKS = 4096  # a cache whose half is 2048 chunks: tens of ms of copying
 
 
 @pytest.fixture
-def big_worker(daemons: Callable) -> Iterator[tuple[DaemonProcess, LMCacheMPWorkerAdapter, list[bytes]]]:
-    """A worker with a BIG_BLOCKS cache (its daemon has one worker thread); chunk hashes for half
-    of it."""
-    daemon: DaemonProcess = daemons(*DAEMON_ARGS, "--max-workers", "1")  # see `queued_behind`
+def big_worker(daemons: Callable, request: pytest.FixtureRequest
+               ) -> Iterator[tuple[DaemonProcess, LMCacheMPWorkerAdapter, list[bytes]]]:
+    """A worker with a BIG_BLOCKS cache (its daemon has one worker thread, or as many as the test's
+    parameter says); chunk hashes for half of it."""
+    workers = getattr(request, "param", 1)  # one: see `queued_behind`; two: RETRIEVEs are split
+    daemon: DaemonProcess = daemons(*DAEMON_ARGS, "--max-workers", str(workers))
     worker = LMCacheMPWorkerAdapter(daemon.url, None, "m", 1, 0, BLOCK)
     try:
         worker.register_kv_caches(make_caches([BIG_BLOCKS, 2, BLOCK, 64], torch.bfloat16, LAYERS, seed=1),
@@ -256,18 +258,21 @@ def test_cancel_refuses_what_was_sent_before_it_and_nothing_after(big_worker) ->
 
 
 def cancel_while_copying(daemon: DaemonProcess, worker: LMCacheMPWorkerAdapter, request_type: RequestType,
-                         hashes: list[bytes], blocks: list[int],
-                         before_each: Callable[[], None]) -> tuple[MessagingFuture, torch.Tensor]:
-    """Send `request_type` for `hashes` and cancel it while it copies (retrying with a new
-    request id until a CANCEL lands mid-copy, mostly the first time): its future and the blocks
-    as they were when the CANCEL was answered."""
+                         hashes: list[bytes], blocks: list[int], before_each: Callable[[], None],
+                         split: bool = False) -> tuple[MessagingFuture, torch.Tensor]:
+    """Send `request_type` for `hashes` and cancel it while it copies (with `split`: once a
+    helper thread copies too), retrying with a new request id until a CANCEL lands mid-copy
+    (mostly the first time): its future and the blocks as they were when the CANCEL was answered."""
     client, iid = worker.mq_client, worker.instance_id
     for attempt in range(20):
         before_each()
         request_id = f"r{attempt}"
+        helped = status(daemon.url).split_chunks
         op = client.submit(request_type, [keys_of(hashes, request_id), iid, blocks, b""])
-        while status(daemon.url).transfers_running == 0 and not op.query():
-            pass
+        while not op.query():
+            report = status(daemon.url)
+            if report.transfers_running and (not split or report.split_chunks > helped):
+                break
         stopped = cancel(client, iid, [request_id])
         pages = torch.stack([cache[blocks].clone() for cache in worker.kv_caches.values()])
         op.wait(10)
@@ -277,9 +282,12 @@ def cancel_while_copying(daemon: DaemonProcess, worker: LMCacheMPWorkerAdapter, 
     raise AssertionError(f"no CANCEL came while a {request_type.name} ran")
 
 
-def test_cancel_stops_a_retrieve_that_is_copying(big_worker) -> None:
-    """A RETRIEVE of many chunks is cancelled while it copies: the CANCEL is answered once it has
-    stopped (between chunks), and nothing is written after that."""
+@pytest.mark.parametrize(("big_worker", "split"), [(1, False), (2, True)], indirect=["big_worker"],
+                         ids=["one-thread", "split"])
+def test_cancel_stops_a_retrieve_that_is_copying(big_worker, split: bool) -> None:
+    """A RETRIEVE of many chunks is cancelled while it copies (with two worker threads: while both
+    threads copy it): the CANCEL is answered once every thread has stopped (between chunks), and
+    nothing is written after that."""
     daemon, worker, hashes = big_worker
     assert ChunkOutcome.NO_SPACE not in store(worker.mq_client, worker.instance_id, hashes, "s")
     target = list(range(BIG_BLOCKS // 2, BIG_BLOCKS))
@@ -288,7 +296,7 @@ def test_cancel_stops_a_retrieve_that_is_copying(big_worker) -> None:
         for cache in worker.kv_caches.values():
             cache[target] = SENTINEL
 
-    copy, pages = cancel_while_copying(daemon, worker, RequestType.RETRIEVE, hashes, target, fill)
+    copy, pages = cancel_while_copying(daemon, worker, RequestType.RETRIEVE, hashes, target, fill, split)
     result: RetrieveResult = copy.result()
     assert not result.ok and result.reason == "cancelled"
     time.sleep(0.2)

@@ -197,7 +197,8 @@ class LMCacheMPDaemonConnector(KVConnectorBase_V1):
         self._work.wait_for_save(self._meta())
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        return self._work.transfer_results(finished_req_ids)
+        idle = self.has_connector_metadata() and self._meta().idle
+        return self._work.transfer_results(finished_req_ids, idle)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """The older form of `get_transfer_results` (vLLM 0.32 calls that one); load failures

@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 # The pace of vLLM's empty steps while stores are held for another try (see wait_for_save).
 IDLE_STEP_PAUSE_S = 0.01
+# How long a step that computes nothing waits for the loads in flight (see transfer_results).
+IDLE_LOAD_WAIT_S = 0.05
 
 
 def attention_backend_name(vllm_config: VllmConfig, layer_names: list[str]) -> str:
@@ -139,11 +141,17 @@ class WorkerSide:
             adapter.batched_submit_store_requests(list(meta.stores), list(meta.stores.values()),
                                                   record_kv_event(self._kv_caches))
 
-    def transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+    def transfer_results(self, finished_req_ids: set[str], idle: bool = False) -> KVConnectorTransferResults:
         """Loads done (failed ones also in failed_recving), and finished requests whose
         stores are done. Only requests that had stores are reported as sent: the scheduler
-        keeps exactly those (request_finished returned True for them)."""
+        keeps exactly those (request_finished returned True for them). `idle`: this step
+        computed nothing."""
         adapter = self._adapter()
+        if adapter is not None and idle:
+            # Nothing else waits for this step: wait here (briefly) for the loads in flight, so
+            # that the step that started a load reports it and the next one computes its
+            # request, instead of empty steps spinning (and taking a core from the copy).
+            adapter.wait_for_retrieves(IDLE_LOAD_WAIT_S)
         if adapter is None:
             sent, received, failed = set(finished_req_ids), set(), {}
         else:

@@ -296,10 +296,10 @@ class _PerRequestOps:
     def has(self, request_id: str) -> bool:
         return request_id in self._pending
 
-    def wait(self, request_ids: Iterable[str], timeout_s: float) -> None:
-        """Block until the given requests' operations are done, or `timeout_s` passed."""
+    def wait(self, request_ids: Iterable[str] | None, timeout_s: float) -> None:
+        """Block until the given requests' operations (None: all) are done, or `timeout_s` passed."""
         deadline = time.monotonic() + timeout_s
-        for request_id in request_ids:
+        for request_id in list(self._pending) if request_ids is None else request_ids:
             for future in self._pending.get(request_id, ()):
                 future.wait(max(0.0, deadline - time.monotonic()))
 
@@ -687,6 +687,11 @@ class LMCacheMPWorkerAdapter:
         finished_retrieves.update(self._unfenced)
         self._unfenced = {}
         return finished_stores, finished_retrieves
+
+    def wait_for_retrieves(self, timeout_s: float) -> None:
+        """Block until every retrieve in flight is answered (or times out), or `timeout_s` passed;
+        `get_finished` reports them."""
+        self._retrieves.wait(None, timeout_s)
 
     def take_failed_retrieves(self) -> dict[str, list[int]]:
         """Requests whose retrieve failed since the last call -> the block ids not loaded."""
