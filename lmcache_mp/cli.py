@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
 
@@ -25,6 +25,10 @@ from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import RequestType
 from lmcache_mp.status_text import render_status
 from lmcache_mp.storage.base import TierCleared
+from lmcache_mp.storage.tiers import redact_url
+
+if TYPE_CHECKING:
+    from lmcache_mp.daemon import Daemon
 
 logger = logging.getLogger("lmcache_mp")
 T = TypeVar("T")
@@ -112,31 +116,62 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"lmcache-mp serve: cannot start: {err}", file=sys.stderr)
         return 2
     configure_logging(cfg.log_level, cfg.log_format)
-    from lmcache_mp.daemon import Daemon  # torch and the engine: only once the settings are good
-    from lmcache_mp.storage.tiers import redact_url
+    # Here, once the settings are good: `ping` and `status` need neither the server nor
+    # prometheus_client.
+    from lmcache_mp.daemon import Daemon
 
     try:
         daemon = Daemon(cfg)
     except (ValueError, OSError) as err:
         logger.error("cannot start: %s", err)
         return 2
-    stop = threading.Event()
+    signalled = threading.Event()
+    wake = threading.Event()  # a signal, or the engine build ended
+
+    def on_signal(signum: int, frame: object) -> None:
+        signalled.set()
+        wake.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop.set())
-    daemon.start()
-    metrics = f" metrics=http://{cfg.metrics_host}:{cfg.metrics_port}/metrics" if cfg.metrics_port else ""
-    tiers = f" l2={','.join(map(redact_url, cfg.l2))}" if cfg.l2 else ""
-    logger.info("lmcache-mp %s ready (node-local) pid=%d endpoints=%s chunk_size=%d pool=%.2f GiB%s%s",
-                __version__, os.getpid(), " ".join(daemon.endpoints), cfg.chunk_size, cfg.l1_size_gb,
-                tiers, metrics)
-    sd_notify.notify_when_ready(daemon.readiness, stop)
-    while not stop.wait(3600):
+        signal.signal(sig, on_signal)
+    daemon.start(on_built=wake.set)
+    sd_notify.notify_when_ready(daemon.readiness, signalled)
+    logger.info("lmcache-mp %s starting pid=%d endpoints=%s: answering HELLO, PING and STATUS; "
+                "building the engine (pool %.2f GiB)", __version__, os.getpid(), " ".join(daemon.endpoints),
+                cfg.l1_size_gb)
+    while not wake.wait(3600):
         pass
+    if not signalled.is_set():
+        if daemon.failure is not None:
+            logger.error("cannot start: %s", _why(daemon.failure))
+            daemon.stop()
+            return 2
+        _log_ready(daemon)
+        while not signalled.wait(3600):
+            pass
     logger.info("shutting down")
     sd_notify.notify("STOPPING=1")
     daemon.stop()
     logger.info("stopped")
     return 0
+
+
+def _why(err: Exception) -> str:
+    """An engine build's failure in one line: the expected kinds (memory, a tier's directory or
+    address, a module missing) by their message, anything else with its type."""
+    if isinstance(err, (ValueError, OSError, ImportError)):
+        return str(err)
+    return f"building the engine failed: {type(err).__name__}: {err}"
+
+
+def _log_ready(daemon: Daemon) -> None:
+    cfg = daemon.config
+    metrics = f" metrics=http://{cfg.metrics_host}:{cfg.metrics_port}/metrics" if cfg.metrics_port else ""
+    tiers = f" l2={','.join(map(redact_url, cfg.l2))}" if cfg.l2 else ""
+    logger.info("lmcache-mp %s ready (node-local) pid=%d endpoints=%s chunk_size=%d pool=%.2f GiB%s%s "
+                "(engine built in %.2f s, %.2f s of it importing torch)", __version__, os.getpid(),
+                " ".join(daemon.endpoints), cfg.chunk_size, cfg.l1_size_gb, tiers, metrics, daemon.build_s,
+                daemon.import_s)
 
 
 def cmd_ping(args: argparse.Namespace) -> int:

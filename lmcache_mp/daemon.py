@@ -1,38 +1,103 @@
-"""Wires the daemon together: configuration -> engine -> request handlers -> server."""
+"""Wires the daemon together: configuration -> server (at once) -> engine (in the background).
+
+The server binds and answers PING, HELLO and STATUS within a fraction of a second of the start;
+the engine (the pool, the tiers, the attach socket) needs torch, whose import alone takes seconds
+(2.4 s on the 2-core test VM, far more under load). So the engine is built on a thread of its own
+while the server refuses its requests with STARTING, then installed; until then this module and
+everything it imports load no torch.
+"""
 
 from __future__ import annotations
 
-import torch
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from lmcache_mp.config import ServerConfig
-from lmcache_mp.engine import Engine
 from lmcache_mp.observability import Metrics
 from lmcache_mp.protocol import RequestType
 from lmcache_mp.server import Server, prepare_ipc_endpoints
 
+if TYPE_CHECKING:
+    from lmcache_mp.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+# How long a daemon stopped while it is starting waits for the engine build to finish (an import
+# cannot be interrupted), so that it closes what the build opened (the attach socket, a tier's lock).
+BUILD_JOIN_TIMEOUT_S = 60.0
+
+
+def _build_engine(config: ServerConfig, metrics: Metrics) -> tuple[Engine, float]:
+    """The engine, and how long importing it (torch) took of the build."""
+    started = time.monotonic()
+    # Imported here, on the build thread: see the module docstring.
+    import torch
+
+    from lmcache_mp.engine import Engine
+
+    imported_s = time.monotonic() - started
+    # Copies run on the server's worker threads. torch's intra-op threads, started from
+    # such threads, fight each other for the cores and halve copy throughput (measured:
+    # 8 vs 16 GB/s gather on 2 cores); one torch thread per worker is the faster setup.
+    torch.set_num_threads(1)
+    return Engine(config, metrics), imported_s
+
 
 class Daemon:
-    """The engine behind the server, and their shared lifecycle."""
+    """The server, the engine behind it once built, and their shared lifecycle."""
 
     def __init__(self, config: ServerConfig):
         config.validate()
+        self.config = config
         # Before anything else (the pool, the attach socket): a second daemon started on a live
         # one's path must fail at once and leave that daemon's sockets alone.
         self._claims = prepare_ipc_endpoints(config.listen, config.socket_access)
         try:
-            self._build(config)
+            self.metrics = Metrics()
+            if config.metrics_port:
+                self.metrics.serve(config.metrics_host, config.metrics_port)
+            self.server = Server(config, self.metrics)
         except BaseException:
             self._release_claims()
             raise
+        self.endpoints = self.server.endpoints
+        self.engine: Engine | None = None
+        # Why the engine could not be built (the daemon then stops); None while building or once built.
+        self.failure: Exception | None = None
+        self.build_s = 0.0  # seconds the engine took, from `start`
+        self.import_s = 0.0  # of which importing torch and the engine's modules
+        self._builder: threading.Thread | None = None
+        self._lock = threading.Lock()  # orders installing the engine against `stop`
+        self._stopping = False
 
-    def _build(self, config: ServerConfig) -> None:
-        # Copies run on the server's worker threads. torch's intra-op threads, started from
-        # such threads, fight each other for the cores and halve copy throughput (measured:
-        # 8 vs 16 GB/s gather on 2 cores); one torch thread per worker is the faster setup.
-        torch.set_num_threads(1)
-        self.metrics = Metrics()
-        self.engine = Engine(config, self.metrics)
-        e = self.engine
+    def start(self, on_built: Callable[[], None]) -> None:
+        """Answer PING, HELLO and STATUS from now on; build the engine on a thread of its own and
+        serve every request once it is built. `on_built()` is called on that thread when the
+        build has ended: `failure` then says whether it failed."""
+        self.server.start()
+        self._builder = threading.Thread(target=self._build, args=(on_built,), name="engine-build",
+                                         daemon=True)
+        self._builder.start()
+
+    def _build(self, on_built: Callable[[], None]) -> None:
+        started = time.monotonic()
+        try:
+            engine, self.import_s = _build_engine(self.config, self.metrics)
+        except Exception as err:  # reported by the caller, which stops the daemon
+            self.failure = err
+        else:
+            self.build_s = time.monotonic() - started
+            with self._lock:
+                if not self._stopping:
+                    self._serve(engine)
+                self.engine = engine  # after serving: `readiness` never runs ahead of the handlers
+        finally:
+            on_built()
+
+    def _serve(self, e: Engine) -> None:
         handlers = {  # where each runs is declared in protocol.PROTOCOL
             RequestType.LOOKUP: e.lookup,
             RequestType.LOOKUP_CHUNKS: e.lookup_chunks,
@@ -46,31 +111,31 @@ class Daemon:
             RequestType.CLEAR: e.clear,
             RequestType.CLEAR_TIERS: e.clear_tiers,
         }
-        try:
-            self.server = Server(config, handlers, status_extra=e.status, on_tick=e.tick,
-                                 metrics=self.metrics)
-            self.metrics.watch(e.gauges, e.tier_gauges)
-            if config.metrics_port:
-                self.metrics.serve(config.metrics_host, config.metrics_port)
-        except BaseException:
-            e.close()
-            raise
-        self.endpoints = self.server.endpoints
+        self.metrics.watch(e.gauges, e.tier_gauges)
+        self.server.serve_engine(handlers, status_extra=e.status, on_tick=e.tick)
 
     def readiness(self) -> tuple[bool, str]:
-        """Whether the daemon is fully usable (its pool prepared), and a line saying so."""
-        status = self.engine.status()
+        """Whether the daemon is fully usable (engine built, pool prepared), and a line saying so."""
+        engine = self.engine
+        if engine is None:
+            return False, "starting: building the engine (importing torch)"
+        status = engine.status()
         if status["pool_ready"]:
             return True, f"serving on {' '.join(self.endpoints)}"
         return False, (f"preparing the pool: {status['pool_ready_bytes'] / 2**30:.1f} of "
                        f"{status['pool_bytes'] / 2**30:.1f} GiB")
 
-    def start(self) -> None:
-        self.server.start()
-
     def stop(self) -> None:
+        with self._lock:
+            self._stopping = True  # an engine built from now on is closed, never served
         self.server.stop()
-        self.engine.close()
+        if self._builder is not None:
+            self._builder.join(BUILD_JOIN_TIMEOUT_S)
+            if self._builder.is_alive():
+                logger.warning("the engine build still runs after %.0f s; stopping without it",
+                               BUILD_JOIN_TIMEOUT_S)
+        if self.engine is not None:
+            self.engine.close()
         self._release_claims()  # last: the sockets are gone, a successor may take the paths
 
     def _release_claims(self) -> None:

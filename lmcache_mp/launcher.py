@@ -16,7 +16,7 @@ from pathlib import Path
 from lmcache_mp.curve import ClientCurve
 from lmcache_mp.errors import LMCacheMPError
 from lmcache_mp.mq import MessageQueueClient
-from lmcache_mp.protocol import RequestType, StatusReport
+from lmcache_mp.protocol import PHASE_SERVING, RequestType, StatusReport
 
 
 @dataclass
@@ -40,12 +40,13 @@ class DaemonProcess:
 
 
 def start_daemon(tmp_dir: Path, *args: str, url: str | None = None, ready_timeout: float = 30.0,
-                 command_prefix: Sequence[str] = (), pool_ready: bool = True,
+                 command_prefix: Sequence[str] = (), serving: bool = True, pool_ready: bool = True,
                  curve: ClientCurve | None = None) -> DaemonProcess:
     """Start `lmcache-mp serve --listen URL ARGS...` (under `command_prefix`, e.g. a namespace
-    wrapper, when given) and wait until it answers HELLO and, with `pool_ready`, until its pool's
-    memory is all prepared (the daemon answers before that, but a STORE may find NO_SPACE).
-    `curve`: the keys to ask with, for a daemon that requires CURVE."""
+    wrapper, when given) and wait until it answers HELLO; with `serving`, until its engine is built
+    (before that, everything but HELLO, PING, GET_CHUNK_SIZE and STATUS gets STARTING); with
+    `pool_ready`, until its pool's memory is all prepared too (it serves before that, but a STORE
+    may find NO_SPACE). `curve`: the keys to ask with, for a daemon that requires CURVE."""
     url = url or f"ipc://{tmp_dir / 'daemon.sock'}"
     log_path = tmp_dir / f"daemon-{time.monotonic_ns()}.log"
     env = dict(os.environ, LMCACHE_MP_RUNTIME_DIR=str(tmp_dir))
@@ -56,6 +57,10 @@ def start_daemon(tmp_dir: Path, *args: str, url: str | None = None, ready_timeou
             stdout=log, stderr=subprocess.STDOUT, env=env,
         )
     daemon = DaemonProcess(url, proc, log_path, started_at)
+
+    def ready(report: StatusReport) -> bool:
+        return (report.phase == PHASE_SERVING or not serving) and (report.pool_ready or not pool_ready)
+
     deadline = time.monotonic() + ready_timeout
     client = MessageQueueClient(url, curve=curve)
     try:
@@ -64,15 +69,14 @@ def start_daemon(tmp_dir: Path, *args: str, url: str | None = None, ready_timeou
                 raise RuntimeError(f"daemon exited with {proc.returncode}:\n{daemon.log()}")
             try:
                 client.handshake("tests", timeout_s=0.5)
-                while pool_ready and not client.submit(RequestType.STATUS, []).result(5).pool_ready:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError
-                    time.sleep(0.01)
-                return daemon
-            except (LMCacheMPError, TimeoutError):
-                if time.monotonic() > deadline:
-                    daemon.stop(signal.SIGKILL)
-                    raise RuntimeError(f"daemon not ready in {ready_timeout} s:\n{daemon.log()}") from None
+                if not (serving or pool_ready) or ready(client.submit(RequestType.STATUS, []).result(5)):
+                    return daemon
+            except LMCacheMPError:
+                pass
+            if time.monotonic() > deadline:
+                daemon.stop(signal.SIGKILL)
+                raise RuntimeError(f"daemon not ready in {ready_timeout} s:\n{daemon.log()}")
+            time.sleep(0.01)
     finally:
         client.close()
 

@@ -64,11 +64,22 @@ class ErrorCode(enum.IntEnum):
     # (another worker's id; a worker picks a fresh random id and registers again).
     ALREADY_REGISTERED = 10
     CANCELLED = 11  # a STORE its worker cancelled (CANCEL_TRANSFERS) before it finished: nothing stored
+    # The daemon is starting: it answers HELLO, PING, GET_CHUNK_SIZE and STATUS from its first
+    # moment, every other request this until its engine is built (seconds: torch is imported
+    # then). Retry, as for a daemon that is not there yet.
+    STARTING = 12
 
 
 # Errors no retry of the same request can change: the daemon found the request itself invalid.
 PERMANENT_ERRORS = frozenset({ErrorCode.MALFORMED_MESSAGE, ErrorCode.UNKNOWN_REQUEST_TYPE,
                               ErrorCode.BAD_PAYLOAD, ErrorCode.NOT_IMPLEMENTED, ErrorCode.INVALID_ARGUMENT})
+
+
+# The daemon's phase, in HELLO and STATUS: "starting" until its engine is built (requests other than
+# HELLO, PING, GET_CHUNK_SIZE and STATUS get STARTING), then "serving". A daemon that predates the
+# field is serving whenever it answers.
+PHASE_STARTING = "starting"
+PHASE_SERVING = "serving"
 
 
 class ErrorReply(msgspec.Struct, array_like=True, gc=False):
@@ -83,8 +94,10 @@ class HelloReply(msgspec.Struct, gc=False):
     protocol_version: int
     server_version: str
     chunk_size: int
-    # Unix socket on which workers pass shared-memory descriptors (CPU KV registration).
+    # Unix socket on which workers pass shared-memory descriptors (CPU KV registration); it
+    # exists once the daemon is serving.
     attach_socket: str
+    phase: str = PHASE_SERVING
 
 
 class KVCacheRegistration(msgspec.Struct, gc=False):
@@ -154,6 +167,7 @@ class StatusReport(msgspec.Struct, gc=False):
     uptime_s: float
     chunk_size: int
     endpoints: list[str]
+    phase: str = PHASE_SERVING  # PHASE_STARTING: no engine yet, so no pool either (zeros below)
     pool_bytes: int = 0
     pool_used_bytes: int = 0
     # The pool's memory is prepared in the background from its start; STOREs find NO_SPACE

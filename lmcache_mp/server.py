@@ -6,6 +6,10 @@ socket thread; requests that copy KV or map memory run on a bounded worker pool,
 stays fast while a STORE runs; a deferred handler (LOOKUP) runs on the socket thread and
 may hand back a Future, whose result is sent when it completes. Whatever happens, each
 request gets one reply: a result or an error.
+
+The server binds and answers before the daemon's engine exists: PING, HELLO, GET_CHUNK_SIZE and
+STATUS from the first moment, every other request STARTING until `serve_engine` installs the
+engine's handlers (its phase, in HELLO and STATUS, goes from "starting" to "serving").
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from lmcache_mp.errors import ServerError
 from lmcache_mp.mq import REQUEST_ID, Codec, MessageQueueServer
 from lmcache_mp.observability import Metrics
 from lmcache_mp.protocol import (
+    PHASE_SERVING,
+    PHASE_STARTING,
     PROTOCOL,
     PROTOCOL_VERSION,
     ErrorCode,
@@ -68,23 +74,21 @@ _STOPPING = "the daemon is stopping"
 
 
 class Server:
-    def __init__(self, config: ServerConfig, handlers: dict[RequestType, Handler] | None = None,
-                 status_extra: Callable[[], dict[str, Any]] | None = None,
-                 on_tick: Callable[[], None] | None = None, metrics: Metrics | None = None):
-        # The config was validated at start (Daemon): again here, the pool would already be
-        # allocated and the available-memory check would count it against itself.
+    def __init__(self, config: ServerConfig, metrics: Metrics | None = None):
+        """Serves HELLO, PING, GET_CHUNK_SIZE and STATUS once started; every other request gets
+        STARTING until `serve_engine`. The config was validated by the Daemon."""
         self.config = config
         self.metrics = metrics or Metrics()
         self.codec = Codec()
         self.started_at = time.monotonic()
-        self._status_extra = status_extra
-        self._on_tick = on_tick
-        self._handlers: dict[RequestType, Handler] = {
+        self.phase = PHASE_STARTING
+        self._status_extra: Callable[[], dict[str, Any]] | None = None
+        self._on_tick: Callable[[], None] | None = None
+        self._handlers: dict[RequestType, Handler] = {rt: self._refuse_starting for rt in RequestType} | {
             RequestType.HELLO: self._hello,
             RequestType.PING: lambda nonce: nonce,
             RequestType.GET_CHUNK_SIZE: lambda: config.chunk_size,
             RequestType.STATUS: self._status,
-            **(handlers or {}),
         }
         self._pool = ThreadPoolExecutor(config.max_workers, thread_name_prefix="lmcache-mp-worker")
         self._queued = 0  # worker requests queued or running
@@ -102,6 +106,15 @@ class Server:
 
     def start(self) -> None:
         self._mq.start()
+
+    def serve_engine(self, handlers: dict[RequestType, Handler], status_extra: Callable[[], dict[str, Any]],
+                     on_tick: Callable[[], None]) -> None:
+        """The engine is built: its requests run from now on (they were refused STARTING)."""
+        self._status_extra = status_extra
+        self._on_tick = on_tick
+        # One assignment: the socket thread reads either the old table or the new one, whole.
+        self._handlers = self._handlers | handlers
+        self.phase = PHASE_SERVING
 
     def stop(self) -> None:
         """Refuse new requests, answer the queued ones SHUTTING_DOWN, let the running ones
@@ -157,11 +170,7 @@ class Server:
             self._send_error(identity, request_id, ErrorCode.BAD_PAYLOAD, f"{request_type.name}: {err}",
                              request_type)
             return
-        handler = self._handlers.get(request_type)
-        if handler is None:
-            self._send_error(identity, request_id, ErrorCode.NOT_IMPLEMENTED,
-                             f"{request_type.name} is not implemented by this daemon", request_type)
-            return
+        handler = self._handlers[request_type]  # every type has one (STARTING's refusal at first)
         if self._stopping:
             self._send_error(identity, request_id, ErrorCode.SHUTTING_DOWN, _STOPPING, request_type)
             return
@@ -283,6 +292,12 @@ class Server:
 
     # ---- built-in handlers ------------------------------------------------------------------
 
+    def _refuse_starting(self, *args: Any) -> None:
+        elapsed = time.monotonic() - self.started_at
+        raise ServerError(ErrorCode.STARTING, f"the daemon is starting ({elapsed:.1f} s so far): its engine "
+                                              "is being built; only HELLO, PING and STATUS are answered yet, "
+                                              "retry shortly")
+
     def _hello(self, client_protocol_version: int, client_name: str) -> HelloReply:
         if client_protocol_version != PROTOCOL_VERSION:
             logger.warning("client %r speaks protocol %d, this daemon %d", client_name,
@@ -292,6 +307,7 @@ class Server:
             server_version=__version__,
             chunk_size=self.config.chunk_size,
             attach_socket=str(self.config.attach_socket),
+            phase=self.phase,
         )
 
     def _status(self) -> StatusReport:
@@ -303,6 +319,7 @@ class Server:
             uptime_s=time.monotonic() - self.started_at,
             chunk_size=self.config.chunk_size,
             endpoints=list(self.endpoints),
+            phase=self.phase,
             requests_in_flight=queued,
         )
         if self._status_extra is not None:

@@ -42,6 +42,7 @@ from lmcache_mp.errors import KVExportError, LMCacheMPError, RequestTimeoutError
 from lmcache_mp.mq import MessageQueueClient, MessagingFuture
 from lmcache_mp.protocol import (
     PERMANENT_ERRORS,
+    PHASE_STARTING,
     PROTOCOL_VERSION,
     ChunkOutcome,
     ErrorCode,
@@ -414,6 +415,8 @@ class LMCacheMPWorkerAdapter:
             # E.g. a cuMem/VMM or expandable-segments allocation, which CUDA IPC cannot export.
             raise KVExportError(f"cannot share this worker's KV caches with the daemon: {err}") from err
         hello = self.mq_client.handshake(f"vllm-worker-{self.worker_id}", timeout_s=self._timeout_s)
+        if hello.phase == PHASE_STARTING:  # its attach socket is not there yet
+            raise ServerError(ErrorCode.STARTING, "the daemon is starting: registering once it serves")
         if self._channel is not None:
             self._fences.retire(self._channel)  # the daemon drops the registration it kept alive
             self._channel = None
@@ -424,6 +427,12 @@ class LMCacheMPWorkerAdapter:
                                     [instance_id, handles, registration]).result(self._timeout_s)
 
     def _registration_failed(self, err: LMCacheMPError | OSError) -> None:
+        if isinstance(err, ServerError) and err.code is ErrorCode.STARTING:
+            # As for a daemon that is not there yet: probed again soon, no backoff.
+            logger.debug("lmcache-mp at %s is starting; registering the KV caches once it serves",
+                         self.server_url)
+            self._next_try = time.monotonic() + self._probe_interval_s
+            return
         if isinstance(err, KVExportError) or (isinstance(err, ServerError) and err.code in PERMANENT_ERRORS):
             self._refused = True
             logger.error("KV offload to lmcache-mp at %s is off for this worker (lookups miss, stores "
@@ -458,7 +467,8 @@ class LMCacheMPWorkerAdapter:
         probe = self._probe
         if probe is not None and probe.query():
             self._probe = None
-            if probe.exception() is None:
+            # A daemon still starting answers HELLO, but takes registrations only once it serves.
+            if probe.exception() is None and probe.result().phase != PHASE_STARTING:
                 try:
                     self._register()  # logs its failure
                 except (LMCacheMPError, OSError):
