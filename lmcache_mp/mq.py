@@ -446,8 +446,12 @@ class MessageQueueServer:
         self._thread.start()
 
     def stop(self) -> None:
-        self._stopping = True
-        os.eventfd_write(self._doorbell, 1)
+        with self._reply_lock:
+            self._stopping = True
+            # The I/O thread may have seen `_stopping` (it wakes every tick) and closed the
+            # doorbell already: writing to it then failed with EBADF and the daemon exited 1.
+            if not self._closed:
+                os.eventfd_write(self._doorbell, 1)
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=5)
 

@@ -23,7 +23,7 @@ import torch
 from lmcache_mp.custom_types import IPCCacheEngineKey
 from lmcache_mp.errors import ServerError
 from lmcache_mp.launcher import DaemonProcess, start_daemon
-from lmcache_mp.mq import MessageQueueClient
+from lmcache_mp.mq import MessageQueueClient, MessageQueueServer
 from lmcache_mp.protocol import (
     PHASE_SERVING,
     PHASE_STARTING,
@@ -224,3 +224,12 @@ def test_sigterm_while_the_engine_is_built_stops_cleanly(gated) -> None:
     log = daemon.log()
     assert "stopped" in log and "ready (node-local)" not in log and "Traceback" not in log, log
     assert not attach.exists()
+
+
+def test_message_queue_server_stops_after_its_thread_has_closed(short_tmp: Path) -> None:
+    # The I/O thread closes its doorbell once it sees `stop`'s flag, which it may do before `stop`
+    # rings that doorbell (it wakes every tick): ringing a closed doorbell made a daemon exit 1.
+    server = MessageQueueServer([f"ipc://{short_tmp / 'mq.sock'}"], lambda identity, frames: None)
+    server.start()
+    server.stop()
+    server.stop()  # the doorbell is closed by now
