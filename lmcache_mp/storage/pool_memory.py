@@ -40,9 +40,9 @@ logger = logging.getLogger(__name__)
 PIECE_BYTES = 1 << 30  # what is pinned (registered) at once, and the unit of readiness
 # Faulted in per madvise call; the stop flag is checked between them. Small, because the call holds
 # the process's mmap lock throughout: every other thread's mmap (a thread's stack, a Python arena)
-# waits for it, and starting a thread does so holding the GIL. Measured on the test VM with 2 GiB
-# of fresh memory at 0.5 GB/s: 256 MiB steps held a thread start for up to 1.07 s, 64 MiB steps
-# for ~20 ms at the same or better populate rate.
+# waits for it, and starting a thread does so holding the GIL. A step holds it for its size over the
+# populate rate; measured on the test VM, 2 GiB: 256 MiB steps held a thread start for up to 1.07 s
+# at 0.5 GB/s (fresh guest memory) and 51 ms at 6.4 GB/s; 64 MiB steps 14-22 ms at 6.1 GB/s.
 _STEP_BYTES = 64 << 20
 _PROGRESS_EVERY_S = 2.0
 _PROGRESS_EVERY_FRACTION = 0.1
