@@ -191,7 +191,7 @@ def cmd_ping(args: argparse.Namespace) -> int:
     finally:
         client.close()
     print(f"{args.url}: lmcache-mp {hello.server_version}, protocol {hello.protocol_version}, "
-          f"chunk size {hello.chunk_size}")
+          f"chunk size {hello.chunk_size}, {hello.phase}")
     print(f"HELLO {hello_ms:.2f} ms; PING x{len(rtts)}: min {min(rtts):.0f} us, "
           f"median {statistics.median(rtts):.0f} us, max {max(rtts):.0f} us")
     return 0
