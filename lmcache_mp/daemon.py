@@ -37,7 +37,7 @@ BUILD_JOIN_TIMEOUT_S = 60.0
 _TORCH_LIBRARIES = ("libc10.so", "libtorch_cpu.so")
 
 
-def _preload_torch_libraries() -> None:
+def preload_torch_libraries() -> None:
     """Load torch's largest native libraries with the GIL released. `import torch` loads them too,
     but holding the GIL while the dynamic loader relocates and initialises them: measured on the
     test VM, the socket thread then waits up to 1.5-3.4 s for a PING's reply; loaded here first
@@ -60,7 +60,7 @@ def _preload_torch_libraries() -> None:
 def _build_engine(config: ServerConfig, metrics: Metrics) -> tuple[Engine, float]:
     """The engine, and how long importing it (torch) took of the build."""
     started = time.monotonic()
-    _preload_torch_libraries()
+    preload_torch_libraries()
     # Imported here, on the build thread: see the module docstring.
     import torch
 

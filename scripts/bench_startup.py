@@ -2,9 +2,11 @@
 prepared pool, per pool size, next to same-run baselines: a fresh interpreter's
 `import zmq, msgspec` (the floor of any Python daemon on this stack) and `import torch` (what the
 daemon used to wait for before it answered), and a memset of a freshly mapped region of the pool's
-size (how fast memory can be prepared at all).
+size (how fast memory can be prepared at all). Then the GIL probe: the longest wait of a thread
+that sleeps 1 ms in a loop while another imports torch, plainly or after the daemon's preload of
+torch's native libraries (`daemon.preload_torch_libraries`), next to a thread that only sleeps.
 
-    python scripts/bench_startup.py [--sizes-gb 1 8 16] [--repeats 1]
+    python scripts/bench_startup.py [--sizes-gb 1 8 16] [--repeats 1] [--gil-rounds 3]
 
 Sizes that do not fit in the available memory (with 4 GiB to spare) are skipped, saying so.
 Asserts what it measures: the first PING was answered while the engine was still being built, and
@@ -60,6 +62,41 @@ def python_s(code: str) -> float:
     start = time.monotonic()
     subprocess.run([sys.executable, "-c", code], check=True)
     return time.monotonic() - start
+
+
+# A thread imports torch (after `preload`, when given) while the main thread sleeps 1 ms in a loop;
+# prints the main thread's longest wait, in seconds: how long a PING would wait behind the import.
+_GIL_PROBE = """\
+import sys, threading, time
+from lmcache_mp.daemon import preload_torch_libraries
+def load():
+    if sys.argv[1] == "preloaded":
+        preload_torch_libraries()
+    if sys.argv[1] != "idle":
+        import torch
+    else:
+        time.sleep(3)
+worker = threading.Thread(target=load)
+longest, last = 0.0, time.monotonic()
+worker.start()
+while worker.is_alive():
+    time.sleep(0.001)
+    now = time.monotonic()
+    longest, last = max(longest, now - last), now
+print(longest)
+"""
+GIL_MODES = ("idle", "plain", "preloaded")
+
+
+def gil_waits(rounds: int) -> dict[str, list[float]]:
+    """Per mode, the longest waits of `rounds` runs, the modes interleaved."""
+    waits: dict[str, list[float]] = {mode: [] for mode in GIL_MODES}
+    for _ in range(rounds):
+        for mode in GIL_MODES:
+            out = subprocess.run([sys.executable, "-c", _GIL_PROBE, mode], capture_output=True, text=True,
+                                 check=True)
+            waits[mode].append(float(out.stdout))
+    return waits
 
 
 @dataclass
@@ -151,6 +188,9 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes-gb", type=float, nargs="+", default=[1, 8, 16], help="pool sizes in GiB")
     parser.add_argument("--repeats", type=int, default=1, help="starts per size (medians are shown)")
+    parser.add_argument("--gil-rounds", type=int, default=3,
+                        help="rounds of the GIL probe (a thread importing torch: plain, after the daemon's "
+                             "preload, or only sleeping), 0 to skip")
     args = parser.parse_args()
     floors: list[float] = []
     torches: list[float] = []
@@ -173,6 +213,11 @@ def main() -> None:
         print(f"\nsame-run baselines (median of {len(floors)}): python -c 'import zmq, msgspec' "
               f"{floor:.2f} s; python -c 'import torch' {torch_s:.2f} s; "
               f"target: first PING <= {TARGET_FIRST_PING_S:g} s")
+    if args.gil_rounds:
+        waits = gil_waits(args.gil_rounds)
+        ranges = "; ".join(f"{mode} {min(w) * 1e3:.0f}-{max(w) * 1e3:.0f} ms" for mode, w in waits.items())
+        print(f"\nlongest wait of a sleeping thread while another imports torch "
+              f"({args.gil_rounds} rounds): {ranges}")
 
 
 if __name__ == "__main__":
