@@ -125,6 +125,16 @@ def test_daemon_modules_load_no_torch() -> None:
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
+def test_torch_libraries_are_preloaded_without_importing_torch() -> None:
+    code = ("import sys\n"
+            "from lmcache_mp.daemon import preload_torch_libraries\n"
+            "preload_torch_libraries()\n"
+            "maps = open('/proc/self/maps').read()\n"
+            "print('torch' in sys.modules, 'libtorch_cpu.so' in maps, 'libc10.so' in maps)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["False", "True", "True"], out.stdout + out.stderr
+
+
 def test_hello_ping_status_are_answered_before_torch_and_the_rest_is_refused_starting(gated) -> None:
     gate = gated()
     client = MessageQueueClient(gate.daemon.url)
