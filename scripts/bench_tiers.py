@@ -25,8 +25,9 @@ registered worker, 8 chunks (256 MiB) per request. Three measurements:
      promotions_total grew by N, and (once, after the timed passes) that promoted bytes
      RETRIEVEd into a zeroed cache equal what was stored.
   c. Start with 100,000 chunks on disk: `DiskTier(root, capacity)` construction (the
-     re-index from the listing) and a daemon's time to answer HELLO with that directory vs
-     with an empty one. No target: reported.
+     re-index from the listing) and a daemon's time to serve (engine built, pool ready: it
+     answers HELLO before its engine re-indexes) with that directory vs with an empty one.
+     No target: reported.
 
 Prints a table, writes tiers.png and tiers.json to --out. About 2 minutes on 2 cores;
 --quick is a smoke run with small sizes.
@@ -477,7 +478,7 @@ def report_start(c: dict) -> None:
           f"({', '.join(f'{x:.3f}' for x in c['reindex_s'])}); the daemon's own log line: "
           f"{', '.join(f'{x:.3f}' for x in c['daemon_reindex_logged_s'])} s")
     for name, v in c["daemon_ready_s"].items():
-        print(f"daemon start to HELLO, {name}: median {statistics.median(v):.2f} s "
+        print(f"daemon start to serving, {name}: median {statistics.median(v):.2f} s "
               f"({', '.join(f'{x:.2f}' for x in v)})")
 
 
