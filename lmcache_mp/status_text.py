@@ -13,7 +13,7 @@ def render_status(url: str, s: StatusReport) -> str:
     prepared = "ready" if s.pool_ready else f"{_size(s.pool_ready_bytes)} prepared so far"
     lines = [
         f"lmcache-mp {s.server_version} at {url} (protocol {s.protocol_version}), "
-        f"up {_duration(s.uptime_s)}, chunk size {s.chunk_size} tokens",
+        f"up {_duration(s.uptime_s)}, chunk size {s.chunk_size} tokens, {s.phase}",
         f"pool      {_size(s.pool_used_bytes)} of {_size(s.pool_bytes)} used ({used:.0%}), "
         f"{s.objects:,} chunks; {prepared}",
         f"lookups   {s.lookup_chunks_total:,} chunks asked, {s.lookup_hits_total:,} found: "

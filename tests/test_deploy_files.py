@@ -81,7 +81,8 @@ def test_dockerfile_copies_only_what_exists_and_builds_both_targets() -> None:
 
 def test_readiness_is_notified_once_the_pool_is_ready(short_tmp: Path, monkeypatch) -> None:
     """systemd's side of Type=notify, played by a datagram socket: READY=1 comes after the
-    pool is prepared (STATUS=... lines before it show progress), STOPPING=1 at SIGTERM."""
+    engine is built and the pool is prepared (STATUS=... lines before it show progress),
+    STOPPING=1 at SIGTERM."""
     notify_path = short_tmp / "notify.sock"
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as systemd:
         systemd.bind(str(notify_path))
@@ -94,7 +95,11 @@ def test_readiness_is_notified_once_the_pool_is_ready(short_tmp: Path, monkeypat
                 messages.append(systemd.recv(4096).decode())
             assert daemon_status(daemon.url).pool_ready, "READY=1 before the pool was ready"
             assert f"STATUS=serving on {daemon.url}" in messages[-1]
-            assert all(m.startswith("STATUS=preparing the pool") for m in messages[:-1]), messages
+            # While starting (no engine yet), then while the pool is prepared, in that order.
+            phases = [m.startswith("STATUS=preparing the pool") for m in messages[:-1]]
+            assert phases == sorted(phases), messages
+            assert all(m.startswith(("STATUS=starting: building the engine", "STATUS=preparing the pool"))
+                       for m in messages[:-1]), messages
         finally:
             assert daemon.stop() == 0
         assert systemd.recv(4096) == b"STOPPING=1"

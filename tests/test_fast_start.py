@@ -68,6 +68,7 @@ _REFUSED: dict[RequestType, list] = {
     RequestType.RETRIEVE: [[_KEY], 7, [0, 1], b""],
     RequestType.END_SESSION: ["r"],
     RequestType.CLEAR: [],
+    RequestType.CLEAR_TIERS: [],
     RequestType.CANCEL_TRANSFERS: [7, ["r"]],
     RequestType.RELEASE_LEASES: [[_ANY_RANK]],
 }
