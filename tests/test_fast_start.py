@@ -33,6 +33,7 @@ from lmcache_mp.protocol import (
     RequestType,
     StatusReport,
 )
+from lmcache_mp.storage.disk import DiskTier
 from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes, lookup, status
 from tests.kv_worker import make_caches
 from tests.test_stores_and_leases import chunk_hashes
@@ -207,15 +208,20 @@ def test_adapters_started_against_a_starting_daemon_register_once_it_serves(
 
 
 def test_a_failing_engine_build_exits_non_zero_with_one_line(gated, short_tmp: Path) -> None:
-    blocker = short_tmp / "file"
-    blocker.write_text("not a directory")
-    gate = gated("--l2", f"disk://{blocker}/sub?size_gb=1")
-    assert status(gate.daemon.url).phase == PHASE_STARTING  # answering, half-started
-    gate.open_gate()
-    assert gate.daemon.proc.wait(120) == 2
+    # The disk tier's directory passes the checks before the start (it is writable), but this
+    # process holds its lock: the engine's build fails, as with a second daemon on it.
+    root = short_tmp / "disk"
+    holder = DiskTier(root, 2**30)
+    try:
+        gate = gated("--l2", f"disk://{root}?size_gb=1")
+        assert status(gate.daemon.url).phase == PHASE_STARTING  # answering, half-started
+        gate.open_gate()
+        assert gate.daemon.proc.wait(120) == 2
+    finally:
+        holder.close()
     log = gate.daemon.log()
     errors = [line for line in log.splitlines() if "ERROR" in line]
-    assert len(errors) == 1 and "cannot start" in errors[0] and str(blocker) in errors[0], log
+    assert len(errors) == 1 and "cannot start" in errors[0] and "in use by another" in errors[0], log
     assert "Traceback" not in log and "ready (node-local)" not in log, log
     assert not gate.daemon.socket_path.exists()
 
