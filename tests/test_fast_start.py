@@ -65,6 +65,7 @@ _REFUSED: dict[RequestType, list] = {
     RequestType.REGISTER_KV_CACHE: [7, [], KVCacheRegistration("m", 1, 0)],
     RequestType.UNREGISTER_KV_CACHE: [7],
     RequestType.LOOKUP: [[_ANY_RANK]],
+    RequestType.LOOKUP_CHUNKS: ["m", 1, "r", [b"\1" * 32]],
     RequestType.STORE: [[_KEY], 7, [0, 1], b""],
     RequestType.RETRIEVE: [[_KEY], 7, [0, 1], b""],
     RequestType.END_SESSION: ["r"],
