@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from lmcache_mp.daemon import Daemon
 
 logger = logging.getLogger("lmcache_mp")
+_SIGNAL_CHECK_S = 0.5
 T = TypeVar("T")
 
 
@@ -139,7 +140,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logger.info("lmcache-mp %s starting pid=%d endpoints=%s: answering HELLO, PING and STATUS; "
                 "building the engine (pool %.2f GiB)", __version__, os.getpid(), " ".join(daemon.endpoints),
                 cfg.l1_size_gb)
-    while not wake.wait(3600):
+    # Short waits: the kernel may deliver SIGTERM to any thread, and Python runs its handler
+    # only when the main thread next runs; a long wait would ignore it until the wait ended.
+    while not wake.wait(_SIGNAL_CHECK_S):
         pass
     if not signalled.is_set():
         if daemon.failure is not None:
@@ -147,7 +150,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             daemon.stop()
             return 2
         _log_ready(daemon)
-        while not signalled.wait(3600):
+        while not signalled.wait(_SIGNAL_CHECK_S):
             pass
     logger.info("shutting down")
     sd_notify.notify("STOPPING=1")
