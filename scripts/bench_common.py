@@ -1,14 +1,20 @@
-"""What the vLLM benchmarks share: the random-weight model, the engines' settings, and running
-one engine in a child process that prints its results as `RESULT <json>` lines."""
+"""What the benchmarks share: the random-weight model, the vLLM engines' settings, running one
+engine in a child process that prints its results as `RESULT <json>` lines, and the memory
+baselines (a fresh mapping written by memset; the memory available)."""
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
+
+from lmcache_mp.config import available_memory_bytes
 
 REPO = Path(__file__).resolve().parent.parent
 CHUNK, BLOCK = 256, 128
@@ -53,3 +59,19 @@ def run_child(script: str, spec: dict[str, Any], log: Path, env: dict[str, str] 
     if out.returncode:
         raise RuntimeError(f"engine failed ({out.returncode}); see {log}")
     return [json.loads(line[7:]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+
+
+def available_gib() -> float:
+    return (available_memory_bytes() or 0) / 2**30
+
+
+def memset_s(nbytes: int) -> float:
+    """The memory baseline: seconds to fault in a fresh anonymous mapping by writing it (memset)."""
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    start = time.perf_counter()
+    ctypes.memset(address, 0, nbytes)
+    elapsed = time.perf_counter() - start
+    del address
+    mapping.close()
+    return elapsed

@@ -25,11 +25,9 @@ writes register.json and register.png to --out.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import hashlib
 import json
 import logging
-import mmap
 import os
 import resource
 import statistics
@@ -41,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bench_common import available_gib, memset_s
 from bench_report import finish
 
 from lmcache_mp.launcher import start_daemon
@@ -136,23 +135,6 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 # ---- the parent --------------------------------------------------------------------------------
 
 
-def available_gib() -> float:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) / 2**20
-    return 0.0
-
-
-def memset_s(nbytes: int) -> float:
-    """The baseline: fault in a fresh anonymous mapping by writing it (memset), seconds."""
-    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
-    start = time.perf_counter()
-    ctypes.memset(address, 0, nbytes)
-    elapsed = time.perf_counter() - start
-    del address
-    mapping.close()
-    return elapsed
 
 
 def run_child(url: str, path: str, nbytes: int) -> dict[str, Any]:

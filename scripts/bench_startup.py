@@ -16,8 +16,6 @@ from 4 GiB up before the pool was ready. The target (issue 12) is a first PING w
 from __future__ import annotations
 
 import argparse
-import ctypes
-import mmap
 import os
 import re
 import signal
@@ -29,6 +27,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench_common import available_gib, memset_s
+
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import PHASE_SERVING, PHASE_STARTING, RequestType
 
@@ -38,23 +38,6 @@ TARGET_FIRST_PING_S = 2.0
 PING_EVERY_S = 0.005  # while the engine is built: how long a PING waits behind the import
 
 
-def available_gib() -> float:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) / 2**20
-    return 0.0
-
-
-def memset_gbps(nbytes: int) -> float:
-    """The baseline: fault in a fresh anonymous mapping by writing it (memset), GB/s."""
-    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
-    start = time.perf_counter()
-    ctypes.memset(address, 0, nbytes)
-    elapsed = time.perf_counter() - start
-    del address
-    mapping.close()
-    return nbytes / elapsed / 1e9
 
 
 def python_s(code: str) -> float:
@@ -177,7 +160,7 @@ def _logged_gbps(log: Path, timeout: float = 10.0) -> float:
 def row(size: float, starts: list[Start]) -> str:
     """One table row: the medians of `starts`, and the memset baseline measured now."""
     med = {name: statistics.median(getattr(s, name) for s in starts) for name in Start.__dataclass_fields__}
-    baseline = memset_gbps(int(size * 2**30))
+    baseline = size * 2**30 / memset_s(int(size * 2**30)) / 1e9
     return (f"| {size:g} GiB | {med['ping']:.2f} s | {med['hello']:.2f} s | {med['status']:.2f} s "
             f"| {med['serving']:.2f} s | {med['pool_ready']:.2f} s | {med['prepared_gbps']:.2f} "
             f"| {baseline:.2f} | {med['slowest_ping'] * 1e3:.0f} ms |")
