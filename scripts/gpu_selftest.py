@@ -52,6 +52,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
 
+from lmcache_mp.config import available_memory_bytes  # noqa: E402
 from lmcache_mp.launcher import DaemonProcess, daemon_status, start_daemon  # noqa: E402
 from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp  # noqa: E402
 
@@ -408,22 +409,14 @@ def pool_gb(geo: Geometry) -> float:
     return round(total * 1.25 / 2**30 + 0.05, 3)
 
 
-def mem_available_bytes() -> int:
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def pin_timings(device: Device, sizes_gib: list[int]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for gib in sizes_gib:
         nbytes = gib << 30
         if device.name != "cuda":
             rows.append({"gib": gib, "skipped": "needs CUDA"})
-        elif nbytes + PIN_HEADROOM_BYTES > mem_available_bytes():
-            rows.append({"gib": gib, "skipped": f"the host has {mem_available_bytes() / 2**30:.0f} GiB "
+        elif nbytes + PIN_HEADROOM_BYTES > (available := available_memory_bytes() or 0):
+            rows.append({"gib": gib, "skipped": f"the host has {available / 2**30:.0f} GiB "
                                                 f"available, {gib + PIN_HEADROOM_BYTES // 2**30} needed"})
         else:
             seconds = device.pin_seconds(nbytes)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lmcache_mp.config import available_memory_bytes
 from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import ChunkOutcome, RequestType, StatusReport
@@ -32,14 +33,7 @@ BIG_POOL_GB = 6
 MAX_ROUND_TRIP_S = 0.5
 
 
-def _available_gib() -> float:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) / 2**20
-    return 0.0
-
-
-needs_memory = pytest.mark.skipif(_available_gib() < BIG_POOL_GB + 4,
+needs_memory = pytest.mark.skipif((available_memory_bytes() or 0) / 2**30 < BIG_POOL_GB + 4,
                                   reason=f"needs {BIG_POOL_GB + 4} GiB of available memory")
 
 
