@@ -135,11 +135,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    daemon.start(on_built=wake.set)
-    sd_notify.notify_when_ready(daemon.readiness, signalled)
+
+    def on_built() -> None:
+        # Logged here, on the build thread, not by the main thread once it wakes: a SIGTERM that
+        # comes as soon as STATUS says "serving" must not leave a daemon that served unlogged.
+        # `stop` joins this thread, so the line always precedes "stopped".
+        if daemon.serving:
+            _log_ready(daemon)
+        wake.set()
+
     logger.info("lmcache-mp %s starting pid=%d endpoints=%s: answering HELLO, PING and STATUS; "
                 "building the engine (pool %.2f GiB)", __version__, os.getpid(), " ".join(daemon.endpoints),
                 cfg.l1_size_gb)
+    daemon.start(on_built=on_built)
+    sd_notify.notify_when_ready(daemon.readiness, signalled)
     # Short waits: the kernel may deliver SIGTERM to any thread, and Python runs its handler
     # only when the main thread next runs; a long wait would ignore it until the wait ended.
     while not wake.wait(_SIGNAL_CHECK_S):
@@ -149,7 +158,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
             logger.error("cannot start: %s", _why(daemon.failure))
             daemon.stop()
             return 2
-        _log_ready(daemon)
         while not signalled.wait(_SIGNAL_CHECK_S):
             pass
     logger.info("shutting down")

@@ -97,6 +97,7 @@ class Daemon:
         self.failure: Exception | None = None
         self.build_s = 0.0  # seconds the engine took, from `start`
         self.import_s = 0.0  # of which importing torch and the engine's modules
+        self.serving = False  # the engine was built and serves (it is not, when `stop` came first)
         self._builder: threading.Thread | None = None
         self._lock = threading.Lock()  # orders installing the engine against `stop`
         self._stopping = False
@@ -121,6 +122,7 @@ class Daemon:
             with self._lock:
                 if not self._stopping:
                     self._serve(engine)
+                    self.serving = True
                 self.engine = engine  # after serving: `readiness` never runs ahead of the handlers
         finally:
             on_built()
