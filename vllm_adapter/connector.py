@@ -45,18 +45,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 
 from lmcache_mp.transfer.shm_move import AllocateInSharedMemory
 from vllm_adapter.connector_common import ConnectorSettings, LMCacheMPConnectorMetadata
 from vllm_adapter.connector_scheduler import SchedulerSide
 from vllm_adapter.connector_worker import WorkerSide
+from vllm_adapter.kv_groups import UnsupportedKVGroups, kv_groups
 
 if TYPE_CHECKING:
     import torch
     from vllm.config import ParallelConfig, VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -79,19 +83,6 @@ def _route_logs_to_vllm() -> None:
             ours.propagate = False
 
 
-def _block_size(kv_cache_config: KVCacheConfig) -> int:
-    """vLLM's block size, which is also the granularity of `request.block_hashes`."""
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ValueError(f"LMCacheMPDaemonConnector supports one KV cache group, this model has "
-                         f"{len(groups)} (hybrid models are not supported)")
-    block_size = groups[0].kv_cache_spec.block_size
-    if kv_cache_config.hash_block_size != block_size:
-        raise ValueError(f"block hashes cover {kv_cache_config.hash_block_size} tokens, blocks "
-                         f"{block_size}: LMCacheMPDaemonConnector needs them equal")
-    return block_size
-
-
 def check_parallel_config(parallel: ParallelConfig) -> None:
     """Tensor and pipeline parallelism are supported: each of the world's ranks (TP x PP, the
     daemon's world size) stores and loads its own share of every chunk. Context parallelism is
@@ -104,7 +95,10 @@ def check_parallel_config(parallel: ParallelConfig) -> None:
                          f"(decode_context_parallel_size={dcp}, prefill_context_parallel_size={pcp})")
 
 
-class LMCacheMPDaemonConnector(KVConnectorBase_V1):
+class LMCacheMPDaemonConnector(KVConnectorBase_V1, SupportsHMA):
+    """Supports vLLM's hybrid KV cache manager: each KV cache group is stored and loaded on its
+    own (`vllm_adapter.kv_groups`). A model with state it cannot store (Mamba) gets no hits."""
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         _route_logs_to_vllm()
@@ -112,57 +106,76 @@ class LMCacheMPDaemonConnector(KVConnectorBase_V1):
         model_name = vllm_config.model_config.model
         parallel = vllm_config.parallel_config
         check_parallel_config(parallel)
-        block_size = _block_size(kv_cache_config)
-        logger.info("LMCacheMPDaemonConnector (%s) from %s: daemon %s, model %s, block size %d, "
-                    "rank %d of world size %d", role.name, __file__, settings.url, model_name, block_size,
-                    parallel.rank, parallel.world_size)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        try:
+            groups = kv_groups(kv_cache_config, model_name)
+        except UnsupportedKVGroups as err:
+            # Inert: every lookup a miss, nothing stored; vLLM serves the model by itself.
+            logger.warning("LMCacheMPDaemonConnector (%s): %s; serving without the cache", role.name, err)
+            return
+        block_size = kv_cache_config.hash_block_size
+        logger.info("LMCacheMPDaemonConnector (%s) from %s: daemon %s, model %s, block size %d, "
+                    "rank %d of world size %d, %d KV cache group(s)%s", role.name, __file__, settings.url,
+                    model_name, block_size, parallel.rank, parallel.world_size, len(groups),
+                    "".join(f"; group {g.index}: {len(g.layer_names)} layers, "
+                            f"{'full' if g.sliding_window is None else f'window {g.sliding_window}'}"
+                            for g in groups if len(groups) > 1))
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(settings, model_name, parallel.world_size, parallel.rank,
-                                            block_size)
+                                            block_size, groups)
         else:
             self._worker = WorkerSide(settings, vllm_config, model_name, parallel.world_size,
-                                      parallel.rank, block_size)
+                                      parallel.rank, block_size, groups)
 
     @property
     def requires_kv_delivery(self) -> bool:
         """A best-effort cache: a store dropped by a preemption is only a later miss."""
         return False
 
-    @property
-    def _sched(self) -> SchedulerSide:
-        assert self._scheduler is not None, "a scheduler-side call on the worker connector"
-        return self._scheduler
-
-    @property
-    def _work(self) -> WorkerSide:
-        assert self._worker is not None, "a worker-side call on the scheduler connector"
-        return self._worker
-
     # ---- scheduler side ------------------------------------------------------------------
+    # `_scheduler` is None in workers, and everywhere when the connector is inert (the model has
+    # state it cannot store): then every lookup is a miss and nothing is planned.
 
     def on_new_request(self, request: Request) -> None:
-        self._sched.on_new_request(request)
+        if self._scheduler is not None:
+            self._scheduler.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+        if self._scheduler is None:
+            return 0, False
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
-        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+        if self._scheduler is not None:
+            self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        """vLLM's block pool: sliding-window blocks are held in it until their stores are done."""
+        if self._scheduler is not None:
+            self._scheduler.bind_block_pool(gpu_block_pool)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._sched.build_connector_meta(scheduler_output)
+        if self._scheduler is None:
+            return LMCacheMPConnectorMetadata()
+        return self._scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self._sched.update_connector_output(connector_output)
+        if self._scheduler is not None:
+            self._scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._sched.request_finished(request), None
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """True keeps the request's blocks (every group's) until its stores are done."""
+        return self._scheduler is not None and self._scheduler.request_finished(request), None
 
     # ---- worker side ---------------------------------------------------------------------
+    # `_worker` is None in the scheduler, and everywhere when the connector is inert.
 
     def _meta(self) -> LMCacheMPConnectorMetadata:
         meta = self._get_connector_metadata()
@@ -172,17 +185,21 @@ class LMCacheMPDaemonConnector(KVConnectorBase_V1):
     def get_mem_pool_context(self) -> AbstractContextManager | None:
         """vLLM allocates the KV cache inside this context. On CPU it allocates it in shared memory
         from the start, so that registering it with the daemon moves nothing."""
-        return AllocateInSharedMemory() if self._vllm_config.device_config.device_type == "cpu" else None
+        cpu = self._vllm_config.device_config.device_type == "cpu"
+        return AllocateInSharedMemory() if cpu and self._worker is not None else None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._work.register_kv_caches(kv_caches)
+        if self._worker is not None:
+            self._worker.register_kv_caches(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(kv_connector_metadata, LMCacheMPConnectorMetadata)
-        self._work.begin_step(kv_connector_metadata)
+        if self._worker is not None:
+            self._worker.begin_step(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        self._work.start_load_kv(self._meta())
+        if self._worker is not None:
+            self._worker.start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing per layer: loads are whole requests, and vLLM schedules a request only
@@ -194,11 +211,14 @@ class LMCacheMPDaemonConnector(KVConnectorBase_V1):
         forward pass is done (`wait_for_save`)."""
 
     def wait_for_save(self) -> None:
-        self._work.wait_for_save(self._meta())
+        if self._worker is not None:
+            self._worker.wait_for_save(self._meta())
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._worker is None:
+            return KVConnectorTransferResults()
         idle = self.has_connector_metadata() and self._meta().idle
-        return self._work.transfer_results(finished_req_ids, idle)
+        return self._worker.transfer_results(finished_req_ids, idle)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """The older form of `get_transfer_results` (vLLM 0.32 calls that one); load failures
@@ -207,7 +227,10 @@ class LMCacheMPDaemonConnector(KVConnectorBase_V1):
         return results.finished_sending, results.finished_recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._work.take_load_errors()
+        return set() if self._worker is None else self._worker.take_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return None if self._worker is None else self._worker.worker_meta()
 
     def shutdown(self) -> None:
         if self._scheduler is not None:

@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from lmcache_mp.config import default_url
 from lmcache_mp.curve import ClientCurve
 from lmcache_mp.errors import LMCacheMPError
-from vllm_adapter.multi_process_adapter import DEFAULT_TIMEOUT_S, LoadStoreOp
+from vllm_adapter.group_adapters import RequestOps
+from vllm_adapter.multi_process_adapter import DEFAULT_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
@@ -87,10 +88,12 @@ def _as_bool(value: Any) -> bool:
 class LMCacheMPConnectorMetadata(KVConnectorMetadata):
     """One step's work for the workers, by request id. vLLM pickles it to every worker, so
     it holds only small plain values: each op names the blocks and the block hashes of
-    whole chunks (a load's first block ids may be -1: blocks vLLM already has)."""
+    whole chunks (a load's block ids may be -1: blocks vLLM already has, or never reads); a
+    hybrid model has one op per KV cache group (`group_adapters.RequestOps`)."""
 
-    loads: dict[str, LoadStoreOp] = field(default_factory=dict)
-    stores: dict[str, LoadStoreOp] = field(default_factory=dict)
+    loads: dict[str, RequestOps] = field(default_factory=dict)
+    stores: dict[str, RequestOps] = field(default_factory=dict)
+    step: int = 0  # the scheduler's count of steps: workers report sliding-window stores done by it
     # Preempted this step: their blocks are free again, so their stores must land first.
     preempted: set[str] = field(default_factory=set)
     # The loads must complete before this step's forward pass (load_mode "sync").
@@ -98,6 +101,22 @@ class LMCacheMPConnectorMetadata(KVConnectorMetadata):
     # Nothing is scheduled: vLLM steps only to collect transfers (finished requests whose
     # blocks wait for their stores).
     idle: bool = False
+
+
+@dataclass
+class LMCacheMPWorkerMeta(KVConnectorWorkerMetadata):
+    """What workers tell the scheduler each step: worker rank -> request id -> the latest step
+    whose stores of that request (sliding-window groups) are done, so that the blocks they read
+    can be freed (`block_holds`). vLLM merges the workers' with `aggregate`."""
+
+    stores_done: dict[int, dict[str, int]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, LMCacheMPWorkerMeta)
+        merged = {rank: dict(done) for rank, done in self.stores_done.items()}
+        for rank, done in other.stores_done.items():
+            merged.setdefault(rank, {}).update(done)
+        return LMCacheMPWorkerMeta(merged)
 
 
 class _Client(Protocol):

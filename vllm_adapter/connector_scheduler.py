@@ -16,15 +16,20 @@ from typing import TYPE_CHECKING
 
 from lmcache_mp.mq import MessageQueueClient, MessagingFuture
 from lmcache_mp.protocol import RequestType
+from vllm_adapter.block_holds import BlockHolds
 from vllm_adapter.connector_common import (
     CONNECT_TIMEOUT_S,
     BackgroundConnect,
     ConnectorSettings,
     LMCacheMPConnectorMetadata,
+    LMCacheMPWorkerMeta,
 )
+from vllm_adapter.group_adapters import RequestOps, SchedulerGroups, connect_groups, request_ops
+from vllm_adapter.kv_groups import NULL_BLOCK_ID, KVGroup, skip_null_blocks
 from vllm_adapter.multi_process_adapter import LMCacheMPSchedulerAdapter, LoadStoreOp
 
 if TYPE_CHECKING:
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import KVConnectorBlockState, SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
@@ -43,6 +48,7 @@ class _RequestState:
     leases_released: bool = False
     saved_chunks: int = 0  # leading chunks the daemon holds: its hit, then what we stored
     has_stores: bool = False  # a store went out: the workers report the id in finished_sending
+    held_to: int | None = None  # sliding-window blocks before this index are held or stored
 
 
 class _Heartbeat:
@@ -78,24 +84,37 @@ class SchedulerSide:
     """Per-request bookkeeping for one engine; called only from EngineCore's thread."""
 
     def __init__(self, settings: ConnectorSettings, model_name: str, world_size: int, rank: int,
-                 block_size: int):
+                 block_size: int, groups: list[KVGroup] | None = None):
+        groups = groups or [KVGroup(0, (), None, model_name)]
         self._block_size = block_size
+        self._groups = groups
+        self._sliding = [group for group in groups if group.sliding_window is not None]
+        self._world_size = world_size
         self._save_decode_cache = settings.save_decode_cache
         self._sync_loads = settings.load_mode == "sync"
         self._reconnect_interval_s = settings.reconnect_interval_s
-        self._link = BackgroundConnect(
-            lambda: LMCacheMPSchedulerAdapter(settings.url, None, model_name, world_size, rank, block_size,
-                                              timeout_s=settings.timeout_s,
-                                              connect_timeout_s=CONNECT_TIMEOUT_S, curve=settings.curve),
-            settings.reconnect_interval_s, f"scheduler at {settings.url}")
+
+        def connect(group: KVGroup) -> LMCacheMPSchedulerAdapter:
+            return LMCacheMPSchedulerAdapter(settings.url, None, group.namespace, world_size, rank,
+                                             block_size, timeout_s=settings.timeout_s,
+                                             connect_timeout_s=CONNECT_TIMEOUT_S, curve=settings.curve)
+
+        self._link = BackgroundConnect(lambda: SchedulerGroups(groups, connect_groups(groups, connect)),
+                                       settings.reconnect_interval_s, f"scheduler at {settings.url}")
+        self._holds: BlockHolds | None = None  # sliding-window blocks held for their stores
+        self._step = 0  # counts build_connector_meta calls: names the stores of each step
         self._heartbeat: _Heartbeat | None = None
         self._chunk_blocks = 0  # vLLM blocks per daemon chunk, known once connected
         self._requests: dict[str, _RequestState] = {}
-        self._pending_loads: dict[str, LoadStoreOp] = {}
+        self._pending_loads: dict[str, RequestOps] = {}
         # Give the first attempt a moment, so that the first requests already see the daemon.
         self._link.wait(CONNECT_TIMEOUT_S)
 
-    def _connected(self) -> LMCacheMPSchedulerAdapter | None:
+    def bind_block_pool(self, pool: BlockPool) -> None:
+        if self._sliding:
+            self._holds = BlockHolds(pool, self._world_size)
+
+    def _connected(self) -> SchedulerGroups | None:
         """The adapter once connected, whether or not the daemon answers right now."""
         adapter = self._link.get()
         if adapter is not None and self._heartbeat is None:
@@ -103,7 +122,7 @@ class SchedulerSide:
             self._chunk_blocks = adapter.num_blocks_per_chunk()
         return adapter
 
-    def _daemon(self) -> LMCacheMPSchedulerAdapter | None:
+    def _daemon(self) -> SchedulerGroups | None:
         """The adapter while the daemon answers, else None."""
         adapter = self._connected()
         return adapter if adapter is not None and self._heartbeat.alive() else None
@@ -172,16 +191,19 @@ class SchedulerSide:
         if num_external_tokens == 0:
             self._release_leases(state)  # the lookup's hits will not be read
             return
-        (block_ids,) = blocks.get_block_ids()
+        tables = blocks.get_block_ids()
         local_blocks = state.local_tokens // self._block_size
         end = (state.local_tokens + num_external_tokens) // self._block_size
         # Chunk keys stride from the op's first block, so the op starts on a chunk boundary;
         # blocks vLLM already holds in that first chunk (maybe shared with other requests)
-        # are -1: the daemon leaves them alone.
+        # are -1: the daemon leaves them alone. So are a sliding-window group's null blocks:
+        # outside the window before the hit's end, vLLM never reads them.
         start = local_blocks - local_blocks % self._chunk_blocks
-        ids = [-1 if i < local_blocks else block_ids[i] for i in range(start, end)]
         hashes = list(request.block_hashes[start:end])
-        self._pending_loads[request.request_id] = LoadStoreOp(ids, block_hashes=hashes)
+        self._pending_loads[request.request_id] = request_ops([
+            LoadStoreOp(skip_null_blocks([-1 if i < local_blocks else tables[group.index][i]
+                                          for i in range(start, end)]), block_hashes=hashes)
+            for group in self._groups])
         state.load_planned = True
         self._release_unloaded(state, start, end)
 
@@ -205,11 +227,14 @@ class SchedulerSide:
     # ---- per step ------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> LMCacheMPConnectorMetadata:
-        meta = LMCacheMPConnectorMetadata(loads=self._pending_loads,
-                                          preempted=set(scheduler_output.preempted_req_ids or ()),
-                                          sync_loads=self._sync_loads,
+        self._step += 1
+        preempted = set(scheduler_output.preempted_req_ids or ())
+        meta = LMCacheMPConnectorMetadata(loads=self._pending_loads, preempted=preempted,
+                                          sync_loads=self._sync_loads, step=self._step,
                                           idle=scheduler_output.total_num_scheduled_tokens == 0)
         self._pending_loads = {}
+        for req_id in preempted:  # its blocks are freed, and recomputed in new ones
+            self._drop_holds(req_id)
         if self._connected() is None:
             return meta  # never connected yet: nobody to store to
         # Stores are planned even while the heartbeat says the daemon is away: a store costs
@@ -222,42 +247,93 @@ class SchedulerSide:
                            for new in scheduler_output.scheduled_new_reqs]
         computed_before += zip(cached.req_ids, cached.num_computed_tokens, strict=True)
         for req_id, before in computed_before:
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
             computed = before + scheduler_output.num_scheduled_tokens[req_id]
-            op = self._plan_store(req_id, computed, block_state)
-            if op is not None:
-                meta.stores[req_id] = op
+            ops = self._plan_store(state, computed, block_state)
+            if ops is not None:
+                meta.stores[req_id] = ops
         return meta
 
-    def _plan_store(self, req_id: str, computed: int,
-                    block_state: KVConnectorBlockState) -> LoadStoreOp | None:
+    def _plan_store(self, state: _RequestState, computed: int,
+                    block_state: KVConnectorBlockState) -> RequestOps | None:
         """A store of the full chunks that are computed once this step has run and that the
-        daemon does not hold yet (neither its hit nor our earlier stores)."""
-        state = self._requests.get(req_id)
-        if state is None:
-            return None
+        daemon does not hold yet (neither its hit nor our earlier stores), one op per group."""
         request = state.request
         limit = request.num_tokens if self._save_decode_cache else request.num_prompt_tokens
         full_blocks = min(min(computed, limit) // self._block_size, len(request.block_hashes))
         chunks = full_blocks // self._chunk_blocks
+        tables = block_state.get_block_ids(request.request_id)
+        assert tables is not None, f"no block table for scheduled request {request.request_id}"
+        # Blocks past the prompt's last full chunk are never stored: not held either.
+        prompt_end = limit // self._block_size // self._chunk_blocks * self._chunk_blocks
+        self._hold_sliding_blocks(state, tables, full_blocks if self._save_decode_cache
+                                  else min(full_blocks, prompt_end))
         if chunks <= state.saved_chunks:
             return None
-        block_table = block_state.get_block_ids(req_id)
-        assert block_table is not None, f"no block table for scheduled request {req_id}"
         start, end = state.saved_chunks * self._chunk_blocks, chunks * self._chunk_blocks
+        hashes = list(request.block_hashes[start:end])
+        ops = request_ops([self._group_store(group, tables[group.index][start:end], hashes)
+                           for group in self._groups])
+        if self._holds is not None:
+            self._holds.to_store(request.request_id, end, self._step)
         state.saved_chunks = chunks
         state.has_stores = True
-        return LoadStoreOp(block_table[0][start:end], block_hashes=list(request.block_hashes[start:end]))
+        return ops
+
+    def _group_store(self, group: KVGroup, block_ids: list[int], hashes: list[bytes]) -> LoadStoreOp | None:
+        """One group's share of a store. A sliding-window group stores only the chunks all of
+        whose blocks it still has (vLLM's own prefix hit gives it null blocks outside the window)."""
+        if group.sliding_window is None:
+            return LoadStoreOp(block_ids, block_hashes=hashes)
+        n = self._chunk_blocks
+        whole = [slice(i, i + n) for i in range(0, len(block_ids), n)
+                 if NULL_BLOCK_ID not in block_ids[i:i + n]]
+        if not whole:
+            return None
+        return LoadStoreOp([b for s in whole for b in block_ids[s]],
+                           block_hashes=[h for s in whole for h in hashes[s]])
+
+    def _hold_sliding_blocks(self, state: _RequestState, tables: tuple[list[int], ...], end: int) -> None:
+        """Hold the sliding-window blocks before `end` that this step completes, of chunks still to
+        be stored, before the next step may free them (see `block_holds`)."""
+        if self._holds is None:
+            return
+        if state.held_to is None:
+            state.held_to = state.saved_chunks * self._chunk_blocks
+        blocks = [(i, tables[group.index][i]) for group in self._sliding
+                  for i in range(state.held_to, end) if tables[group.index][i] != NULL_BLOCK_ID]
+        self._holds.hold(state.request.request_id, blocks)
+        state.held_to = max(state.held_to, end)
+
+    def _drop_holds(self, req_id: str) -> None:
+        state = self._requests.get(req_id)
+        if state is not None:
+            state.held_to = None
+        if self._holds is not None:
+            self._holds.drop_pending(req_id)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         for req_id in connector_output.failed_recving:
             state = self._requests.get(req_id)
             if state is not None:
                 state.saved_chunks = 0  # the daemon may have lost them: store what vLLM recomputes
+                state.held_to = None
+        if self._holds is None:
+            return
+        worker_meta = connector_output.kv_connector_worker_meta
+        if isinstance(worker_meta, LMCacheMPWorkerMeta):
+            for rank, done in worker_meta.stores_done.items():
+                for req_id, step in done.items():
+                    self._holds.stores_done(req_id, rank, step)
 
     def request_finished(self, request: Request) -> bool:
         """Forget the request; True if its blocks must stay until the workers report its
         stores done (in finished_sending)."""
         state = self._requests.pop(request.request_id, None)
+        if self._holds is not None:
+            self._holds.finish(request.request_id)
         adapter = self._link.get()
         if adapter is not None:
             adapter.cleanup_lookup_result(request.request_id)

@@ -21,7 +21,10 @@ from vllm_adapter.connector_common import (
     BackgroundConnect,
     ConnectorSettings,
     LMCacheMPConnectorMetadata,
+    LMCacheMPWorkerMeta,
 )
+from vllm_adapter.group_adapters import RequestOps, WorkerGroups, all_ops, connect_groups
+from vllm_adapter.kv_groups import KVGroup
 from vllm_adapter.multi_process_adapter import LMCacheMPWorkerAdapter
 from vllm_adapter.utils import record_kv_event
 
@@ -52,21 +55,32 @@ class WorkerSide:
     """One worker's caches and transfers; called only from vLLM's model-runner thread."""
 
     def __init__(self, settings: ConnectorSettings, vllm_config: VllmConfig, model_name: str,
-                 world_size: int, rank: int, block_size: int):
+                 world_size: int, rank: int, block_size: int, groups: list[KVGroup] | None = None):
+        groups = groups or [KVGroup(0, (), None, model_name)]
         self._vllm_config = vllm_config
         self._timeout_s = settings.timeout_s
-        self._link = BackgroundConnect(
-            lambda: LMCacheMPWorkerAdapter(settings.url, None, model_name, world_size, rank, block_size,
-                                           timeout_s=settings.timeout_s, connect_timeout_s=CONNECT_TIMEOUT_S,
-                                           reregister_interval_s=settings.reconnect_interval_s,
-                                           curve=settings.curve),
-            settings.reconnect_interval_s, f"worker {rank} at {settings.url}")
+        self._rank = rank
+        # With several groups, block ids overlap across groups: failed loads are reported by
+        # request only (vLLM raises on block-level load errors then).
+        self._report_failed_blocks = len(groups) == 1
+        self._has_sliding = any(group.sliding_window is not None for group in groups)
+
+        def connect(group: KVGroup) -> LMCacheMPWorkerAdapter:
+            return LMCacheMPWorkerAdapter(settings.url, None, group.namespace, world_size, rank, block_size,
+                                          timeout_s=settings.timeout_s, connect_timeout_s=CONNECT_TIMEOUT_S,
+                                          reregister_interval_s=settings.reconnect_interval_s,
+                                          curve=settings.curve)
+
+        self._link = BackgroundConnect(lambda: WorkerGroups(groups, connect_groups(groups, connect)),
+                                       settings.reconnect_interval_s, f"worker {rank} at {settings.url}")
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layout = ""
         self._caches_handed_over = False
         self._with_stores: set[str] = set()  # requests that had stores, until reported finished
         self._unsent_loads: dict[str, list[int]] = {}  # loads the daemon never got -> their blocks
         self._load_errors: set[int] = set()
+        # Requests with sliding-window stores -> the latest step that had one (see block_holds).
+        self._store_steps: dict[str, int] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = kv_caches
@@ -74,7 +88,7 @@ class WorkerSide:
         self._link.wait(CONNECT_TIMEOUT_S)
         self._adapter()
 
-    def _adapter(self) -> LMCacheMPWorkerAdapter | None:
+    def _adapter(self) -> WorkerGroups | None:
         """The adapter once connected. The caches are handed to it here, on vLLM's model
         thread, never concurrently with a forward pass: on CPU, registering moves them into
         shared memory."""
@@ -110,16 +124,15 @@ class WorkerSide:
             # Before this step's forward pass: its blocks must hold the KV, or be reported bad
             # now so that vLLM recomputes them in this very step.
             if adapter is None:
-                failed = {rid: [b for b in op.block_ids if b >= 0] for rid, op in meta.loads.items()}
+                failed = {rid: _loaded_blocks(ops) for rid, ops in meta.loads.items()}
             else:
                 failed = adapter.retrieve_now(list(meta.loads), list(meta.loads.values()), self._timeout_s,
                                               record_kv_event(self._kv_caches))
-            for block_ids in failed.values():
-                self._load_errors.update(block_ids)
+            self._note_load_errors(failed)
             return
         if adapter is None:
-            for req_id, op in meta.loads.items():
-                self._unsent_loads[req_id] = [b for b in op.block_ids if b >= 0]
+            for req_id, ops in meta.loads.items():
+                self._unsent_loads[req_id] = _loaded_blocks(ops)
             return
         # The event orders the daemon's writes after vLLM's work still in flight on these blocks.
         adapter.batched_submit_retrieve_requests(list(meta.loads), list(meta.loads.values()),
@@ -136,6 +149,8 @@ class WorkerSide:
         if not meta.stores:
             return
         self._with_stores.update(meta.stores)
+        if self._has_sliding:
+            self._store_steps.update(dict.fromkeys(meta.stores, meta.step))
         if adapter is not None:
             # The event orders the daemon's reads after the forward pass that wrote the KV.
             adapter.batched_submit_store_requests(list(meta.stores), list(meta.stores.values()),
@@ -162,10 +177,23 @@ class WorkerSide:
         self._unsent_loads = {}
         sent &= self._with_stores
         self._with_stores -= sent
-        for block_ids in failed.values():
-            self._load_errors.update(block_ids)
+        self._note_load_errors(failed)
         return KVConnectorTransferResults(finished_sending=sent, finished_recving=received,
                                           failed_recving=set(failed))
+
+    def _note_load_errors(self, failed: dict[str, list[int]]) -> None:
+        if self._report_failed_blocks:
+            for block_ids in failed.values():
+                self._load_errors.update(block_ids)
+
+    def worker_meta(self) -> LMCacheMPWorkerMeta | None:
+        """The requests whose sliding-window stores are all done (as of `transfer_results`)."""
+        adapter = self._link.get()
+        done = {req_id: step for req_id, step in self._store_steps.items()
+                if adapter is None or not adapter.has_pending_stores(req_id)}
+        for req_id in done:
+            del self._store_steps[req_id]
+        return LMCacheMPWorkerMeta({self._rank: done}) if done else None
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -173,3 +201,8 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         self._link.close()
+
+
+def _loaded_blocks(ops: RequestOps) -> list[int]:
+    """The blocks a load would have written, in every group."""
+    return [b for op in all_ops(ops) for b in op.block_ids if b >= 0]

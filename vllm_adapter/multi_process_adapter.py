@@ -532,6 +532,11 @@ class LMCacheMPWorkerAdapter:
         """Whether stores are held for another try (or for the daemon's return)."""
         return self._stores.num_held > 0
 
+    def has_pending_stores(self, request_id: str) -> bool:
+        """Whether a store of this request may still read its blocks: in flight, held for another
+        try, or fenced after a timeout; as of the last `get_finished`, which settles the replies."""
+        return self._stores.has(request_id)
+
     def _send_stores(self, parts: list[PendingStore], event: torch.cuda.Event | None) -> None:
         keys = [k for p in parts for k in self._keys.keys_for(p.request_id, p.op)]
         block_ids = [b for p in parts for b in p.op.block_ids]
