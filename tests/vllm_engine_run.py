@@ -5,8 +5,10 @@
 SPEC: model, dtype, block_size, num_blocks (KV cache size; registering the cache with the
 daemon moves it into shared memory, so small is quick), max_tokens, prefix_caching (bool),
 connector (null, or the `kv_connector_extra_config` for LMCacheMPDaemonConnector), connector_module
-(optional: another module holding a class of that name, instead of `vllm_adapter.connector`), rounds
-(a list of rounds, each a list of prompts, each a list of token ids), barrier_dir (optional:
+(optional: another module holding a class of that name, instead of `vllm_adapter.connector`),
+hybrid_kv_cache_manager (optional bool: vLLM's HMA on; off by default), max_num_batched_tokens
+(optional), logprobs (optional bool: also report each generated token's logprob), rounds (a
+list of rounds, each a list of prompts, each a list of token ids), barrier_dir (optional:
 before round i > 0, wait until the file `go-i` exists there, so a test can act between
 rounds).
 
@@ -38,9 +40,11 @@ def engine_args(spec: dict[str, Any]) -> dict[str, Any]:
         "enforce_eager": True, "seed": 0, "max_num_seqs": 8, "block_size": spec["block_size"],
         "num_gpu_blocks_override": spec["num_blocks"],
         "enable_prefix_caching": spec.get("prefix_caching", True),
-        "disable_hybrid_kv_cache_manager": True,
+        "disable_hybrid_kv_cache_manager": not spec.get("hybrid_kv_cache_manager", False),
         "tensor_parallel_size": spec.get("tensor_parallel_size", 1),
     }
+    if spec.get("max_num_batched_tokens"):  # small: a long prompt's prefill spans several steps
+        args["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
     if spec.get("connector") is not None:
         args["kv_transfer_config"] = kv_transfer_config(spec["connector"])
         if spec.get("connector_module"):
@@ -56,18 +60,27 @@ def wait_for(path: Path) -> None:
         time.sleep(0.05)
 
 
+def _chosen_logprobs(completion: Any) -> list[float]:
+    """The log-probability of each generated token: far more sensitive to wrong KV than the
+    tokens of a tiny random model, which often repeat one token whatever the context."""
+    steps = zip(completion.token_ids, completion.logprobs, strict=True)
+    return [step[token].logprob for token, step in steps]
+
+
 def main() -> int:
     spec = json.loads(sys.argv[1])
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     llm = LLM(**engine_args(spec))
-    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True,
+                            logprobs=0 if spec.get("logprobs") else None)
     for i, prompts in enumerate(spec["rounds"]):
         if i and spec.get("barrier_dir"):
             wait_for(Path(spec["barrier_dir"]) / f"go-{i}")
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        results = [{"num_cached_tokens": o.num_cached_tokens, "token_ids": list(o.outputs[0].token_ids)}
+        results = [{"num_cached_tokens": o.num_cached_tokens, "token_ids": list(o.outputs[0].token_ids),
+                    **({"logprobs": _chosen_logprobs(o.outputs[0])} if spec.get("logprobs") else {})}
                    for o in outputs]
         print("RESULT " + json.dumps({"round": i, "outputs": results}), flush=True)
     return 0
