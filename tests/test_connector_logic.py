@@ -32,6 +32,7 @@ from tests.kv_worker import make_caches, pages
 from vllm_adapter.connector_common import ConnectorSettings, LMCacheMPConnectorMetadata
 from vllm_adapter.connector_scheduler import SchedulerSide
 from vllm_adapter.connector_worker import IDLE_LOAD_WAIT_S, IDLE_STEP_PAUSE_S, WorkerSide
+from vllm_adapter.kv_groups import KVGroup
 from vllm_adapter.multi_process_adapter import LoadStoreOp
 
 BLOCK, CHUNK = 16, 32  # the hashes of tests.test_data_path are over 16-token blocks
@@ -90,12 +91,12 @@ def match(scheduler: SchedulerSide, req: Any, local: int = 0) -> tuple[int | Non
 class Worker:
     """A WorkerSide over its own caches, run the way vLLM's model runner runs it."""
 
-    def __init__(self, settings: ConnectorSettings, seed: int):
+    def __init__(self, settings: ConnectorSettings, seed: int, groups: list[KVGroup] | None = None):
         self.caches = make_caches(SHAPE, torch.bfloat16, LAYERS, seed=seed)
         backend = SimpleNamespace(get_name=lambda: "CPU_ATTN")
         layers = {name: SimpleNamespace(attn_backend=backend) for name in self.caches}
         vllm_config = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context=layers))
-        self.side = WorkerSide(settings, vllm_config, "m", 1, 0, BLOCK)  # type: ignore[arg-type]
+        self.side = WorkerSide(settings, vllm_config, "m", 1, 0, BLOCK, groups)  # type: ignore[arg-type]
         self.side.register_kv_caches(self.caches)
         self.reported: dict[str, Counter[str]] = {kind: Counter() for kind in ("sent", "received", "failed")}
         self.load_errors: set[int] = set()
