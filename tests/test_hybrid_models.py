@@ -12,8 +12,11 @@ random model often ignore wrong KV, its logprobs do not.
 from __future__ import annotations
 
 import random
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,10 +57,10 @@ def assert_same_outputs(outputs: list[dict[str, Any]], baseline: list[dict[str, 
 
 
 @pytest.fixture(scope="module")
-def work_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import tempfile
-
-    return Path(tempfile.mkdtemp(prefix="lmc-hma-", dir="/tmp"))  # short: Unix socket paths
+def work_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="lmc-hma-", dir="/tmp"))  # short: Unix socket paths
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +79,7 @@ def baseline(hybrid_model: Path, work_dir: Path) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def daemon(work_dir: Path) -> Any:
+def daemon(work_dir: Path) -> Iterator[Daemon]:
     d = Daemon(work_dir)
     yield d
     d.proc.stop()
@@ -95,6 +98,7 @@ def engine1(hybrid_model: Path, work_dir: Path, daemon: Daemon, baseline: list[d
 def test_hma_stays_on_and_every_group_stores_every_chunk(engine1: Path, daemon: Daemon) -> None:
     log = engine1.read_text(errors="replace")
     assert "Turning off hybrid kv cache manager" not in log
+    assert "kv cache group sizes (32, 32)" in log  # vLLM's own line: two groups of 32-token blocks
     assert "2 KV cache group(s); group 0: 2 layers, window 128; group 1: 2 layers, full" in log
     # Every sliding-window chunk too, though its first blocks left the window mid-prefill.
     assert daemon.objects() == 2 * STORED_CHUNKS
