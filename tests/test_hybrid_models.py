@@ -12,17 +12,15 @@ random model often ignore wrong KV, its logprobs do not.
 from __future__ import annotations
 
 import random
-import shutil
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.test_vllm_connector import CHUNK, Daemon, cached, run_engine, tokens
+# The engine runner, and the module-scoped fixtures `daemon` and `work_dir`.
+from tests.test_vllm_connector import CHUNK, Daemon, cached, daemon, run_engine, tokens, work_dir  # noqa: F401
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -57,13 +55,6 @@ def assert_same_outputs(outputs: list[dict[str, Any]], baseline: list[dict[str, 
 
 
 @pytest.fixture(scope="module")
-def work_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="lmc-hma-", dir="/tmp"))  # short: Unix socket paths
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
 def hybrid_model(work_dir: Path) -> Path:
     out = work_dir / "tiny-gemma3"
     subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), str(out), *MODEL_FLAGS],
@@ -76,14 +67,6 @@ def baseline(hybrid_model: Path, work_dir: Path) -> list[dict[str, Any]]:
     (outputs,) = run_engine(spec(hybrid_model, None, prefix_caching=False), work_dir / "baseline.log")
     assert cached(outputs) == [0, 0]
     return outputs
-
-
-@pytest.fixture(scope="module")
-def daemon(work_dir: Path) -> Iterator[Daemon]:
-    d = Daemon(work_dir)
-    yield d
-    d.proc.stop()
-    assert "Traceback" not in d.proc.log(), d.proc.log()
 
 
 @pytest.fixture(scope="module")
