@@ -12,6 +12,7 @@ long, and what a hit needs from each group.
 from __future__ import annotations
 
 import random
+import signal
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -30,7 +31,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from lmcache_mp.launcher import DaemonProcess
-from tests.helpers import status
+from tests.helpers import freeze, status
 from tests.test_connector_logic import BLOCK, CHUNK, Worker, match, request, step, until
 from vllm_adapter.connector_common import ConnectorSettings, LMCacheMPConnectorMetadata
 from vllm_adapter.connector_scheduler import SchedulerSide
@@ -72,14 +73,15 @@ def halves(daemon: DaemonProcess, pool: BlockPool) -> Iterator[tuple[SchedulerSi
     scheduler.shutdown()
 
 
-def report_stores(scheduler: SchedulerSide, worker: Worker, request_id: str) -> None:
-    """Feed the workers' reports back until this request's stores are reported done."""
+def report_stores(scheduler: SchedulerSide, worker: Worker, request_id: str, through: int) -> None:
+    """Feed the workers' reports back until they say this request's stores are done through
+    scheduler step `through`."""
     def done() -> bool:
         worker.collect()
         meta = worker.side.worker_meta()
         output = SimpleNamespace(failed_recving=set(), kv_connector_worker_meta=meta)
         scheduler.update_connector_output(output)
-        return meta is not None and request_id in meta.stores_done[0]
+        return meta is not None and meta.stores_done[0].get(request_id, 0) >= through
 
     until(done)
 
@@ -116,7 +118,7 @@ def test_sliding_blocks_are_held_until_their_store_is_reported_done(
     pool.free_blocks(pool.blocks[b] for b in sliding[:2])
     assert pool.get_num_free_blocks() == free_at_start
     worker.run(meta)
-    report_stores(scheduler, worker, "r")
+    report_stores(scheduler, worker, "r", meta.step)
     assert pool.get_num_free_blocks() == free_at_start + 2  # stored: released
     assert pool.blocks[sliding[2]].ref_cnt == 2  # its chunk is not full yet: still held
     # Step 2 computes the rest; the sliding table now has null blocks where vLLM freed them.
@@ -125,10 +127,43 @@ def test_sliding_blocks_are_held_until_their_store_is_reported_done(
     assert meta.stores["r"][SLIDING].block_ids == sliding[2:] and meta.stores["r"][FULL].block_ids == full[2:]
     worker.run(meta)
     assert scheduler.request_finished(req) is True
-    report_stores(scheduler, worker, "r")
+    report_stores(scheduler, worker, "r", meta.step)
     assert [pool.blocks[b].ref_cnt for b in [*sliding[2:], *full]] == [1] * 14  # only the request's own
     # Each group holds all 4 chunks under its own name.
     assert status(daemon.url).objects == 8
+
+
+def test_a_long_prefill_releases_each_steps_blocks_once_that_steps_store_is_done(
+        halves: tuple[SchedulerSide, Worker], pool: BlockPool, daemon: DaemonProcess) -> None:
+    """vLLM submits a store every step of a chunked prefill, just before it asks the workers
+    what is done: a step's blocks must not wait for the stores of the steps after it."""
+    scheduler, worker = halves
+    req = request("p", [_rng.randrange(3, 1000) for _ in range(4 * CHUNK)])
+    sliding, full = ([b.block_id for b in pool.get_new_blocks(8)] for _ in range(2))
+    assert match(scheduler, req) == (0, False)
+    first = scheduler.build_connector_meta(step({"p": (sliding, full)}, new=((req, 0, 2 * CHUNK),)))
+    worker.run(first)
+
+    def first_stored() -> bool:
+        worker.collect()  # settles the replies
+        return worker.side._link.get().stores_done_through("p", first.step) == first.step
+
+    until(first_stored)
+    tables = {"p": (sliding, full)}
+    second = scheduler.build_connector_meta(step(tables, cached=((req, 2 * CHUNK, 2 * CHUNK),)))
+    freeze(daemon.proc)  # the second step's store stays in flight
+    try:
+        worker.side.wait_for_save(second)
+        worker.collect()
+        output = SimpleNamespace(failed_recving=set(), kv_connector_worker_meta=worker.side.worker_meta())
+        scheduler.update_connector_output(output)
+        assert output.kv_connector_worker_meta.stores_done == {0: {"p": first.step}}
+        assert [pool.blocks[b].ref_cnt for b in sliding] == [1] * 4 + [2] * 4  # the first step's released
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    scheduler.request_finished(req)
+    report_stores(scheduler, worker, "p", second.step)
+    assert [pool.blocks[b].ref_cnt for b in sliding] == [1] * 8
 
 
 def test_a_hit_needs_every_group_and_loads_skip_null_blocks(
@@ -145,7 +180,7 @@ def test_a_hit_needs_every_group_and_loads_skip_null_blocks(
     assert len(meta.stores["a"][SLIDING].block_hashes) == 6 and len(meta.stores["a"][FULL].block_hashes) == 8
     worker.run(meta)
     scheduler.request_finished(first)
-    report_stores(scheduler, worker, "a")
+    report_stores(scheduler, worker, "a", meta.step)
     assert status(daemon.url).objects == 7
     # The full group holds 4 chunks, the sliding group none from the start: no hit.
     assert match(scheduler, request("b", tokens)) == (0, False)
@@ -156,7 +191,7 @@ def test_a_hit_needs_every_group_and_loads_skip_null_blocks(
     meta = scheduler.build_connector_meta(step({"c": ([30, 31], [32, 33])}, new=((third, 0, CHUNK),)))
     worker.run(meta)
     scheduler.request_finished(third)
-    report_stores(scheduler, worker, "c")
+    report_stores(scheduler, worker, "c", meta.step)
     hit = request("d", tokens)
     assert match(scheduler, hit) == (4 * CHUNK, True)
     # vLLM allocates the hit's sliding blocks for the window before its end only.

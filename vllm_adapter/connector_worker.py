@@ -79,8 +79,10 @@ class WorkerSide:
         self._with_stores: set[str] = set()  # requests that had stores, until reported finished
         self._unsent_loads: dict[str, list[int]] = {}  # loads the daemon never got -> their blocks
         self._load_errors: set[int] = set()
-        # Requests with sliding-window stores -> the latest step that had one (see block_holds).
+        # Requests with stores not all reported done -> the latest step that had one, and the step
+        # through which they were last reported done (see block_holds).
         self._store_steps: dict[str, int] = {}
+        self._reported_through: dict[str, int] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = kv_caches
@@ -154,7 +156,7 @@ class WorkerSide:
         if adapter is not None:
             # The event orders the daemon's reads after the forward pass that wrote the KV.
             adapter.batched_submit_store_requests(list(meta.stores), list(meta.stores.values()),
-                                                  record_kv_event(self._kv_caches))
+                                                  record_kv_event(self._kv_caches), meta.step)
 
     def transfer_results(self, finished_req_ids: set[str], idle: bool = False) -> KVConnectorTransferResults:
         """Loads done (failed ones also in failed_recving), and finished requests whose
@@ -187,12 +189,18 @@ class WorkerSide:
                 self._load_errors.update(block_ids)
 
     def worker_meta(self) -> LMCacheMPWorkerMeta | None:
-        """The requests whose sliding-window stores are all done (as of `transfer_results`)."""
+        """For each request with stores, the step through which they are all done, when it moved
+        on (as of `transfer_results`). Per step, not per request: a long prefill submits a store
+        every step, and the blocks of its early steps must not wait for the last one."""
         adapter = self._link.get()
-        done = {req_id: step for req_id, step in self._store_steps.items()
-                if adapter is None or not adapter.has_pending_stores(req_id)}
-        for req_id in done:
-            del self._store_steps[req_id]
+        done: dict[str, int] = {}
+        for req_id, latest in list(self._store_steps.items()):
+            through = latest if adapter is None else adapter.stores_done_through(req_id, latest)
+            if through > self._reported_through.get(req_id, 0):
+                done[req_id] = self._reported_through[req_id] = through
+            if through == latest:
+                del self._store_steps[req_id]
+                self._reported_through.pop(req_id, None)
         return LMCacheMPWorkerMeta({self._rank: done}) if done else None
 
     def take_load_errors(self) -> set[int]:

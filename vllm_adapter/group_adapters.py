@@ -141,8 +141,12 @@ class WorkerGroups(_Groups):
     def holds_stores(self) -> bool:
         return any(adapter.holds_stores() for adapter in self._adapters)
 
-    def has_pending_stores(self, request_id: str) -> bool:
-        return any(adapter.has_pending_stores(self.rid(group, request_id)) for group, adapter in self._each())
+    def stores_done_through(self, request_id: str, latest_step: int) -> int:
+        """The latest step through which every store of this request is done, in every group
+        (`latest_step`: the last step that submitted one)."""
+        pending = [step for group, adapter in self._each()
+                   if (step := adapter.oldest_pending_store_step(self.rid(group, request_id))) is not None]
+        return min(pending) - 1 if pending else latest_step
 
     def wait_for_stores(self, request_ids: Iterable[str], timeout_s: float) -> None:
         request_ids = list(request_ids)
@@ -157,11 +161,11 @@ class WorkerGroups(_Groups):
         return [rid for rid, op in pairs if op is not None], [op for _, op in pairs if op is not None]
 
     def batched_submit_store_requests(self, request_ids: list[str], ops: list[RequestOps],
-                                      event: torch.cuda.Event | None) -> None:
+                                      event: torch.cuda.Event | None, step: int) -> None:
         for group, adapter in self._each():
             rids, group_ops = self._split(group, request_ids, ops)
             if rids:
-                adapter.batched_submit_store_requests(rids, group_ops, event)
+                adapter.batched_submit_store_requests(rids, group_ops, event, step)
 
     def batched_submit_retrieve_requests(self, request_ids: list[str], ops: list[RequestOps],
                                          event: torch.cuda.Event | None) -> None:

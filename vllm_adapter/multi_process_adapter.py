@@ -491,11 +491,13 @@ class LMCacheMPWorkerAdapter:
         self.batched_submit_retrieve_requests([request_id], [op], event)
 
     def batched_submit_store_requests(self, request_ids: list[str], ops: list[LoadStoreOp],
-                                      event: torch.cuda.Event | None) -> None:
+                                      event: torch.cuda.Event | None, step: int = 0) -> None:
+        """Store these ops (asynchronously, sent again if they do not land). `step` tags them for
+        `oldest_pending_store_step`."""
         registered = self.ensure_registered()
         if not registered and self._refused:
             return  # serving without the cache, as the one ERROR said: a skipped store is no failure
-        parts = [PendingStore(rid, op, event) for rid, op in zip(request_ids, ops, strict=True)]
+        parts = [PendingStore(rid, op, event, step) for rid, op in zip(request_ids, ops, strict=True)]
         self._stores.add(parts)
         if registered:
             self._send_stores(parts, event)
@@ -532,10 +534,11 @@ class LMCacheMPWorkerAdapter:
         """Whether stores are held for another try (or for the daemon's return)."""
         return self._stores.num_held > 0
 
-    def has_pending_stores(self, request_id: str) -> bool:
-        """Whether a store of this request may still read its blocks: in flight, held for another
-        try, or fenced after a timeout; as of the last `get_finished`, which settles the replies."""
-        return self._stores.has(request_id)
+    def oldest_pending_store_step(self, request_id: str) -> int | None:
+        """The oldest `step` tag among this request's stores that may still read its blocks (in
+        flight, held for another try, or fenced after a timeout), None if none may; as of the last
+        `get_finished`, which settles the replies."""
+        return self._stores.oldest_step(request_id)
 
     def _send_stores(self, parts: list[PendingStore], event: torch.cuda.Event | None) -> None:
         keys = [k for p in parts for k in self._keys.keys_for(p.request_id, p.op)]

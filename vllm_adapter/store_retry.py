@@ -45,6 +45,7 @@ class PendingStore:
     request_id: str
     op: LoadStoreOp  # the chunks still to store
     event: torch.cuda.Event | None  # kept alive: every send hands the daemon its IPC handle
+    step: int = 0  # the caller's tag: the connector's scheduler step that planned it
     sends: int = 0
     give_up_at: float = math.inf  # set when first held: the retry window starts then
     next_try: float = 0.0
@@ -71,11 +72,13 @@ class StoreTracker:
         self._max_held = max_held
         self._in_flight: list[StoreBatch] = []
         self._held: list[PendingStore] = []  # oldest first
-        self._open: Counter[str] = Counter()  # request id -> its parts on the wire or held
+        # request id -> step -> its parts of that step on the wire or held
+        self._open: dict[str, Counter[int]] = {}
 
     def add(self, parts: list[PendingStore]) -> None:
         """Follow these parts until `done`; they are then `sent` or `held`."""
-        self._open.update(p.request_id for p in parts)
+        for part in parts:
+            self._open.setdefault(part.request_id, Counter())[part.step] += 1
 
     def sent(self, future: MessagingFuture[StoreResult], parts: list[PendingStore],
              target: Target | None) -> None:
@@ -92,12 +95,20 @@ class StoreTracker:
         return pushed_out
 
     def done(self, part: PendingStore) -> None:
-        self._open[part.request_id] -= 1
-        if self._open[part.request_id] <= 0:
+        steps = self._open[part.request_id]
+        steps[part.step] -= 1
+        if steps[part.step] <= 0:
+            del steps[part.step]
+        if not steps:
             del self._open[part.request_id]
 
     def has(self, request_id: str) -> bool:
         return request_id in self._open
+
+    def oldest_step(self, request_id: str) -> int | None:
+        """The oldest step tag of the request's parts not done yet (None: all done)."""
+        steps = self._open.get(request_id)
+        return min(steps) if steps else None
 
     @property
     def num_held(self) -> int:
