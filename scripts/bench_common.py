@@ -5,6 +5,7 @@ available)."""
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import json
 import mmap
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +64,27 @@ def run_child(script: str, spec: dict[str, Any], log: Path, env: dict[str, str] 
     if out.returncode:
         raise RuntimeError(f"engine failed ({out.returncode}); see {log}")
     return [json.loads(line[7:]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+
+
+def bench_args(doc: str, quick_help: str, options: dict[str, int],
+               run_engine: Callable[[dict[str, Any]], None]) -> argparse.Namespace | None:
+    """The command line of a benchmark that runs engines as children of its own script: --out,
+    --quick (`quick_help` says what it runs), integer `options` with their defaults, and the
+    internal --engine SPEC. As such a child, run `run_engine(SPEC)` and return None; else make
+    the repository importable (the daemon's launcher) and return the options. `doc`: the
+    script's docstring, whose second line describes it."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[1])
+    parser.add_argument("--out", type=Path, default=Path("bench-out"), help="where to write the PNG and JSON")
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    for name, default in options.items():
+        parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--engine", help=argparse.SUPPRESS)  # internal: run one engine
+    args = parser.parse_args()
+    if args.engine:
+        run_engine(json.loads(args.engine))
+        return None
+    sys.path.insert(0, str(REPO))
+    return args
 
 
 def external_hits() -> int:

@@ -37,7 +37,6 @@ tokens).
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import re
@@ -49,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench_common import BLOCK, CHUNK, EngineProcess, build_model, external_hits, llm_args
+from bench_common import BLOCK, CHUNK, EngineProcess, bench_args, build_model, external_hits, llm_args
 from bench_report import finish
 
 DTYPE, DTYPE_BYTES = "float32", 4
@@ -231,13 +230,12 @@ def plot(figures: dict[str, dict[str, Any]], runs: dict[str, dict[str, Requests]
                      label=mode if phase == passes[0] else None)
     ax1.set_xticks([x + width * (len(figures) - 1) / 2 for x in range(len(PASSES))],
                    [f"{p} pass" for p in PASSES])
-    ax1.set_ylabel("KV memory in use at the peak (MiB)")
-    ax1.legend(fontsize=7)
     ax2.axvline(len(runs["HMA on"]["cold"]) - 0.5, color="grey", linewidth=0.8, linestyle=":")
     ax2.set_yscale("log")
     ax2.set_xlabel("request (cold pass, then warm pass right of the line)")
-    ax2.set_ylabel("TTFT (ms)")
-    ax2.legend(fontsize=7)
+    for ax, label in ((ax1, "KV memory in use at the peak (MiB)"), (ax2, "TTFT (ms)")):
+        ax.set_ylabel(label)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -331,16 +329,9 @@ def run_modes(spec: dict[str, Any], tmp: Path, out: Path
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
-    parser.add_argument("--out", type=Path, default=Path("bench-out"), help="where to write the PNG and JSON")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 2 prompts of 2,000-2,500 tokens")
-    parser.add_argument("--prompts", type=int, default=6)
-    parser.add_argument("--engine", help=argparse.SUPPRESS)  # internal: run one engine
-    args = parser.parse_args()
-    if args.engine:
-        run_engine(json.loads(args.engine))
+    args = bench_args(__doc__, "smoke run: 2 prompts of 2,000-2,500 tokens", {"prompts": 6}, run_engine)
+    if args is None:
         return 0
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     count, lengths = (2, (2000, 2500)) if args.quick else (args.prompts, (3000, 3900))
     prompts, warmup = make_prompts(count, lengths)
     print(f"{count} prompts of {min(map(len, prompts)):,}-{max(map(len, prompts)):,} tokens; "

@@ -32,7 +32,6 @@ users with 512-1,024-token contexts, 2 rounds).
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
@@ -43,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench_common import BLOCK, CHUNK, EngineProcess, build_model, external_hits, llm_args
+from bench_common import BLOCK, CHUNK, EngineProcess, bench_args, build_model, external_hits, llm_args
 from bench_report import finish
 
 DTYPE = "float32"
@@ -224,17 +223,10 @@ def run_modes(spec: dict[str, Any], turns: int, tmp: Path, out: Path) -> dict[st
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
-    parser.add_argument("--out", type=Path, default=Path("bench-out"), help="where to write the PNG and JSON")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 6 users, short contexts, 2 rounds")
-    parser.add_argument("--users", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--engine", help=argparse.SUPPRESS)  # internal: run one engine
-    args = parser.parse_args()
-    if args.engine:
-        run_engine(json.loads(args.engine))
+    args = bench_args(__doc__, "smoke run: 6 users, short contexts, 2 rounds", {"users": 8, "rounds": 3},
+                      run_engine)
+    if args is None:
         return 0
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     users, rounds, context = (6, 2, (512, 1024)) if args.quick else (args.users, args.rounds, (1024, 2048))
     work = make_workload(users, rounds, context)
     working_set, cache_tokens = cache_plan(work)
