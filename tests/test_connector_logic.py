@@ -58,8 +58,9 @@ class Blocks:
         return (list(self.ids),)
 
 
-def step(tables: dict[str, list[int]], new: tuple = (), cached: tuple = (), preempted: tuple = ()) -> Any:
-    """A SchedulerOutput: `new` and `cached` hold (request, computed before, scheduled now)."""
+def step(tables: dict[str, Any], new: tuple = (), cached: tuple = (), preempted: tuple = ()) -> Any:
+    """A SchedulerOutput: `new` and `cached` hold (request, computed before, scheduled now);
+    `tables` a request's block table, or a tuple of one per KV cache group."""
     return SimpleNamespace(
         scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, num_computed_tokens=c) for r, c, _ in new],
         scheduled_cached_reqs=SimpleNamespace(req_ids=[r.request_id for r, _, _ in cached],
@@ -67,7 +68,8 @@ def step(tables: dict[str, list[int]], new: tuple = (), cached: tuple = (), pree
         num_scheduled_tokens={r.request_id: n for r, _, n in (*new, *cached)},
         total_num_scheduled_tokens=sum(n for _, _, n in (*new, *cached)),
         preempted_req_ids=set(preempted),
-        kv_connector_block_state=SimpleNamespace(get_block_ids=lambda rid: (tables[rid],)))
+        kv_connector_block_state=SimpleNamespace(
+            get_block_ids=lambda rid: tables[rid] if isinstance(tables[rid], tuple) else (tables[rid],)))
 
 
 def until(probe: Callable[[], T | None], timeout: float = 10.0) -> T:

@@ -31,7 +31,7 @@ from vllm.v1.kv_cache_interface import (
 
 from lmcache_mp.launcher import DaemonProcess
 from tests.helpers import status
-from tests.test_connector_logic import BLOCK, CHUNK, Worker, match, request, until
+from tests.test_connector_logic import BLOCK, CHUNK, Worker, match, request, step, until
 from vllm_adapter.connector_common import ConnectorSettings, LMCacheMPConnectorMetadata
 from vllm_adapter.connector_scheduler import SchedulerSide
 from vllm_adapter.kv_groups import NULL_BLOCK_ID, UnsupportedKVGroups, kv_groups
@@ -54,18 +54,6 @@ def _config(*specs: Any) -> KVCacheConfig:
 
 def hybrid_config() -> KVCacheConfig:
     return _config(SlidingWindowSpec(sliding_window=WINDOW, **SPEC_FIELDS), FullAttentionSpec(**SPEC_FIELDS))
-
-
-def step(tables: dict[str, tuple[list[int], list[int]]], new: tuple = (), cached: tuple = ()) -> Any:
-    """A SchedulerOutput whose block state gives each request one table per group."""
-    return SimpleNamespace(
-        scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, num_computed_tokens=c) for r, c, _ in new],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[r.request_id for r, _, _ in cached],
-                                              num_computed_tokens=[c for _, c, _ in cached]),
-        num_scheduled_tokens={r.request_id: n for r, _, n in (*new, *cached)},
-        total_num_scheduled_tokens=sum(n for _, _, n in (*new, *cached)),
-        preempted_req_ids=set(),
-        kv_connector_block_state=SimpleNamespace(get_block_ids=lambda rid: tables[rid]))
 
 
 @pytest.fixture

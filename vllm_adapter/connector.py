@@ -30,6 +30,8 @@ workers in `LMCacheMPConnectorMetadata`. The worker half (`connector_worker`, in
 registers the KV caches with the daemon and runs the plans as batched RETRIEVE and STORE
 requests. The daemon is a best-effort cache: when it is down or restarts, vLLM keeps serving
 (no hits, stores skipped, failed loads recomputed) and both halves reconnect by themselves.
+Hybrid models keep vLLM's hybrid KV cache manager on: each KV cache group is stored and
+loaded on its own (`kv_groups`, and the README's "Hybrid models").
 `kv_load_failure_policy` should be "recompute": vLLM 0.32 defaults to "fail", which ends a
 request with an error when its load fails instead of recomputing it.
 """

@@ -4,7 +4,9 @@ It decides, per request, what the daemon holds (one LOOKUP, sent when the reques
 what to load (whole chunks beyond vLLM's own prefix-cache hit, asynchronously) and what to
 store (each new full chunk once its KV is computed), and hands that to the workers as
 `LMCacheMPConnectorMetadata`. It never waits on the daemon: a pending lookup keeps the
-request waiting (vLLM asks again next step), and an absent daemon means 0 hits.
+request waiting (vLLM asks again next step), and an absent daemon means 0 hits. For a hybrid
+model each of these is done per KV cache group (`group_adapters`), and the sliding-window
+blocks it will store are held in vLLM's block pool until stored (`block_holds`).
 """
 
 from __future__ import annotations

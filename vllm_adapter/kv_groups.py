@@ -48,8 +48,9 @@ class KVGroup:
 
 
 def kv_groups(kv_cache_config: KVCacheConfig, model_name: str) -> list[KVGroup]:
-    """The groups of this KV cache config, checked. Raises UnsupportedKVGroups for a group the
-    connector cannot store (e.g. Mamba state), ValueError for block sizes it cannot stride."""
+    """The groups of this KV cache config, checked. Raises UnsupportedKVGroups for a hybrid model
+    the connector cannot store (Mamba state; groups whose blocks the block hashes do not match),
+    ValueError for a plain model whose block size the block hashes do not match."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
     groups = kv_cache_config.kv_cache_groups
@@ -64,8 +65,11 @@ def kv_groups(kv_cache_config: KVCacheConfig, model_name: str) -> list[KVGroup]:
                     "attention: LMCacheMPDaemonConnector cannot store its state with the KV")
     block_sizes = {group.kv_cache_spec.block_size for group in groups}
     if block_sizes != {kv_cache_config.hash_block_size}:
-        raise ValueError(f"block hashes cover {kv_cache_config.hash_block_size} tokens, blocks "
-                         f"{sorted(block_sizes)}: LMCacheMPDaemonConnector needs them equal")
+        # A hybrid model runs without the cache rather than not at all; a plain one is refused,
+        # since vLLM's --block-size fixes it.
+        error = UnsupportedKVGroups if len(groups) > 1 else ValueError
+        raise error(f"block hashes cover {kv_cache_config.hash_block_size} tokens, blocks "
+                    f"{sorted(block_sizes)}: LMCacheMPDaemonConnector needs them equal")
     if len(groups) == 1:
         return [KVGroup(0, tuple(groups[0].layer_names), None, model_name)]
     result = []

