@@ -97,24 +97,24 @@ def make_prompts(count: int, lengths: tuple[int, int], seed: int = 0) -> tuple[l
     return [tokens(rng.randint(*lengths)) for _ in range(count)], tokens(WARMUP_TOKENS)
 
 
-def usage_peak() -> Any:
-    """A vLLM stat logger that keeps the highest KV cache usage the scheduler reported since
-    `peak` was last reset (it reports after every step)."""
+def usage_trace() -> Any:
+    """A vLLM stat logger that collects the KV cache usage the scheduler reports after every
+    step, in `steps` (the caller empties it)."""
     from vllm.v1.metrics.loggers import StatLoggerBase
 
-    class UsagePeak(StatLoggerBase):
+    class UsageTrace(StatLoggerBase):
         def __init__(self) -> None:
-            self.peak = 0.0
+            self.steps: list[float] = []
 
         def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
                    engine_idx: int = 0) -> None:
             if scheduler_stats is not None:
-                self.peak = max(self.peak, scheduler_stats.kv_cache_usage)
+                self.steps.append(scheduler_stats.kv_cache_usage)
 
         def log_engine_initialized(self) -> None:
             pass
 
-    return UsagePeak()
+    return UsageTrace()
 
 
 def run_engine(spec: dict[str, Any]) -> None:
@@ -130,8 +130,8 @@ def run_engine(spec: dict[str, Any]) -> None:
             "disable_hybrid_kv_cache_manager": not spec["hybrid"]}
     if "kv_transfer_config" in args:  # `vllm.LLM` takes a dict, the engine's arguments the config
         args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])
-    peak = usage_peak()
-    engine = LLMEngine.from_engine_args(EngineArgs(**args), stat_loggers=[lambda _config, _index: peak])
+    usage = usage_trace()
+    engine = LLMEngine.from_engine_args(EngineArgs(**args), stat_loggers=[lambda _config, _index: usage])
     params = SamplingParams(temperature=0.0, max_tokens=ANSWER_TOKENS, ignore_eos=True)
 
     def generate(request_id: str, prompt: list[int]) -> Any:
@@ -146,14 +146,14 @@ def run_engine(spec: dict[str, Any]) -> None:
     print("RESULT " + json.dumps({"num_blocks": engine.vllm_config.cache_config.num_gpu_blocks}), flush=True)
     for index, (prompt, _go) in enumerate(zip(spec["prompts"], sys.stdin, strict=False)):
         before, start = external_hits(), time.perf_counter()
-        peak.peak = 0.0
+        usage.steps = []
         out = generate(str(index), prompt)
         wall = time.perf_counter() - start
         print("RESULT " + json.dumps({
             "prompt_tokens": len(prompt), "token_ids": list(out.outputs[0].token_ids),
             "ttft_s": out.metrics.first_token_latency, "cached_tokens": out.num_cached_tokens,
-            "external_tokens": external_hits() - before, "peak_usage": peak.peak, "wall_s": wall}),
-              flush=True)
+            "external_tokens": external_hits() - before, "peak_usage": max(usage.steps, default=0.0),
+            "usage_steps": usage.steps, "wall_s": wall}), flush=True)
 
 
 def connector_groups(log: str) -> dict[str, list[int]]:
@@ -217,10 +217,12 @@ def plot(figures: dict[str, dict[str, Any]], runs: dict[str, dict[str, Requests]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 3.8))
     width = 0.8 / len(figures)
     for i, (mode, f) in enumerate(figures.items()):
         passes = MODES[mode].passes
+        in_use = (f["num_blocks"] - 1) * f["block_bytes"] / 2**20  # MiB per unit of usage
+        ax3.plot([u * in_use for u in runs[mode]["cold"][0]["usage_steps"]], marker=".", label=mode)
         ax1.bar([PASSES.index(p) + i * width for p in passes], [f[p]["peak_bytes"] / 2**20 for p in passes],
                 width, label=mode)
         for phase in passes:
@@ -233,7 +235,9 @@ def plot(figures: dict[str, dict[str, Any]], runs: dict[str, dict[str, Requests]
     ax2.axvline(len(runs["HMA on"]["cold"]) - 0.5, color="grey", linewidth=0.8, linestyle=":")
     ax2.set_yscale("log")
     ax2.set_xlabel("request (cold pass, then warm pass right of the line)")
-    for ax, label in ((ax1, "KV memory in use at the peak (MiB)"), (ax2, "TTFT (ms)")):
+    ax3.set_xlabel("engine step (cold pass, first prompt: prefill, then decode)")
+    for ax, label in ((ax1, "KV memory in use at the peak (MiB)"), (ax2, "TTFT (ms)"),
+                      (ax3, "KV memory in use (MiB)")):
         ax.set_ylabel(label)
         ax.legend(fontsize=7)
     fig.tight_layout()
