@@ -279,10 +279,12 @@ def log_checks(engines: dict[str, dict[str, dict[str, Any]]]) -> dict[str, bool]
                 checks[f"{mode}, {phase}: vLLM keeps HMA on (no '{TURNING_OFF}')"] = not info["turned_off"]
             if not spec.connector:
                 continue
-            roles = set(groups) == {"SCHEDULER", "WORKER"} and len(set(groups.values())) == 1
-            many = min(groups.values(), default=0) > 1
+            # Both roles logged the same groups, each group with its layer count (0: unreadable).
+            agree = set(groups) == {"SCHEDULER", "WORKER"} and len(set(groups.values())) == 1
+            counts = [len(layers) for layers in info["groups"].values()]
+            readable = all(layers and min(layers) > 0 for layers in info["groups"].values())
             checks[f"{mode}, {phase}: the connector runs {groups} KV cache group(s) (scheduler, worker)"] = (
-                roles and many == spec.hybrid)
+                agree and readable and (min(counts) > 1) == spec.hybrid)
     blocks = {mode: engines[mode]["cold"]["num_blocks"] for mode in ("HMA on", REFERENCE)}
     checks[f"{REFERENCE} has HMA on's KV cache ({blocks})"] = len(set(blocks.values())) == 1
     return checks
