@@ -25,8 +25,9 @@ the budget's blocks in use, `SchedulerStats.kv_cache_usage`, which the scheduler
 every step), as blocks and as the bytes they stand for (an HMA block holds one group's layers,
 a block without HMA all of them: bytes are what compare); TTFT (vLLM's `first_token_latency`).
 
-Checks (exit 1 if one fails): with HMA on, vLLM keeps it on (its log has no "Turning off hybrid
-kv cache manager") and the connector works with several KV cache groups (its log line in the
+Checks (exit 1 if one fails): with HMA on (vLLM's default, not forced: vLLM would turn it off
+for a connector without HMA support), vLLM keeps it on (its log has no "Turning off hybrid kv
+cache manager") and the connector works with several KV cache groups (its log line in the
 scheduler and the worker); with HMA off, one group; every prompt gives the same tokens in all
 five engines; no cold prompt finds anything cached; every warm prompt loads tokens from the
 daemon (vLLM's `external_prefix_cache_hits`). Target: HMA on holds less KV memory at the peak
@@ -72,7 +73,7 @@ Requests = list[dict[str, Any]]  # one engine's requests, in the order sent, as 
 
 @dataclass(frozen=True)
 class Mode:
-    hybrid: bool  # vLLM's hybrid KV cache manager on
+    hybrid: bool  # vLLM's hybrid KV cache manager left on (its default), else turned off
     connector: bool  # our connector, against a daemon of the mode's own
     passes: tuple[str, ...]
 
@@ -126,8 +127,10 @@ def run_engine(spec: dict[str, Any]) -> None:
     from vllm.inputs import TokensPrompt
     from vllm.v1.engine.llm_engine import LLMEngine
 
+    # HMA on is vLLM's default (None): it leaves HMA on for a connector that supports it, and
+    # turns it off, with a warning, for one that does not.
     args = {**llm_args(spec["model"], DTYPE, spec["url"]), "max_num_batched_tokens": STEP_TOKENS,
-            "disable_hybrid_kv_cache_manager": not spec["hybrid"]}
+            "disable_hybrid_kv_cache_manager": None if spec["hybrid"] else True}
     if "kv_transfer_config" in args:  # `vllm.LLM` takes a dict, the engine's arguments the config
         args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])
     usage = usage_trace()
