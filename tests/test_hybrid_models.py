@@ -54,12 +54,15 @@ def assert_same_outputs(outputs: list[dict[str, Any]], baseline: list[dict[str, 
         assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-3)
 
 
-@pytest.fixture(scope="module")
-def hybrid_model(work_dir: Path) -> Path:
-    out = work_dir / "tiny-gemma3"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), str(out), *MODEL_FLAGS],
+def build_model(out: Path, flags: list[str]) -> Path:
+    subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), str(out), *flags],
                    check=True, capture_output=True, timeout=120)
     return out
+
+
+@pytest.fixture(scope="module")
+def hybrid_model(work_dir: Path) -> Path:
+    return build_model(work_dir / "tiny-gemma3", MODEL_FLAGS)
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +96,20 @@ def test_fresh_engine_hits_in_both_groups_with_identical_outputs(
     (outputs,) = run_engine(spec(hybrid_model, daemon), work_dir / "engine2.log")
     assert cached(outputs) == HITS
     assert_same_outputs(outputs, baseline)
+
+
+def test_ssm_hybrid_gets_no_hits_and_runs_as_without_the_connector(
+        engine1: Path, work_dir: Path, daemon: Daemon) -> None:
+    """Mamba state is not stored with the KV, so the connector stays out of the way (no hits,
+    no stores) rather than restore attention KV without its state. vLLM 0.32 runs this tiny
+    GraniteMoeHybrid (Mamba2 and attention layers) on CPU only with prefix caching off."""
+    model = build_model(work_dir / "tiny-granite", ["--dtype", "float32", "--arch", "granitemoehybrid"])
+    stored = daemon.objects()
+    (baseline,) = run_engine(spec(model, None, prefix_caching=False), work_dir / "ssm-baseline.log")
+    log = work_dir / "ssm.log"
+    (outputs,) = run_engine(spec(model, daemon, prefix_caching=False), log)
+    assert cached(outputs) == [0, 0] and daemon.objects() == stored
+    assert_same_outputs(outputs, baseline)
+    text = log.read_text(errors="replace")
+    assert "(MambaSpec) is neither full nor sliding-window attention" in text
+    assert "serving without the cache" in text and "Turning off hybrid kv cache manager" not in text
