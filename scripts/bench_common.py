@@ -1,16 +1,21 @@
 """What the benchmarks share: the random-weight model, the vLLM engines' settings, running one
-engine in a child process that prints its results as `RESULT <json>` lines, and the memory
-baselines (a fresh mapping written by memset; the memory available)."""
+engine in a child process that prints its results as `RESULT <json>` lines (all at once, or
+one request at a time), and the memory baselines (a fresh mapping written by memset; the memory
+available)."""
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import json
 import mmap
 import os
+import queue
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +64,85 @@ def run_child(script: str, spec: dict[str, Any], log: Path, env: dict[str, str] 
     if out.returncode:
         raise RuntimeError(f"engine failed ({out.returncode}); see {log}")
     return [json.loads(line[7:]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+
+
+def bench_args(doc: str, quick_help: str, options: dict[str, int],
+               run_engine: Callable[[dict[str, Any]], None]) -> argparse.Namespace | None:
+    """The command line of a benchmark that runs engines as children of its own script: --out,
+    --quick (`quick_help` says what it runs), integer `options` with their defaults, and the
+    internal --engine SPEC. As such a child, run `run_engine(SPEC)` and return None; else make
+    the repository importable (the daemon's launcher) and return the options. `doc`: the
+    script's docstring, whose second line describes it."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[1])
+    parser.add_argument("--out", type=Path, default=Path("bench-out"), help="where to write the PNG and JSON")
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    for name, default in options.items():
+        parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--engine", help=argparse.SUPPRESS)  # internal: run one engine
+    args = parser.parse_args()
+    if args.engine:
+        run_engine(json.loads(args.engine))
+        return None
+    sys.path.insert(0, str(REPO))
+    return args
+
+
+def external_hits() -> int:
+    """This process's vLLM engine's running total of tokens the connector supplied (its own
+    prefix hits not counted)."""
+    from vllm.v1.metrics.reader import get_metrics_snapshot
+
+    return sum(int(m.value) for m in get_metrics_snapshot() if m.name == "vllm:external_prefix_cache_hits")
+
+
+class EngineProcess:
+    """One engine child, `script --engine SPEC`, driven a request at a time: it prints a RESULT
+    line once ready, then one per line it reads on stdin. A thread collects its RESULT lines and
+    writes the rest of its output (vLLM logs to stdout and stderr) to `log`."""
+
+    def __init__(self, script: str, spec: dict[str, Any], log: Path, timeout_s: float):
+        self.log, self._timeout_s = log, timeout_s
+        self._proc = subprocess.Popen([sys.executable, script, "--engine", json.dumps(spec)],
+                                      env={**os.environ, **ENGINE_ENV}, text=True, stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self._results: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self._proc.stdout is not None
+        with open(self.log, "w", buffering=1) as log:  # line by line: readable while it runs
+            for line in self._proc.stdout:
+                if line.startswith("RESULT "):
+                    self._results.put(json.loads(line[7:]))
+                else:
+                    log.write(line)
+        self._results.put(None)  # exited
+
+    def result(self) -> dict[str, Any]:
+        try:
+            result = self._results.get(timeout=self._timeout_s)
+        except queue.Empty:
+            result = None
+        if result is None:
+            raise RuntimeError(f"engine exited or gave no result in {self._timeout_s:.0f} s; see {self.log}")
+        return result
+
+    def turn(self) -> dict[str, Any]:
+        assert self._proc.stdin is not None
+        self._proc.stdin.write("go\n")
+        self._proc.stdin.flush()
+        return self.result()
+
+    def close(self) -> None:
+        if self._proc.stdin is not None:
+            self._proc.stdin.close()  # the child's loop ends; vLLM shuts down
+        try:
+            self._proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._reader.join(timeout=10)  # the log is complete once the child's output has ended
 
 
 def available_gib() -> float:

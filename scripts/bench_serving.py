@@ -32,22 +32,17 @@ users with 512-1,024-token contexts, 2 rounds).
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import queue
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench_common import BLOCK, CHUNK, ENGINE_ENV, build_model, llm_args
+from bench_common import BLOCK, CHUNK, EngineProcess, bench_args, build_model, external_hits, llm_args
 from bench_report import finish
 
 DTYPE = "float32"
@@ -96,11 +91,6 @@ def make_workload(users: int, rounds: int, context: tuple[int, int], seed: int =
     return Workload(contexts, messages, tokens(context[0], context[0]))
 
 
-def external_hits(llm: Any) -> int:
-    """vLLM's running total of tokens the connector supplied (its own prefix hits not counted)."""
-    return sum(int(m.value) for m in llm.get_metrics() if m.name == "vllm:external_prefix_cache_hits")
-
-
 def run_engine(spec: dict[str, Any]) -> None:
     """Child process: one engine serves the conversation workload one request at a time, each
     when a line arrives on stdin; a RESULT line with its cache size once ready, then one per turn."""
@@ -118,7 +108,7 @@ def run_engine(spec: dict[str, Any]) -> None:
     history: list[list[int]] = [list(c) for c in work.contexts]
     for (rnd, user), _go in zip(work.order(), sys.stdin, strict=False):
         prompt = history[user] + work.messages[user][rnd]
-        before, start = external_hits(llm), time.perf_counter()
+        before, start = external_hits(), time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
         wall = time.perf_counter() - start
         answer = list(out.outputs[0].token_ids)
@@ -126,7 +116,7 @@ def run_engine(spec: dict[str, Any]) -> None:
         print("RESULT " + json.dumps({
             "round": rnd, "user": user, "prompt_tokens": len(prompt), "token_ids": answer,
             "ttft_s": out.metrics.first_token_latency, "cached_tokens": out.num_cached_tokens,
-            "external_tokens": external_hits(llm) - before, "wall_s": wall}), flush=True)
+            "external_tokens": external_hits() - before, "wall_s": wall}), flush=True)
 
 
 def summary(turns: Turns) -> dict[str, float]:
@@ -183,50 +173,6 @@ def plot(runs: dict[str, Turns], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-class EngineProcess:
-    """One engine child (`run_engine`), driven a turn at a time; a thread collects its RESULT lines."""
-
-    def __init__(self, spec: dict[str, Any], log: Path):
-        self.log = log
-        with open(log, "w") as f:
-            self._proc = subprocess.Popen([sys.executable, __file__, "--engine", json.dumps(spec)],
-                                          env={**os.environ, **ENGINE_ENV}, text=True, stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, stderr=f)
-        self._results: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self._proc.stdout is not None
-        for line in self._proc.stdout:  # vLLM logs to stdout too
-            if line.startswith("RESULT "):
-                self._results.put(json.loads(line[7:]))
-        self._results.put(None)  # exited
-
-    def result(self, timeout_s: float = ENGINE_TIMEOUT_S) -> dict[str, Any]:
-        try:
-            result = self._results.get(timeout=timeout_s)
-        except queue.Empty:
-            result = None
-        if result is None:
-            raise RuntimeError(f"engine exited or gave no result in {timeout_s:.0f} s; see {self.log}")
-        return result
-
-    def turn(self) -> dict[str, Any]:
-        assert self._proc.stdin is not None
-        self._proc.stdin.write("go\n")
-        self._proc.stdin.flush()
-        return self.result()
-
-    def close(self) -> None:
-        if self._proc.stdin is not None:
-            self._proc.stdin.close()  # the child's loop ends; vLLM shuts down
-        try:
-            self._proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
-
-
 def correctness_checks(work: Workload, runs: dict[str, Turns]) -> dict[str, bool]:
     plain, cached = runs["no connector"], runs["connector"]
     returning = [i for i, t in enumerate(plain) if t["round"] > 0]
@@ -261,8 +207,9 @@ def run_modes(spec: dict[str, Any], turns: int, tmp: Path, out: Path) -> dict[st
     engines: dict[str, EngineProcess] = {}
     try:
         print("starting two engines, without and with the connector (fresh daemon)...", flush=True)
-        engines["no connector"] = EngineProcess(spec, out / "serving-plain.log")
-        engines["connector"] = EngineProcess({**spec, "url": daemon.url}, out / "serving-connector.log")
+        for mode, url, log in (("no connector", None, "serving-plain.log"),
+                               ("connector", daemon.url, "serving-connector.log")):
+            engines[mode] = EngineProcess(__file__, {**spec, "url": url}, out / log, ENGINE_TIMEOUT_S)
         blocks = {mode: e.result()["gpu_blocks"] for mode, e in engines.items()}
         runs: dict[str, Turns] = {mode: [] for mode in engines}
         for i in range(turns):
@@ -276,17 +223,10 @@ def run_modes(spec: dict[str, Any], turns: int, tmp: Path, out: Path) -> dict[st
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
-    parser.add_argument("--out", type=Path, default=Path("bench-out"), help="where to write the PNG and JSON")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 6 users, short contexts, 2 rounds")
-    parser.add_argument("--users", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--engine", help=argparse.SUPPRESS)  # internal: run one engine
-    args = parser.parse_args()
-    if args.engine:
-        run_engine(json.loads(args.engine))
+    args = bench_args(__doc__, "smoke run: 6 users, short contexts, 2 rounds", {"users": 8, "rounds": 3},
+                      run_engine)
+    if args is None:
         return 0
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     users, rounds, context = (6, 2, (512, 1024)) if args.quick else (args.users, args.rounds, (1024, 2048))
     work = make_workload(users, rounds, context)
     working_set, cache_tokens = cache_plan(work)
