@@ -37,10 +37,6 @@ class BlockHolds:
         self._num_workers = num_workers
         self._requests: dict[str, _RequestHolds] = {}
 
-    @property
-    def num_held(self) -> int:
-        return sum(len(r.pending) + sum(len(ids) for _, ids in r.stored) for r in self._requests.values())
-
     def hold(self, request_id: str, blocks: list[tuple[int, int]]) -> None:
         """Reference these (index, block id) pairs: they will be stored once their chunk is full."""
         if blocks:

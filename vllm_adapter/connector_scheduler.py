@@ -321,7 +321,7 @@ class SchedulerSide:
             state = self._requests.get(req_id)
             if state is not None:
                 state.saved_chunks = 0  # the daemon may have lost them: store what vLLM recomputes
-                state.held_to = None
+            self._drop_holds(req_id)  # held again from the start as vLLM recomputes
         if self._holds is None:
             return
         worker_meta = connector_output.kv_connector_worker_meta
