@@ -2,7 +2,8 @@
 
 The daemon keeps one I/O thread that alone touches the ROUTER; handler threads hand it
 replies through a deque and an eventfd doorbell. A client has no I/O thread: the thread
-that waits for a reply drives the socket (see `MessageQueueClient`).
+that waits for a reply drives the socket (see `MessageQueueClient`); a flusher thread only
+sends what a client deferred (`submit_later`), when nothing else did soon enough.
 """
 
 from __future__ import annotations
@@ -174,6 +175,8 @@ class MessagingFuture(Generic[T]):
 # ---- client -------------------------------------------------------------------------------
 
 _LEADER_SLICE_S = 0.05
+# The longest a `submit_later` request waits in the outbox for another request to go out with.
+LATER_FLUSH_S = 0.005
 # How often a busy client scans its requests for missed deadlines (a timeout fires at most
 # this late; scanning on every reply would cost O(in flight) per reply).
 _EXPIRY_SCAN_S = 0.01
@@ -187,6 +190,8 @@ class MessageQueueClient:
     lock taken wait on a condition until their reply is settled or the leader leaves. A
     sender that finds the socket busy queues its frames and rings the leader's doorbell.
     So a lone caller sends and receives on its own thread: no thread hop on either side.
+    Requests nobody waits on may go out later, with the next one (`submit_later`); a flusher
+    thread, started by the first of them, bounds how long they wait.
     """
 
     def __init__(self, server_url: str, context: zmq.Context | None = None,
@@ -202,6 +207,8 @@ class MessageQueueClient:
         self._io = threading.Lock()  # whoever holds it may use the socket
         self._settled = threading.Condition()  # replies settled, or the leader left
         self._outbox: collections.deque[list[bytes]] = collections.deque()
+        self._later = threading.Event()  # `submit_later` queued something: the flusher is due
+        self._flusher: threading.Thread | None = None
         self._doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -217,6 +224,28 @@ class MessageQueueClient:
 
     def submit(self, request_type: RequestType, payload: list[Any],
                timeout_s: float | None = None) -> MessagingFuture[Any]:
+        future = self._enqueue(request_type, payload, timeout_s)
+        self._kick()
+        return future
+
+    def submit_later(self, request_type: RequestType, payload: list[Any],
+                     timeout_s: float | None = None) -> MessagingFuture[Any]:
+        """`submit` for a request nobody waits on (END_SESSION, RELEASE_LEASES): it goes out with
+        this client's next request or wait, or within LATER_FLUSH_S, sent by a flusher thread.
+        The caller pays no send: a ZeroMQ send wakes libzmq's I/O thread, tens of microseconds
+        on a VM, and two requests sent together wake it once. Order is kept: it goes out
+        before any request submitted after it."""
+        future = self._enqueue(request_type, payload, timeout_s)
+        if self._flusher is None:
+            self._flusher = threading.Thread(target=self._flush_later, name="mq-client-flusher",
+                                             daemon=True)
+            self._flusher.start()
+        if not self._later.is_set():
+            self._later.set()
+        return future
+
+    def _enqueue(self, request_type: RequestType, payload: list[Any],
+                 timeout_s: float | None) -> MessagingFuture[Any]:
         request_id = next(self._ids)
         frames = self.codec.encode_request(request_id, request_type, payload)
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.request_timeout_s)
@@ -226,8 +255,16 @@ class MessageQueueClient:
                 raise ClientClosedError(f"client for {self.server_url} is closed")
             self._pending[frames[0]] = future
         self._outbox.append(frames)
-        self._kick()
         return future
+
+    def _flush_later(self) -> None:
+        """The flusher thread: sends what `submit_later` queued, at most LATER_FLUSH_S after it
+        (usually a request or a wait of the caller's has sent it already)."""
+        while not self._closed:
+            self._later.wait()
+            time.sleep(LATER_FLUSH_S)
+            self._later.clear()
+            self._kick()
 
     def handshake(self, client_name: str, timeout_s: float = 10.0) -> HelloReply:
         """HELLO: every client sends it first. Raises ProtocolMismatchError when the daemon
@@ -260,6 +297,7 @@ class MessageQueueClient:
         for future in pending.values():
             future._settle(None, ClientClosedError(f"client for {self.server_url} closed"))
         self._wake_waiters()
+        self._later.set()  # the flusher sees `_closed` and leaves
         with self._io:  # a leader leaves within one slice once its future is settled
             self._sock.close(linger=0)
             os.close(self._doorbell)

@@ -125,7 +125,7 @@ def test_commit_with_pin_pins_each_object_at_once() -> None:
     stats = pool.stats()
     assert stats.num_pinned == 4 and stats.num_writing == 0
     assert pool.clear() == 0
-    assert [len(chunk) for chunk in pool.pin_prefix([[obj.key] for obj in pinned])] == [1] * 4
+    assert [len(chunk) for chunk in pool.pin_prefix([[obj.key for obj in pinned]])] == [1] * 4
     pool.unpin(pinned)  # the lookup's pins go; the commit's stay
     assert all(obj.pins == 1 for obj in pinned)
 
@@ -178,7 +178,8 @@ def test_pin_prefix_stops_at_the_first_incomplete_chunk() -> None:
     reserve_ready(pool, chunks[0] + chunks[2] + chunks[3] + [chunks[1][0]], 64)
     [writing] = pool.reserve([chunks[1][1]], 64)  # chunk 1 is incomplete until this commits
 
-    pinned = pool.pin_prefix(chunks)
+    chains = [list(chain) for chain in zip(*chunks, strict=True)]  # per rank, its keys in chunk order
+    pinned = pool.pin_prefix(chains)
     assert [[obj.key for obj in objects] for objects in pinned] == [chunks[0]]
     assert all(obj.pins == 1 for obj in pinned[0])
     later = pool.pin(chunks[2] + chunks[3])
@@ -186,7 +187,7 @@ def test_pin_prefix_stops_at_the_first_incomplete_chunk() -> None:
     pool.unpin(later)
 
     pool.commit([writing])
-    assert [len(objects) for objects in pool.pin_prefix(chunks)] == [2, 2, 2, 2]
+    assert [len(objects) for objects in pool.pin_prefix(chains)] == [2, 2, 2, 2]
     assert all(obj.pins == 2 for obj in pinned[0])
 
 
@@ -220,7 +221,7 @@ def test_lru_eviction_and_touching_saves_an_object() -> None:
     for key in "abcd":  # one commit each: a is the least recently used
         reserve_ready(pool, [key], 256)
     touch(pool, ["a"])  # pin + unpin
-    pool.pin_prefix([["b"], ["missing"], ["c"]])  # touches b; c comes after the gap
+    pool.pin_prefix([["b", "missing", "c"]])  # touches b; c comes after the gap
     pool.unpin(pool.pin(["b"]) * 2)
 
     reserve_ready(pool, ["e"], 256)
@@ -348,7 +349,7 @@ class Prompts:
 
     def lookup(self, p: int) -> int:
         """A LOOKUP of prompt p: pin its prefix on all ranks, chunk-major, and let go. Returns hits."""
-        pinned = self.pool.pin_prefix([list(chunk) for chunk in zip(*self.keys[p], strict=True)])
+        pinned = self.pool.pin_prefix(self.keys[p])
         self.pool.unpin([obj for chunk in pinned for obj in chunk])
         return len(pinned)
 
@@ -536,7 +537,7 @@ def test_concurrent_use_keeps_the_books_straight() -> None:
         for i in range(200):
             objects = [o for o in pool.reserve([(tid, i), (tid, i + 1)], 256) if isinstance(o, PoolObject)]
             pool.commit(objects)
-            pinned = pool.pin_prefix([[(tid, i - 1)], [(tid, i)]])
+            pinned = pool.pin_prefix([[(tid, i - 1), (tid, i)]])
             pool.unpin([obj for chunk in pinned for obj in chunk])
 
     threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
@@ -671,10 +672,12 @@ class PoolMachine(RuleBasedStateMachine):
         parent = data.draw(st.none() | st.sampled_from(live) | KEYS)
         self.do_link(keys, parent if parent is None or parent < keys[0] else None)
 
-    @rule(chunks=st.lists(st.lists(KEYS, min_size=1, max_size=2), max_size=4))
-    def pin_prefix(self, chunks: list[list[int]]) -> None:
+    @rule(chains=st.lists(st.lists(KEYS, max_size=4), min_size=1, max_size=2))
+    def pin_prefix(self, chains: list[list[int]]) -> None:
+        """Chains of one or two ranks, maybe of different lengths: the prefix ends at the shortest."""
         ready = {obj.key for obj in self.in_state(ObjectState.READY)}
-        pinned = self.pool.pin_prefix(chunks)
+        pinned = self.pool.pin_prefix(chains)
+        chunks = [list(chunk) for chunk in zip(*chains, strict=False)]  # as long as the shortest chain
         expected = 0
         while expected < len(chunks) and set(chunks[expected]) <= ready:
             expected += 1

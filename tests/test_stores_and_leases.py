@@ -224,7 +224,8 @@ def test_the_benchmark_hits_lease_every_rank_and_end_session_releases_them(
         daemon: DaemonProcess, world_size: int) -> None:
     """Issue 14: the benchmark's hit scenario (ranks registered in other processes, their chunks
     stored, the scheduler adapter looking up and ending sessions) hits every chunk on every rank,
-    leases each, and END_SESSION, fire and forget, releases them all; a miss leases nothing."""
+    leases each, and END_SESSION, fire and forget, releases them all; a miss leases nothing.
+    The scheduler sends nothing after its END_SESSION: the client's flusher sends it."""
     hashes = block_hashes(list(range(NUM_BLOCKS * BLOCK)))
     chunks = len(hashes) // BLOCKS_PER_CHUNK
     scheduler = LMCacheMPSchedulerAdapter(daemon.url, None, "m", world_size, 0, BLOCK)

@@ -212,7 +212,7 @@ def test_a_chunk_missing_on_one_rank_ends_the_prefix(daemon: DaemonProcess, rank
     store_chunk(2)
     assert hit(scheduler, "full") == CHUNKS * CHUNK
     scheduler.end_session("full")
-    assert status(daemon.url).leases == 0
+    wait_for_leases(daemon, (0, 0))
 
 
 @pytest.mark.daemon_args(*DAEMON_ARGS)

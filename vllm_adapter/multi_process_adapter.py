@@ -199,7 +199,9 @@ class LMCacheMPSchedulerAdapter:
         """Tokens hit (a multiple of the chunk size), or None while the lookup is pending.
         A failed lookup (daemon down, error) counts as 0: a miss, never a guess."""
         future = self.lookup_futures[request_id]
-        settled = future.query()  # drives the socket: settles earlier releases' replies too
+        # Polling drives the socket (settling earlier releases' replies too), but a lookup that
+        # was waited on is settled already: then skip the poll's system calls.
+        settled = future.done() or future.query()
         self._check_releases()
         if not settled:
             return None
@@ -229,7 +231,9 @@ class LMCacheMPSchedulerAdapter:
         self._release(f"END_SESSION for request {request_id}", RequestType.END_SESSION, [request_id])
 
     def _release(self, what: str, request_type: RequestType, payload: list[Any]) -> None:
-        self._releases.append((what, send_lmcache_request(self.mq_client, request_type, payload)))
+        # Sent with the next request (or within mq.LATER_FLUSH_S): the scheduler doesn't pay a
+        # send per finished request, and the leases end only milliseconds later.
+        self._releases.append((what, self.mq_client.submit_later(request_type, payload)))
         self._check_releases()
         if len(self._releases) > MAX_WATCHED_RELEASES:  # the oldest is unanswered
             what, _ = self._releases.popleft()

@@ -192,9 +192,8 @@ class StorageManager:
         return best, best_index, lengths
 
     def _pin_l1_prefix(self, hashes: list[bytes], combo: tuple[RankSpec, ...]) -> Hits:
-        fps = [spec.fmt.fingerprint for spec in combo]
-        # chunk-major; a generator, so that a prefix that ends early builds no keys past its end
-        return self.pool.pin_prefix([(h, fp) for fp in fps] for h in hashes)
+        # Lazy chains: a prefix that ends early builds no keys past its end.
+        return self.pool.pin_prefix([zip(hashes, itertools.repeat(spec.fmt.fingerprint)) for spec in combo])
 
     def _promote(self, hashes: list[bytes], combos: list[tuple[RankSpec, ...]], pinned: Hits,
                  pinned_combo: int | None) -> Hits:

@@ -59,6 +59,7 @@ One lock guards all bookkeeping; no method ever copies object bytes, so it is he
 from __future__ import annotations
 
 import enum
+import itertools
 import mmap
 import threading
 from collections import Counter, OrderedDict
@@ -73,6 +74,10 @@ from lmcache_mp.storage.pool_memory import PIECE_BYTES, PinFn, PoolMemory
 ALIGN = 64
 _TARGET_SLAB_BYTES = 64 << 20
 _MIN_SLABS = 8
+
+
+def _is_object(obj: PoolObject | None) -> bool:
+    return obj is not None
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -229,6 +234,7 @@ class MemoryPool:
             self._set_slab_bytes(slab_bytes)
         self._classes: dict[int, _SizeClass] = {}
         self._index: dict[Hashable, PoolObject] = {}  # every live object, WRITING or READY
+        self._readable: dict[Hashable, PoolObject] = {}  # the READY ones: what readers may pin
         # Slabs whose objects are all evictable, in the order they became so (oldest first).
         self._clean_slabs: OrderedDict[_Slab, None] = OrderedDict()
         self._used = 0
@@ -281,6 +287,7 @@ class MemoryPool:
             self._check_writing(objects)
             for obj in objects:
                 obj.state = ObjectState.READY
+                self._readable[obj.key] = obj
                 self._num_writing -= 1
                 if pin:
                     obj.pins = 1  # WRITING -> pinned: its slab stays stuck on the same count
@@ -320,20 +327,27 @@ class MemoryPool:
                 self._drop(obj)
                 self._unstick(obj.slab)
 
-    def pin_prefix(self, chunks: Iterable[list[Hashable]]) -> list[list[PoolObject]]:
-        """The objects of the leading chunks whose every key (one per rank) is READY, each pinned;
-        stops at the first incomplete chunk, whose objects and later ones are left alone (not even
-        drawn from `chunks`, which may be a generator). Flattened, the result is chunk-major, the
-        order `unpin` wants back."""
+    def pin_prefix(self, chains: list[Iterable[Hashable]]) -> list[list[PoolObject]]:
+        """The objects of the leading chunks whose every key is READY, one key per chain (a
+        rank's keys, chunk by chunk), each pinned; per chunk its objects in chain order. A chain
+        is drawn from only up to where the prefix ends (it may be lazy). Flattened, the result is
+        chunk-major, the order `unpin` wants back.
+
+        Built from C-level iterators, with no Python call per key: a LOOKUP runs this for its
+        whole prefix on every rank, on the daemon's socket thread."""
         with self._lock:
-            out: list[list[PoolObject]] = []
-            for keys in chunks:
-                objects = self._ready(keys)
-                if objects is None:
-                    break
-                out.append(objects)
-            self._pin_all([obj for objects in out for obj in objects])
-            return out
+            get = self._readable.get
+            columns: list[list[PoolObject]] = []
+            for chain in chains:
+                if columns:  # no further than the chains before it reached
+                    chain = itertools.islice(chain, len(columns[-1]))
+                columns.append(list(itertools.takewhile(_is_object, map(get, chain))))
+            if not columns:
+                return []
+            end = len(columns[-1])  # the shortest: each chain went no further than the one before
+            chunks = list(map(list, zip(*(column[:end] for column in columns), strict=True)))
+            self._pin_all([obj for objects in chunks for obj in objects])
+            return chunks
 
     def pin(self, keys: list[Hashable]) -> list[PoolObject] | None:
         """All or nothing: every key's object pinned, in order, or None (and nothing pinned)."""
@@ -555,14 +569,8 @@ class MemoryPool:
                 raise ValueError(f"object {obj.key!r} is {obj.state.name}, not WRITING")
 
     def _ready(self, keys: list[Hashable]) -> list[PoolObject] | None:
-        objects = []
-        get, ready = self._index.get, ObjectState.READY
-        for key in keys:
-            obj = get(key)
-            if obj is None or obj.state is not ready:
-                return None
-            objects.append(obj)
-        return objects
+        objects = list(map(self._readable.get, keys))
+        return None if None in objects else objects  # type: ignore[return-value]
 
     def _pin_all(self, objects: list[PoolObject]) -> None:
         """One more pin on each (READY) object; one loop, no call per object: a LOOKUP pins its
@@ -639,6 +647,7 @@ class MemoryPool:
     def _drop(self, obj: PoolObject) -> None:
         """Free obj's slot (and its slab, if that empties). Stuck counts are the caller's job."""
         del self._index[obj.key]
+        self._readable.pop(obj.key, None)
         self._used -= obj.nbytes
         obj.state = ObjectState.FREED
         obj.parent = None  # a freed object has no chain; don't keep its ancestors alive
