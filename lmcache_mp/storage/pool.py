@@ -72,6 +72,9 @@ from lmcache_mp.storage.pool_memory import PIECE_BYTES, PinFn, PoolMemory
 
 # Every object's data starts on a cache line, which vectorised copies want.
 ALIGN = 64
+# Pins remembered since the last eviction decision before settling anyway (a settle under the
+# lock then costs about a millisecond at most).
+_MAX_UNSETTLED = 4096
 _TARGET_SLAB_BYTES = 64 << 20
 _MIN_SLABS = 8
 
@@ -115,6 +118,9 @@ class PoolObject:
     slot: int = field(repr=False)
     state: ObjectState = ObjectState.WRITING
     pins: int = 0
+    # Off its class's LRU and counted stuck in its slab: WRITING, or pinned and settled (see
+    # `_settle`; a pin taken since the last eviction decision has only raised `pins`).
+    held: bool = True
     # The chunk before this one in its chain (see `MemoryPool.link`); one that is FREED counts as
     # None and is cleared when next met.
     parent: PoolObject | None = field(default=None, repr=False)
@@ -237,6 +243,8 @@ class MemoryPool:
         self._readable: dict[Hashable, PoolObject] = {}  # the READY ones: what readers may pin
         # Slabs whose objects are all evictable, in the order they became so (oldest first).
         self._clean_slabs: OrderedDict[_Slab, None] = OrderedDict()
+        # Objects pinned since the last eviction decision, maybe still on an LRU (see `_settle`).
+        self._unsettled: list[PoolObject] = []
         self._used = 0
         self._num_pinned = 0
         self._num_writing = 0
@@ -290,7 +298,7 @@ class MemoryPool:
                 self._readable[obj.key] = obj
                 self._num_writing -= 1
                 if pin:
-                    obj.pins = 1  # WRITING -> pinned: its slab stays stuck on the same count
+                    obj.pins = 1  # WRITING -> pinned: still held, its slab stuck on the same count
                     self._num_pinned += 1
             if not pin:
                 self._make_evictable(objects)
@@ -389,6 +397,7 @@ class MemoryPool:
     def clear(self) -> int:
         """Drop every READY unpinned object; returns how many. Pinned and WRITING objects stay."""
         with self._lock:
+            self._settle()
             victims = [obj for size_class in self._classes.values() for obj in size_class.evictable]
             for obj in victims:
                 self._remove_evictable(obj)
@@ -511,6 +520,7 @@ class MemoryPool:
             slab = self._new_slab(size_class)
             if slab is not None:
                 return slab
+            self._settle()
             if size_class.evictable:
                 self._evict(next(iter(size_class.evictable)))
             elif not self._evict_slabs_for(size_class.span):
@@ -573,24 +583,45 @@ class MemoryPool:
         return None if None in objects else objects  # type: ignore[return-value]
 
     def _pin_all(self, objects: list[PoolObject]) -> None:
-        """One more pin on each (READY) object; one loop, no call per object: a LOOKUP pins its
-        whole prefix on every rank."""
-        stick = self._stick
+        """One more pin on each (READY) object. Only the count: a LOOKUP pins its whole prefix on
+        every rank on the daemon's socket thread, and most pins end (END_SESSION, RETRIEVE)
+        before any eviction looks. The LRU and slab books learn of them in `_settle`."""
+        newly = 0
         for obj in objects:
-            if obj.pins == 0:
+            if not obj.pins:
+                newly += 1
+            obj.pins += 1
+        self._num_pinned += newly
+        self._unsettled += objects
+        if len(self._unsettled) > _MAX_UNSETTLED:  # no eviction for long: keep the list bounded
+            self._settle()
+
+    def _settle(self) -> None:
+        """Before any eviction decision: objects pinned since the last one leave their class's
+        LRU and count as stuck in their slab (so no clean slab holds a pinned object); until then
+        a pin only raised `pins`, and an object unpinned meanwhile never left the LRU."""
+        stick = self._stick
+        for obj in self._unsettled:
+            if obj.pins and not obj.held and obj.state is ObjectState.READY:
+                obj.held = True
                 del obj.slab.size_class.evictable[obj]
                 stick(obj.slab)
-                self._num_pinned += 1
-            obj.pins += 1
+        self._unsettled.clear()
 
     def _make_evictable(self, objects: list[PoolObject]) -> None:
         """The objects are now READY and unpinned: evictable, as the most recently used (until
         `_refresh` puts the call's objects in their final order). One loop, no call per object: a
-        LOOKUP's leases come back by the hundred."""
-        unstick = self._unstick
+        LOOKUP's leases come back by the hundred. A pin that was never settled left its object
+        on the LRU (`_refresh` moves it) and its slab clean: that slab is now the most recently
+        clean, as if it had been stuck until now."""
+        unstick, clean = self._unstick, self._clean_slabs
         for obj in objects:
-            obj.slab.size_class.evictable[obj] = None
-            unstick(obj.slab)
+            if obj.held:
+                obj.held = False
+                obj.slab.size_class.evictable[obj] = None
+                unstick(obj.slab)
+            elif obj.slab in clean:
+                clean.move_to_end(obj.slab)
 
     def _refresh(self, objects: list[PoolObject]) -> None:
         """Make `objects` and all their ancestors the most recently used, each ancestor after its
