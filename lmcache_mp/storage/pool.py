@@ -17,7 +17,10 @@ Lifecycle. `reserve` hands out a WRITING object (invisible to readers, never evi
 `ReserveFailure` for a key it can't serve; `commit` makes it READY (with `pin=True` also pinned, in
 the same step, so it is never evictable in between), `abort` frees it. Readers `pin` READY objects
 while they copy out of them. Only READY objects with no pins are evictable, least recently used
-first (one LRU order per size class).
+first (one LRU order per size class). A pin only counts at first; the object leaves its LRU, and
+its slab counts it stuck, at the next eviction decision (`_settle`), so the LOOKUP that pins a
+whole prefix on every rank pays one increment per object, and a pin that ends before any
+eviction (the usual LOOKUP then RETRIEVE or END_SESSION) never touches the LRU.
 
 Prefixes. Keys are opaque here, but in the daemon a key names a chunk *and the whole token prefix
 before it*, and a lookup counts hits only up to the first missing chunk: a chunk whose predecessor
