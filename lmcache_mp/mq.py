@@ -237,9 +237,11 @@ class MessageQueueClient:
         before any request submitted after it."""
         future = self._enqueue(request_type, payload, timeout_s)
         if self._flusher is None:
-            self._flusher = threading.Thread(target=self._flush_later, name="mq-client-flusher",
-                                             daemon=True)
-            self._flusher.start()
+            with self._pending_lock:  # one flusher, and none once `close` has begun
+                if self._flusher is None and not self._closed:
+                    self._flusher = threading.Thread(target=self._flush_later, name="mq-client-flusher",
+                                                     daemon=True)
+                    self._flusher.start()
         if not self._later.is_set():
             self._later.set()
         return future
@@ -260,10 +262,12 @@ class MessageQueueClient:
     def _flush_later(self) -> None:
         """The flusher thread: sends what `submit_later` queued, at most LATER_FLUSH_S after it
         (usually a request or a wait of the caller's has sent it already)."""
-        while not self._closed:
+        while True:
             self._later.wait()
             time.sleep(LATER_FLUSH_S)
             self._later.clear()
+            if self._closed:  # checked before the socket is touched: `close` waits for this thread
+                return
             self._kick()
 
     def handshake(self, client_name: str, timeout_s: float = 10.0) -> HelloReply:
@@ -297,7 +301,9 @@ class MessageQueueClient:
         for future in pending.values():
             future._settle(None, ClientClosedError(f"client for {self.server_url} closed"))
         self._wake_waiters()
-        self._later.set()  # the flusher sees `_closed` and leaves
+        if self._flusher is not None:  # it must be gone before the socket and doorbell close
+            self._later.set()
+            self._flusher.join()
         with self._io:  # a leader leaves within one slice once its future is settled
             self._sock.close(linger=0)
             os.close(self._doorbell)

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import msgspec
@@ -224,6 +225,25 @@ def test_oversized_frame_is_refused_and_the_daemon_serves_on(daemon: DaemonProce
         assert client.submit(RequestType.PING, [11]).result(5) == 11
     finally:
         client.close()
+
+
+def test_a_deferred_request_goes_out_on_its_own_and_close_stops_the_flusher(daemon: DaemonProcess) -> None:
+    """`submit_later` (END_SESSION, RELEASE_LEASES) queues the request for the next one; with
+    nothing sent after it, the flusher thread sends it within LATER_FLUSH_S. `close` waits for
+    that thread before closing the socket it uses."""
+    client = MessageQueueClient(daemon.url)
+    client.handshake("deferred")
+    future = client.submit_later(RequestType.PING, [7])
+    deadline = time.monotonic() + 5
+    while client._outbox:  # nobody drives the socket here: only the flusher can send it
+        assert time.monotonic() < deadline, "the deferred request was never sent"
+        time.sleep(0.005)
+    assert future.result(5) == 7
+    flusher = client._flusher
+    assert flusher is not None and flusher.is_alive()
+    client.submit_later(RequestType.PING, [8])
+    client.close()
+    assert not flusher.is_alive()
 
 
 def test_concurrent_clients_threads_match_replies(client: MessageQueueClient) -> None:
