@@ -62,23 +62,22 @@ CLOSE_LINGER_MS = 2000
 
 
 class Codec:
-    """Typed encoders and decoders for every request's payload frames and its reply."""
+    """Typed encoders and decoders for every request's payload frame and its reply."""
 
     def __init__(self) -> None:
         self.encoder = get_customized_encoder()
         self._int = msgspec.msgpack.Decoder(int)
         self._error = msgspec.msgpack.Decoder(ErrorReply)
-        self._payload = {
-            rt: [get_customized_decoder(t) for t in spec.payload] for rt, spec in PROTOCOL.items()
-        }
+        # One decoder per request type, of the whole payload as a typed fixed-length array.
+        self._payload = {rt: get_customized_decoder(tuple[spec.payload]) for rt, spec in PROTOCOL.items()}
+        self._legacy_hello = [get_customized_decoder(t) for t in PROTOCOL[RequestType.HELLO].payload]
         self._reply = {rt: get_customized_decoder(spec.reply) for rt, spec in PROTOCOL.items()}
 
     def encode_request(self, request_id: int, request_type: RequestType, payload: list[Any]) -> list[bytes]:
         expected = len(PROTOCOL[request_type].payload)
         if len(payload) != expected:
             raise ValueError(f"{request_type.name} takes {expected} payload values, got {len(payload)}")
-        encode = self.encoder.encode
-        return [REQUEST_ID.pack(request_id), _TYPE_FRAME[request_type], *map(encode, payload)]
+        return [REQUEST_ID.pack(request_id), _TYPE_FRAME[request_type], self.encoder.encode(payload)]
 
     def decode_status(self, frame: bytes) -> int:
         return self._int.decode(frame)
@@ -89,12 +88,13 @@ class Codec:
         return request_type if request_type is not None else RequestType(self._int.decode(frame))
 
     def decode_payload(self, request_type: RequestType, frames: list[bytes]) -> list[Any]:
-        decoders = self._payload[request_type]
-        if len(frames) != len(decoders):
-            raise ValueError(
-                f"{request_type.name} takes {len(decoders)} payload frames, got {len(frames)}"
-            )
-        return [dec.decode(frame) for dec, frame in zip(decoders, frames, strict=True)]
+        if len(frames) == 1:
+            return list(self._payload[request_type].decode(frames[0]))
+        if request_type is RequestType.HELLO and len(frames) == len(self._legacy_hello):
+            # Protocols 1-2 sent one frame per payload value. A client of theirs still learns
+            # which protocol this daemon speaks, and says so, instead of getting BAD_PAYLOAD.
+            return [dec.decode(frame) for dec, frame in zip(self._legacy_hello, frames, strict=True)]
+        raise ValueError(f"{request_type.name} takes one payload frame, got {len(frames)}")
 
     def encode_reply(self, value: Any) -> bytes:
         return self.encoder.encode(value)
@@ -284,6 +284,14 @@ class MessageQueueClient:
                 f"{err}; with CURVE, check that the daemon's public key is "
                 f"{self.curve.server_public_key_file} and that it allows the public key of "
                 f"{self.curve.client_secret_key_file}") from None
+        except ServerError as err:
+            if err.code != ErrorCode.BAD_PAYLOAD:
+                raise
+            # A daemon of protocol 1-2 reads one frame per payload value: this HELLO is not one.
+            raise ProtocolMismatchError(
+                f"the daemon at {self.server_url} refused this client's HELLO ({err.message}): it "
+                f"speaks an older protocol than this client's {PROTOCOL_VERSION}; upgrade the "
+                "daemon") from None
         if hello.protocol_version != PROTOCOL_VERSION:
             raise ProtocolMismatchError(
                 f"the daemon at {self.server_url} (lmcache-mp {hello.server_version}) speaks "

@@ -2,10 +2,11 @@
 
 A request is a multipart ZeroMQ message:
 
-    [request_id (8 bytes), request_type (msgpack int), payload_0, ..., payload_{n-1}]
+    [request_id (8 bytes), request_type (msgpack int), payload]
 
-with one frame per positional payload argument, each msgspec-encoded on its own with
-the declared type. A reply echoes the request id frame verbatim:
+where `payload` is one msgpack array of the positional payload arguments, each of its
+declared type (one frame, not one per argument: each frame costs a send and a receive).
+A reply echoes the request id frame verbatim:
 
     [request_id, status (msgpack int), body]
 
@@ -26,7 +27,7 @@ from lmcache_mp.storage.base import TierCleared, TierStats
 
 # Bump on any incompatible change to a schema below. Clients refuse a server whose
 # protocol version differs from theirs (see HELLO).
-PROTOCOL_VERSION = 2  # 2: LOOKUP_CHUNKS
+PROTOCOL_VERSION = 3  # 2: LOOKUP_CHUNKS; 3: one payload frame (HELLO is still read in 1-2's layout)
 
 
 class RequestType(enum.IntEnum):
@@ -53,7 +54,7 @@ class ErrorCode(enum.IntEnum):
     OK = 0
     MALFORMED_MESSAGE = 1  # frames missing or undecodable request id / type
     UNKNOWN_REQUEST_TYPE = 2
-    BAD_PAYLOAD = 3  # wrong frame count, or a frame that fails its schema
+    BAD_PAYLOAD = 3  # no payload frame or several, or a payload that fails its schema
     NOT_IMPLEMENTED = 4
     INVALID_ARGUMENT = 5  # well-formed but semantically wrong (bad block ids, ...)
     UNKNOWN_INSTANCE = 6  # no KV cache registered under that instance id
@@ -204,7 +205,7 @@ class HandlerKind(enum.Enum):
 
 @dataclass(frozen=True)
 class RequestSpec:
-    payload: tuple[Any, ...]  # one type per payload frame
+    payload: tuple[Any, ...]  # one type per payload argument
     reply: Any
     kind: HandlerKind
 

@@ -415,7 +415,7 @@ class GarbageSender:
 
     def _request(self, request_type: int, *payload: Any) -> list[bytes]:
         self.next_id += 1
-        return [REQUEST_ID.pack(self.next_id), self.encode(request_type), *(self.encode(p) for p in payload)]
+        return [REQUEST_ID.pack(self.next_id), self.encode(request_type), self.encode(list(payload))]
 
     def messages(self, instances: list[int]) -> dict[str, list[bytes]]:
         """One message of each kind, by what is wrong with it."""

@@ -175,16 +175,19 @@ def test_malformed_requests_get_error_replies(daemon: DaemonProcess) -> None:
         ([rid], ErrorCode.MALFORMED_MESSAGE),
         ([rid, b"\xc1\xc1garbage"], ErrorCode.UNKNOWN_REQUEST_TYPE),
         ([rid, enc(999)], ErrorCode.UNKNOWN_REQUEST_TYPE),
-        ([rid, enc("PING"), enc(1)], ErrorCode.UNKNOWN_REQUEST_TYPE),
-        ([rid, enc(int(RequestType.PING))], ErrorCode.BAD_PAYLOAD),  # missing frame
-        ([rid, enc(int(RequestType.PING)), enc(1), enc(2)], ErrorCode.BAD_PAYLOAD),  # extra
-        ([rid, enc(int(RequestType.PING)), enc("not an int")], ErrorCode.BAD_PAYLOAD),
-        ([rid, enc(int(RequestType.LOOKUP)), enc([{"model_name": 3}])], ErrorCode.BAD_PAYLOAD),
-        ([rid, enc(int(RequestType.REGISTER_KV_CACHE)), enc(1), enc([1, 2]), enc({})],
-         ErrorCode.BAD_PAYLOAD),
-        ([rid, enc(int(RequestType.STORE)), b"\xff\x00", enc(1), enc([0]), b""],
-         ErrorCode.BAD_PAYLOAD),
+        ([rid, enc("PING"), enc([1])], ErrorCode.UNKNOWN_REQUEST_TYPE),
+        ([rid, enc(int(RequestType.PING))], ErrorCode.BAD_PAYLOAD),  # no payload frame
+        ([rid, enc(int(RequestType.PING)), enc([1]), enc([2])], ErrorCode.BAD_PAYLOAD),  # two
+        ([rid, enc(int(RequestType.PING)), enc(1), enc(2)], ErrorCode.BAD_PAYLOAD),  # protocol 2's
+        ([rid, enc(int(RequestType.PING)), enc([])], ErrorCode.BAD_PAYLOAD),  # a value short
+        ([rid, enc(int(RequestType.PING)), enc([1, 2])], ErrorCode.BAD_PAYLOAD),  # one too many
+        ([rid, enc(int(RequestType.PING)), enc(["not an int"])], ErrorCode.BAD_PAYLOAD),
+        ([rid, enc(int(RequestType.PING)), enc(1)], ErrorCode.BAD_PAYLOAD),  # not an array
+        ([rid, enc(int(RequestType.LOOKUP)), enc([[{"model_name": 3}]])], ErrorCode.BAD_PAYLOAD),
+        ([rid, enc(int(RequestType.REGISTER_KV_CACHE)), enc([1, [1, 2], {}])], ErrorCode.BAD_PAYLOAD),
+        ([rid, enc(int(RequestType.STORE)), b"\x94\xff\x00\x01\x90"], ErrorCode.BAD_PAYLOAD),
         ([rid, enc(int(RequestType.HELLO)), os.urandom(64), os.urandom(3)], ErrorCode.BAD_PAYLOAD),
+        ([rid, enc(int(RequestType.HELLO)), os.urandom(64)], ErrorCode.BAD_PAYLOAD),
     ]
     try:
         for frames, code in cases:
@@ -360,6 +363,42 @@ def test_client_times_out_and_refuses_mismatched_server(short_tmp: Path) -> None
         with pytest.raises(RequestTimeoutError):
             client.submit(RequestType.PING, [1]).result(0.2)
     finally:
+        client.close()
+        router.close(linger=0)
+
+
+def test_protocol_2_clients_and_daemons_learn_of_the_mismatch(daemon: DaemonProcess, short_tmp: Path) -> None:
+    """Protocol 3 sends one payload frame. A protocol-2 client's HELLO (a frame per value) still
+    gets a HelloReply naming protocol 3; a protocol-2 daemon refuses our HELLO with BAD_PAYLOAD,
+    which the client reports as a protocol mismatch."""
+    enc = msgspec.msgpack.encode
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(daemon.url)
+    try:
+        reply = _raw(sock, [REQUEST_ID.pack(3), enc(int(RequestType.HELLO)), enc(2), enc("old client")])
+        assert msgspec.msgpack.decode(reply[1]) == ErrorCode.OK
+        assert Codec().decode_reply(RequestType.HELLO, 0, reply[2]).protocol_version == PROTOCOL_VERSION
+    finally:
+        sock.close()
+
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    url = f"ipc://{short_tmp / 'old.sock'}"
+    router.bind(url)
+
+    def refuse_once() -> None:  # what a protocol-2 daemon answers a one-frame HELLO
+        identity, rid, *_ = router.recv_multipart()
+        body = Codec().encode_error(ErrorCode.BAD_PAYLOAD, "HELLO takes 2 payload frames, got 1")
+        router.send_multipart([identity, rid, enc(int(ErrorCode.BAD_PAYLOAD)), body])
+
+    th = threading.Thread(target=refuse_once)
+    th.start()
+    client = MessageQueueClient(url)
+    try:
+        with pytest.raises(ProtocolMismatchError, match="older protocol"):
+            client.handshake("tests", timeout_s=5)
+    finally:
+        th.join(5)
         client.close()
         router.close(linger=0)
 

@@ -213,6 +213,24 @@ def test_unpin_misuse_raises_and_changes_nothing() -> None:
     assert pool.stats().num_pinned == 0
 
 
+def test_lookup_pins_leave_nothing_behind_once_released() -> None:
+    """A pin only counts until an eviction decision needs the books (lazy pins): the pool's
+    record of such pins holds pinned objects only, so pins that come and go without eviction
+    (the usual LOOKUP, then RETRIEVE or END_SESSION) leave nothing behind, however many."""
+    pool = MemoryPool(4 * KiB, slab_bytes=KiB)
+    chain = [("k", i) for i in range(8)]
+    reserve_ready(pool, chain, 256)
+    held = pool.pin_prefix([chain[:2]])
+    for _ in range(2000):
+        pinned = pool.pin_prefix([chain])
+        assert len(pinned) == 8
+        pool.unpin([obj for objects in pinned for obj in objects])
+    assert len(pool._unsettled) == 2  # the two still pinned
+    pool.unpin([obj for objects in held for obj in objects])
+    assert not pool._unsettled and pool.stats().num_pinned == 0
+    assert pool.clear() == 8  # every object is evictable again
+
+
 # ---- eviction --------------------------------------------------------------------------------
 
 

@@ -75,9 +75,6 @@ from lmcache_mp.storage.pool_memory import PIECE_BYTES, PinFn, PoolMemory
 
 # Every object's data starts on a cache line, which vectorised copies want.
 ALIGN = 64
-# Pins remembered since the last eviction decision before settling anyway (a settle under the
-# lock then costs about a millisecond at most).
-_MAX_UNSETTLED = 4096
 _TARGET_SLAB_BYTES = 64 << 20
 _MIN_SLABS = 8
 
@@ -246,8 +243,8 @@ class MemoryPool:
         self._readable: dict[Hashable, PoolObject] = {}  # the READY ones: what readers may pin
         # Slabs whose objects are all evictable, in the order they became so (oldest first).
         self._clean_slabs: OrderedDict[_Slab, None] = OrderedDict()
-        # Objects pinned since the last eviction decision, maybe still on an LRU (see `_settle`).
-        self._unsettled: list[PoolObject] = []
+        # Pinned objects still on their LRU: pinned since the last eviction decision (`_settle`).
+        self._unsettled: dict[PoolObject, None] = {}
         self._used = 0
         self._num_pinned = 0
         self._num_writing = 0
@@ -595,9 +592,7 @@ class MemoryPool:
                 newly += 1
             obj.pins += 1
         self._num_pinned += newly
-        self._unsettled += objects
-        if len(self._unsettled) > _MAX_UNSETTLED:  # no eviction for long: keep the list bounded
-            self._settle()
+        self._unsettled.update(dict.fromkeys(objects))  # C-level; held objects are skipped later
 
     def _settle(self) -> None:
         """Before any eviction decision: objects pinned since the last one leave their class's
@@ -605,7 +600,7 @@ class MemoryPool:
         a pin only raised `pins`, and an object unpinned meanwhile never left the LRU."""
         stick = self._stick
         for obj in self._unsettled:
-            if obj.pins and not obj.held and obj.state is ObjectState.READY:
+            if obj.pins and not obj.held:
                 obj.held = True
                 del obj.slab.size_class.evictable[obj]
                 stick(obj.slab)
@@ -617,8 +612,9 @@ class MemoryPool:
         LOOKUP's leases come back by the hundred. A pin that was never settled left its object
         on the LRU (`_refresh` moves it) and its slab clean: that slab is now the most recently
         clean, as if it had been stuck until now."""
-        unstick, clean = self._unstick, self._clean_slabs
+        unstick, clean, unsettled = self._unstick, self._clean_slabs, self._unsettled
         for obj in objects:
+            unsettled.pop(obj, None)  # it holds pinned objects only: never more than are pinned
             if obj.held:
                 obj.held = False
                 obj.slab.size_class.evictable[obj] = None
