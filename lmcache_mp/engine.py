@@ -146,8 +146,7 @@ class Engine:
                 hashes: list[bytes]) -> int | Future[int]:
         if not hashes:
             return 0
-        ranks = [[inst.rank_spec for inst in instances]
-                 for instances in self.registry.rank_instances(model, world_size)]
+        ranks = self.registry.rank_specs(model, world_size)
         if not ranks:
             return 0  # some rank has no registered cache: nothing could be retrieved
         hits = self.storage.lookup(hashes, ranks)

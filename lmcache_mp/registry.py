@@ -76,6 +76,9 @@ class Registry:
         # rank -> {format fingerprint: the registered instances with that format}
         self._rank_formats: dict[RankKey, dict[bytes, list[Instance]]] = {}
         self._tokens: dict[bytes, int] = {}  # attach token -> instance id
+        # (model, world size) -> `rank_specs`' answer, made once per change of the registrations
+        # (every LOOKUP asks); emptied, under the lock, by every register and drop.
+        self._rank_specs: dict[tuple[str, int], list[list[RankSpec]]] = {}
         self._lock = threading.Lock()
         self.attach = AttachListener(attach_socket, self._on_attach_closed, access)
         self.attach.start()
@@ -113,6 +116,7 @@ class Registry:
             self._instances[instance_id] = instance
             formats = self._rank_formats.setdefault(instance.rank_key, {})
             formats.setdefault(fmt.fingerprint, []).append(instance)
+            self._rank_specs = {}
             if reg.attach_token:
                 self._tokens[reg.attach_token] = instance_id
         logger.info("registered instance %d: %s rank %d/%d, %s %s, %d layers x %d blocks of %d tokens",
@@ -172,6 +176,7 @@ class Registry:
             del formats[instance.fmt.fingerprint]
         if not formats:
             del self._rank_formats[instance.rank_key]
+        self._rank_specs = {}
         if instance.registration.attach_token:
             self._tokens.pop(instance.registration.attach_token, None)
         return True
@@ -192,13 +197,19 @@ class Registry:
                               f"no KV cache is registered under instance id {instance_id}")
         return instance
 
-    def rank_instances(self, model: str, world_size: int) -> list[list[Instance]]:
-        """For each rank, one registered instance per distinct chunk format (usually exactly one);
-        an empty list when some rank has none: nothing could be retrieved into every rank."""
+    def rank_specs(self, model: str, world_size: int) -> list[list[RankSpec]]:
+        """For each rank, the `RankSpec` of each distinct chunk format registered for it (usually
+        exactly one); an empty list when some rank has none: nothing could be retrieved into
+        every rank. Read without the lock when known: a LOOKUP racing a registration change may
+        see the registrations just before it, as it would have a moment earlier."""
+        specs = self._rank_specs.get((model, world_size))
+        if specs is not None:
+            return specs
         with self._lock:
-            per_rank = [[same[0] for same in self._rank_formats.get((model, world_size, r), {}).values()]
-                        for r in range(world_size)]
-        return per_rank if all(per_rank) else []
+            formats = [self._rank_formats.get((model, world_size, rank), {}) for rank in range(world_size)]
+            per_rank = [[same[0].rank_spec for same in rank_formats.values()] for rank_formats in formats]
+            specs = self._rank_specs[model, world_size] = per_rank if all(per_rank) else []
+        return specs
 
     def instance_ids(self) -> list[int]:
         with self._lock:
