@@ -42,6 +42,21 @@ class _Gauges(Collector):
         yield from families.values()
 
 
+class _LookupChunks(Collector):
+    """lmcache_mp_lookup_chunks_total{result="hit"|"miss"}, from the metrics' plain totals."""
+
+    def __init__(self, metrics: Metrics):
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily("lmcache_mp_lookup_chunks", "Chunks asked for by LOOKUP",
+                                     labels=["result"])
+        hits = self._metrics.lookup_hits_total
+        family.add_metric(["hit"], hits)
+        family.add_metric(["miss"], self._metrics.lookup_chunks_total - hits)
+        yield family
+
+
 def _family(name: str, documentation: str, **kwargs) -> CounterMetricFamily | GaugeMetricFamily:
     """A `..._total` value only ever grows: typed as a counter, so Prometheus' rate() and
     Grafana treat restarts right; anything else is a gauge."""
@@ -57,8 +72,6 @@ class Metrics:
                                 ["type", "status"], registry=self.registry)
         self.latency = Histogram("lmcache_mp_request_seconds", "Time from decoded request to reply",
                                  ["type"], buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.lookup_chunks = Counter("lmcache_mp_lookup_chunks", "Chunks asked for by LOOKUP",
-                                     ["result"], registry=self.registry)
         self.store_chunks = Counter("lmcache_mp_store_chunks", "Chunks offered to STORE, by outcome",
                                     ["outcome"], registry=self.registry)
         self.retrieve_chunks = Counter("lmcache_mp_retrieve_chunks", "Chunks asked for by RETRIEVE",
@@ -72,16 +85,17 @@ class Metrics:
         for rt in RequestType:  # pre-register every series at 0
             for code in (ErrorCode.OK, ErrorCode.INVALID_ARGUMENT, ErrorCode.INTERNAL):
                 self._requests[rt, code] = self.requests.labels(rt.name, code.name)
-        self._lookup_hits = self.lookup_chunks.labels("hit")
-        self._lookup_misses = self.lookup_chunks.labels("miss")
         for outcome in ChunkOutcome:
             self.store_chunks.labels(outcome.name.lower())
         for result in ("loaded", "failed"):
             self.retrieve_chunks.labels(result)
         for direction in ("store", "retrieve"):
             self.bytes.labels(direction)
+        # Plain totals (for STATUS's hit rate), exported as lmcache_mp_lookup_chunks_total at
+        # scrape time: a LOOKUP adds to two ints instead of taking two counters' locks.
         self.lookup_chunks_total = 0
         self.lookup_hits_total = 0
+        self.registry.register(_LookupChunks(self))
 
     def watch(self, read: Callable[[], dict[str, float]],
               read_tiers: Callable[[], dict[str, dict[str, float]]]) -> None:
@@ -99,10 +113,8 @@ class Metrics:
         self._latency[request_type].observe(seconds)
 
     def looked_up(self, asked: int, hits: int) -> None:
-        self.lookup_chunks_total += asked  # plain totals too, for STATUS's hit rate
+        self.lookup_chunks_total += asked
         self.lookup_hits_total += hits
-        self._lookup_hits.inc(hits)
-        self._lookup_misses.inc(asked - hits)
 
     def stored(self, outcomes: list[ChunkOutcome], chunk_bytes: int) -> None:
         for outcome in outcomes:

@@ -8,6 +8,7 @@ deterministically: the exact ops, a failed load, an absent or frozen daemon.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import signal
 import threading
@@ -466,6 +467,46 @@ def test_absent_daemon_then_appearing(short_tmp: Path, load_mode: str) -> None:
             daemon.stop()
 
 
+@pytest.mark.daemon_args(*DAEMON_ARGS)
+def test_the_scheduler_waits_for_lookups_within_each_steps_budget(daemon: DaemonProcess) -> None:
+    """`lookup_wait_ms`: a lookup answered within the step's budget is matched at the first ask
+    (no step lost to "pending"); the budget is shared by the step's requests and renewed by the
+    next step; 0 never waits."""
+    tokens = list(range(2 * CHUNK))
+    # A heartbeat slower than the test: the frozen daemon still counts as alive, its lookups pending.
+    settings = ConnectorSettings(url=daemon.url, lookup_wait_ms=300, reconnect_interval_s=60)
+    scheduler = SchedulerSide(settings, "m", 1, 0, BLOCK)
+    never = SchedulerSide(dataclasses.replace(settings, lookup_wait_ms=0), "m", 1, 0, BLOCK)
+    try:
+        first = request("a", tokens)
+        scheduler.on_new_request(first)
+        assert scheduler.get_num_new_matched_tokens(first, 0) == (0, False)  # answered, not pending
+
+        freeze(daemon.proc)
+        try:
+            late, later = request("b", tokens), request("c", tokens)
+            start = time.monotonic()
+            assert scheduler.get_num_new_matched_tokens(late, 0) == (None, True)
+            waited = time.monotonic() - start
+            start = time.monotonic()
+            assert scheduler.get_num_new_matched_tokens(later, 0) == (None, True)
+            assert waited > 0.25 and time.monotonic() - start < waited / 2  # the step's budget is spent
+            scheduler.build_connector_meta(step({}))
+            start = time.monotonic()
+            assert scheduler.get_num_new_matched_tokens(later, 0) == (None, True)
+            assert time.monotonic() - start > 0.25  # a new step, a new budget
+
+            other = request("d", tokens)
+            start = time.monotonic()
+            assert never.get_num_new_matched_tokens(other, 0) == (None, True)
+            assert time.monotonic() - start < 0.25
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+    finally:
+        scheduler.shutdown()
+        never.shutdown()
+
+
 def test_settings() -> None:
     assert ConnectorSettings.from_extra_config({}) == ConnectorSettings(url=default_url())
     parsed = ConnectorSettings.from_extra_config({"lmcache.mp.url": "tcp://127.0.0.1:5555",
@@ -481,3 +522,6 @@ def test_settings() -> None:
     assert ConnectorSettings.from_extra_config({"lmcache.mp.load_mode": "sync"}).load_mode == "sync"
     with pytest.raises(ValueError, match="load_mode"):
         ConnectorSettings.from_extra_config({"lmcache.mp.load_mode": "eager"})
+    assert ConnectorSettings.from_extra_config({"lmcache.mp.lookup_wait_ms": "0.5"}).lookup_wait_ms == 0.5
+    with pytest.raises(ValueError, match="lookup_wait_ms"):
+        ConnectorSettings.from_extra_config({"lmcache.mp.lookup_wait_ms": -1})

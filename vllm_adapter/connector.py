@@ -19,6 +19,9 @@ Settings (`kv_connector_extra_config`; unknown `lmcache.mp.*` keys are refused):
   keep running; "sync" loads right before the request's forward pass (the worker waits for
   it), one scheduler step sooner, best for time to first token of requests that come alone.
   A sync load leaves at least the last chunk for vLLM to compute.
+- `lmcache.mp.lookup_wait_ms` (2): how long the scheduler may wait in one step, across
+  requests, for lookups still in flight. A lookup answered within it lets its request be
+  scheduled (and its load planned) in that step instead of the next; 0 never waits.
 - `lmcache.mp.save_decode_cache` (false): also store chunks completed during decoding. Off
   by default: only prompt chunks are stored, since the chunks that hold sampled tokens are
   rarely shared and would churn the cache.

@@ -26,6 +26,7 @@ DEFAULT_RECONNECT_INTERVAL_S = 1.0
 # How long one connection attempt waits for the daemon's HELLO. A daemon on this machine
 # answers in well under a millisecond; the margin is for a box busy running the model.
 CONNECT_TIMEOUT_S = 2.0
+DEFAULT_LOOKUP_WAIT_MS = 2.0
 
 _PREFIX = "lmcache.mp."
 
@@ -41,6 +42,8 @@ class ConnectorSettings:
     # "async": loads run while the engine steps on (other requests keep running);
     # "sync": a request's load runs right before its forward pass, one scheduler step sooner.
     load_mode: str = "async"
+    # How long the scheduler may wait, per step and across requests, for lookups in flight.
+    lookup_wait_ms: float = DEFAULT_LOOKUP_WAIT_MS
     # CURVE keys, for a daemon that requires them: its public key file and this client's
     # secret key file (`lmcache-mp keygen`).
     curve: ClientCurve | None = None
@@ -49,7 +52,7 @@ class ConnectorSettings:
     def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorSettings:
         ours = {key.removeprefix(_PREFIX): value for key, value in extra.items() if key.startswith(_PREFIX)}
         unknown = sorted(set(ours) - {"url", "timeout_s", "reconnect_interval_s", "save_decode_cache",
-                                      "load_mode", "server_public_key", "client_key"})
+                                      "load_mode", "lookup_wait_ms", "server_public_key", "client_key"})
         if unknown:  # a typo would otherwise silently fall back to a default
             raise ValueError(f"unknown kv_connector_extra_config keys: {[_PREFIX + k for k in unknown]}")
         settings = cls(
@@ -58,10 +61,13 @@ class ConnectorSettings:
             reconnect_interval_s=float(ours.get("reconnect_interval_s", DEFAULT_RECONNECT_INTERVAL_S)),
             save_decode_cache=_as_bool(ours.get("save_decode_cache", False)),
             load_mode=str(ours.get("load_mode", "async")),
+            lookup_wait_ms=float(ours.get("lookup_wait_ms", DEFAULT_LOOKUP_WAIT_MS)),
             curve=_curve(ours.get("server_public_key"), ours.get("client_key")),
         )
         if settings.load_mode not in ("async", "sync"):
             raise ValueError(f'{_PREFIX}load_mode must be "async" or "sync", not {settings.load_mode!r}')
+        if not 0 <= settings.lookup_wait_ms <= 1000:
+            raise ValueError(f"{_PREFIX}lookup_wait_ms must be within 0-1000, not {settings.lookup_wait_ms}")
         if settings.timeout_s <= 0 or settings.reconnect_interval_s <= 0:
             raise ValueError(f"{_PREFIX}timeout_s and {_PREFIX}reconnect_interval_s must be positive")
         return settings

@@ -94,6 +94,8 @@ class SchedulerSide:
         self._world_size = world_size
         self._save_decode_cache = settings.save_decode_cache
         self._sync_loads = settings.load_mode == "sync"
+        self._lookup_wait_s = settings.lookup_wait_ms / 1000
+        self._lookup_wait_left = self._lookup_wait_s  # this step's, across requests
         self._reconnect_interval_s = settings.reconnect_interval_s
 
         def connect(group: KVGroup) -> LMCacheMPSchedulerAdapter:
@@ -142,7 +144,7 @@ class SchedulerSide:
         if request.num_preemptions > 0 or state.load_planned:
             # Back after a preemption or a failed load (its blocks were freed): recompute.
             return 0, False
-        hit = self._hit_tokens(state)
+        hit = self._hit_tokens(state, wait=True)
         if hit is None:
             return None, True  # lookup pending: vLLM skips the request this step, asks again
         state.local_tokens = num_computed_tokens
@@ -160,14 +162,15 @@ class SchedulerSide:
             state = self._requests[request.request_id] = _RequestState(request)
         return state
 
-    def _hit_tokens(self, state: _RequestState) -> int | None:
+    def _hit_tokens(self, state: _RequestState, wait: bool = False) -> int | None:
+        """`wait`: the lookup may be waited for, within this step's `lookup_wait_ms`."""
         if state.hit_tokens is None:
-            state.hit_tokens = self._poll_lookup(state)
+            state.hit_tokens = self._poll_lookup(state, wait)
             if state.hit_tokens:  # only a connected daemon reports hits
                 state.saved_chunks = state.hit_tokens // (self._chunk_blocks * self._block_size)
         return state.hit_tokens
 
-    def _poll_lookup(self, state: _RequestState) -> int | None:
+    def _poll_lookup(self, state: _RequestState, wait: bool) -> int | None:
         request = state.request
         adapter = self._daemon()
         if adapter is None or request.skip_reading_prefix_cache:
@@ -175,7 +178,14 @@ class SchedulerSide:
         if not state.lookup_sent:
             adapter.maybe_submit_lookup_request(request.request_id, block_hashes=list(request.block_hashes))
             state.lookup_sent = True
-        hit = adapter.check_lookup_result(request.request_id)
+        if wait and self._lookup_wait_left > 0:
+            # Usually answered within a millisecond: then the request is scheduled, its load
+            # planned, in this step rather than the next (an empty step, tens of ms on a GPU).
+            start = time.monotonic()
+            hit = adapter.check_lookup_result(request.request_id, wait_s=self._lookup_wait_left)
+            self._lookup_wait_left -= time.monotonic() - start
+        else:
+            hit = adapter.check_lookup_result(request.request_id)
         if hit is not None:
             adapter.cleanup_lookup_result(request.request_id)
         return hit
@@ -229,6 +239,7 @@ class SchedulerSide:
     # ---- per step ------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> LMCacheMPConnectorMetadata:
+        self._lookup_wait_left = self._lookup_wait_s  # a new step's
         self._step += 1
         preempted = set(scheduler_output.preempted_req_ids or ())
         meta = LMCacheMPConnectorMetadata(loads=self._pending_loads, preempted=preempted,

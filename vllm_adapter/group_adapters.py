@@ -11,6 +11,7 @@ group every call passes straight through, under the request's own id.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
@@ -90,9 +91,13 @@ class SchedulerGroups(_Groups):
         for group, adapter in self._each():
             adapter.maybe_submit_lookup_request(self.rid(group, request_id), block_hashes=block_hashes)
 
-    def check_lookup_result(self, request_id: str) -> int | None:
-        """Tokens every group holds, or None while any group's lookup is pending."""
-        hits = [adapter.check_lookup_result(self.rid(group, request_id)) for group, adapter in self._each()]
+    def check_lookup_result(self, request_id: str, wait_s: float = 0.0) -> int | None:
+        """Tokens every group holds, or None while any group's lookup is pending (after waiting up
+        to `wait_s` in all)."""
+        deadline = time.monotonic() + wait_s
+        hits = [adapter.check_lookup_result(self.rid(group, request_id),
+                                            wait_s=max(0.0, deadline - time.monotonic()))
+                for group, adapter in self._each()]
         return None if None in hits else min(hit for hit in hits if hit is not None)
 
     def cleanup_lookup_result(self, request_id: str) -> None:

@@ -195,10 +195,13 @@ class LMCacheMPSchedulerAdapter:
             future = send_lmcache_request(self.mq_client, *request)
         self.lookup_futures[request_id] = future
 
-    def check_lookup_result(self, request_id: str) -> int | None:
-        """Tokens hit (a multiple of the chunk size), or None while the lookup is pending.
-        A failed lookup (daemon down, error) counts as 0: a miss, never a guess."""
+    def check_lookup_result(self, request_id: str, wait_s: float = 0.0) -> int | None:
+        """Tokens hit (a multiple of the chunk size), or None while the lookup is pending after
+        waiting up to `wait_s`. A failed lookup (daemon down, error) counts as 0: a miss, never
+        a guess."""
         future = self.lookup_futures[request_id]
+        if wait_s > 0:
+            future.wait(wait_s)
         # Polling drives the socket (settling earlier releases' replies too), but a lookup that
         # was waited on is settled already: then skip the poll's system calls.
         settled = future.done() or future.query()
