@@ -180,7 +180,8 @@ class SchedulerSide:
             state.lookup_sent = True
         if wait and self._lookup_wait_left > 0:
             # Usually answered within a millisecond: then the request is scheduled, its load
-            # planned, in this step rather than the next (an empty step, tens of ms on a GPU).
+            # planned, in this step rather than one step later (a whole decode step of the
+            # other running requests, when there are any).
             start = time.monotonic()
             hit = adapter.check_lookup_result(request.request_id, wait_s=self._lookup_wait_left)
             self._lookup_wait_left -= time.monotonic() - start
