@@ -178,15 +178,14 @@ class SchedulerSide:
         if not state.lookup_sent:
             adapter.maybe_submit_lookup_request(request.request_id, block_hashes=list(request.block_hashes))
             state.lookup_sent = True
-        if wait and self._lookup_wait_left > 0:
-            # Usually answered within a millisecond: then the request is scheduled, its load
-            # planned, in this step rather than one step later (a whole decode step of the
-            # other running requests, when there are any).
-            start = time.monotonic()
-            hit = adapter.check_lookup_result(request.request_id, wait_s=self._lookup_wait_left)
+        # Usually answered within a millisecond: then the request is scheduled, its load planned,
+        # in this step rather than one step later (a whole decode step of the other running
+        # requests, when there are any).
+        wait_s = max(0.0, self._lookup_wait_left) if wait else 0.0
+        start = time.monotonic()
+        hit = adapter.check_lookup_result(request.request_id, wait_s=wait_s)
+        if wait_s:
             self._lookup_wait_left -= time.monotonic() - start
-        else:
-            hit = adapter.check_lookup_result(request.request_id)
         if hit is not None:
             adapter.cleanup_lookup_result(request.request_id)
         return hit
