@@ -57,6 +57,34 @@ MAX_FRAME_BYTES = 64 * 2**20
 # How long a stopping server keeps trying to deliver its last replies to connected clients.
 CLOSE_LINGER_MS = 2000
 
+# pyzmq's flags are IntFlag enums, and `send_multipart` ORs SNDMORE into each frame's flags:
+# an enum operation in pure Python per frame, several microseconds per message on the daemon's
+# and every client's critical path. These are the same flags as plain ints.
+_NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE = int(zmq.SNDMORE)
+_RCVMORE = int(zmq.RCVMORE)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+
+
+def send_frames(sock: zmq.Socket, frames: list[bytes], flags: int = 0) -> None:
+    """`sock.send_multipart(frames, flags)` for our small frames, without the enum arithmetic.
+    (Frames this small are copied by libzmq whatever `copy` says, so none is asked for.)"""
+    send = sock.send
+    more = flags | _SNDMORE
+    for frame in frames[:-1]:
+        send(frame, more)
+    send(frames[-1], flags)
+
+
+def recv_frames(sock: zmq.Socket) -> list[bytes]:
+    """`sock.recv_multipart(zmq.NOBLOCK)`, as `send_frames` is `send_multipart`."""
+    recv, more = sock.recv, sock.getsockopt
+    frames = [recv(_NOBLOCK)]
+    while more(_RCVMORE):
+        frames.append(recv(_NOBLOCK))
+    return frames
+
 
 # ---- encoding -----------------------------------------------------------------------------
 
@@ -206,6 +234,7 @@ class MessageQueueClient:
         self._closed = False
         self._io = threading.Lock()  # whoever holds it may use the socket
         self._settled = threading.Condition()  # replies settled, or the leader left
+        self._waiting = 0  # threads waiting on `_settled` (changed under its lock)
         self._outbox: collections.deque[list[bytes]] = collections.deque()
         self._later = threading.Event()  # `submit_later` queued something: the flusher is due
         self._flusher: threading.Thread | None = None
@@ -338,7 +367,7 @@ class MessageQueueClient:
         while self._outbox:
             frames = self._outbox.popleft()
             try:
-                self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                send_frames(self._sock, frames, _NOBLOCK)
             except zmq.Again:
                 # No connection to queue it on: the daemon refused our CURVE key (ZeroMQ then
                 # drops the connection for good), or its queue is full. Blocking here would hang
@@ -371,8 +400,14 @@ class MessageQueueClient:
                     self._kick()
             else:
                 with self._settled:
-                    if not future._done:
-                        self._settled.wait(min(remaining, _LEADER_SLICE_S))
+                    # Counted before the checks: a leader settles, or leaves, and then reads
+                    # the count, so either we see its change or it sees us and wakes us.
+                    self._waiting += 1
+                    try:
+                        if not future._done and self._io.locked():
+                            self._settled.wait(min(remaining, _LEADER_SLICE_S))
+                    finally:
+                        self._waiting -= 1
 
     def _lead(self, future: MessagingFuture[Any], deadline: float | None) -> None:
         while not future._done and not self._closed:
@@ -388,7 +423,7 @@ class MessageQueueClient:
             # One reply, which the poll promised: the next poll returns at once if more wait.
             # (Reading on until EAGAIN costs a failed read and an exception per round trip,
             # several times a PING's own handling where system calls are slow, as on VMs.)
-            if self._sock in events and self._on_reply(self._sock.recv_multipart(zmq.NOBLOCK)):
+            if self._sock in events and self._on_reply(recv_frames(self._sock)):
                 self._wake_waiters()
             # Whether or not replies arrived: under steady traffic every slice has events, and a
             # request whose reply never comes must still time out on schedule.
@@ -398,14 +433,15 @@ class MessageQueueClient:
         """Settle every reply that has arrived, asking the socket before each read (ZMQ_EVENTS
         costs less than a read that fails with EAGAIN)."""
         settled = False
-        while self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            settled |= self._on_reply(self._sock.recv_multipart(zmq.NOBLOCK))
+        while self._sock.getsockopt(_EVENTS) & _POLLIN:
+            settled |= self._on_reply(recv_frames(self._sock))
         if settled:
             self._wake_waiters()
 
     def _wake_waiters(self) -> None:
-        with self._settled:
-            self._settled.notify_all()
+        if self._waiting:  # a Condition's notify costs microseconds even with nobody to wake
+            with self._settled:
+                self._settled.notify_all()
 
     def _on_reply(self, frames: list[bytes]) -> bool:
         if len(frames) != 3:
@@ -512,7 +548,7 @@ class MessageQueueServer:
         will time out, and the socket is closed."""
         frames = [identity, request_id, _STATUS_FRAMES[status], body]
         if threading.current_thread() is self._thread:  # only while the I/O thread runs
-            self._sock.send_multipart(frames, copy=False)
+            send_frames(self._sock, frames)
             return
         with self._reply_lock:
             if self._closed:
@@ -556,14 +592,14 @@ class MessageQueueServer:
 
     def _flush_outbox(self) -> None:
         while self._outbox:
-            self._sock.send_multipart(self._outbox.popleft(), copy=False)
+            send_frames(self._sock, self._outbox.popleft())
 
     def _read_one(self) -> None:
         """Handle the one request the poll promised. The next poll returns at once while more
         wait (no sleep, so no extra wake-up under load); reading on until EAGAIN would cost a
         failed read and an exception per request, more than a PING's own handling where system
         calls are slow (VMs)."""
-        frames = self._sock.recv_multipart(zmq.NOBLOCK)
+        frames = recv_frames(self._sock)
         try:
             self._on_request(frames[0], frames[1:])
         except Exception:  # a bug in one request must not stop the daemon serving
