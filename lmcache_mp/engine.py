@@ -32,6 +32,7 @@ from lmcache_mp.protocol import (
     ErrorCode,
     KVCacheRegistration,
     RegisterReply,
+    ReplyThen,
     RetrieveResult,
     StoreResult,
 )
@@ -127,7 +128,7 @@ class Engine:
 
     # ---- LOOKUP -------------------------------------------------------------------------------
 
-    def lookup(self, keys: list[IPCCacheEngineKey]) -> int | Future[int]:
+    def lookup(self, keys: list[IPCCacheEngineKey]) -> int | ReplyThen | Future[int]:
         """Leading chunks present on every rank (in any tier); the hits are leased to the keys'
         request. A Future when chunks must first be promoted from a lower tier."""
         if not keys:
@@ -136,14 +137,14 @@ class Engine:
         return self._lookup(model, world_size, keys[0].request_id, self.keys.lookup_hashes(keys))
 
     def lookup_chunks(self, model: str, world_size: int, request_id: str | None,
-                      chunk_hashes: list[bytes]) -> int | Future[int]:
+                      chunk_hashes: list[bytes]) -> int | ReplyThen | Future[int]:
         """LOOKUP_CHUNKS: `lookup` of one hash-mode key per chunk hash."""
         if not all(chunk_hashes):
             raise invalid("LOOKUP_CHUNKS: a chunk hash is empty")
         return self._lookup(model, world_size, request_id, chunk_hashes)
 
     def _lookup(self, model: str, world_size: int, request_id: str | None,
-                hashes: list[bytes]) -> int | Future[int]:
+                hashes: list[bytes]) -> int | ReplyThen | Future[int]:
         if not hashes:
             return 0
         ranks = self.registry.rank_specs(model, world_size)
@@ -151,7 +152,9 @@ class Engine:
             return 0  # some rank has no registered cache: nothing could be retrieved
         hits = self.storage.lookup(hashes, ranks)
         if isinstance(hits, list):
-            return self._lease(request_id, hashes, hits)
+            # The hits are pinned already: nothing can evict them before the lease is recorded,
+            # right after the reply (and before any later request, END_SESSION included, is read).
+            return ReplyThen(len(hits), lambda: self._lease(request_id, hashes, hits))
         if request_id is not None:
             with self._lock:
                 self._deferred[request_id] = False

@@ -62,7 +62,6 @@ CLOSE_LINGER_MS = 2000
 # and every client's critical path. These are the same flags as plain ints.
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
-_RCVMORE = int(zmq.RCVMORE)
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 
@@ -78,11 +77,15 @@ def send_frames(sock: zmq.Socket, frames: list[bytes], flags: int = 0) -> None:
 
 
 def recv_frames(sock: zmq.Socket) -> list[bytes]:
-    """`sock.recv_multipart(zmq.NOBLOCK)`, as `send_frames` is `send_multipart`."""
-    recv, more = sock.recv, sock.getsockopt
-    frames = [recv(_NOBLOCK)]
-    while more(_RCVMORE):
-        frames.append(recv(_NOBLOCK))
+    """`sock.recv_multipart(zmq.NOBLOCK)`, as `send_frames` is `send_multipart`. Each frame is
+    read as a `zmq.Frame`, whose `more` costs less than asking the socket for RCVMORE (an enum
+    conversion per call), and copied out."""
+    recv = sock.recv
+    frame = recv(_NOBLOCK, copy=False)
+    frames = [frame.bytes]
+    while frame.more:
+        frame = recv(_NOBLOCK, copy=False)
+        frames.append(frame.bytes)
     return frames
 
 

@@ -17,6 +17,7 @@ A reply echoes the request id frame verbatim:
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,7 +201,19 @@ class HandlerKind(enum.Enum):
     WORKER = enum.auto()  # on the bounded worker pool: copies, mappings, whole-pool sweeps
     # On the socket thread, like INLINE, but the handler may return a Future instead of a
     # value: the reply goes out when it completes (a LOOKUP that reads from a lower tier).
+    # It may also return a `ReplyThen`.
     DEFERRED = enum.auto()
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyThen:
+    """A socket-thread handler's answer, sent at once, and bookkeeping that the socket thread
+    runs right after sending it, before it reads the next request (so every later request sees
+    its effect). It takes work off the round trip the client waits on: a LOOKUP's leases are
+    taken with its prefix walk, and only recorded here."""
+
+    result: Any
+    then: Callable[[], None]
 
 
 @dataclass(frozen=True)

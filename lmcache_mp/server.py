@@ -4,8 +4,9 @@ Where a handler runs is declared next to its schema in the protocol table
 (`protocol.HandlerKind`): cheap requests (PING, HELLO, END_SESSION, ...) are answered on the
 socket thread; requests that copy KV or map memory run on a bounded worker pool, so PING
 stays fast while a STORE runs; a deferred handler (LOOKUP) runs on the socket thread and
-may hand back a Future, whose result is sent when it completes. Whatever happens, each
-request gets one reply: a result or an error.
+may hand back a Future, whose result is sent when it completes. A socket-thread handler may
+also answer at once and leave bookkeeping for right after the reply (`protocol.ReplyThen`).
+Whatever happens, each request gets one reply: a result or an error.
 
 The server binds and answers before the daemon's engine exists: PING, HELLO, GET_CHUNK_SIZE and
 STATUS from the first moment, every other request STARTING until `serve_engine` installs the
@@ -38,6 +39,7 @@ from lmcache_mp.protocol import (
     ErrorCode,
     HandlerKind,
     HelloReply,
+    ReplyThen,
     RequestType,
     StatusReport,
 )
@@ -249,6 +251,13 @@ class Server:
                 self._deferred += 1
             result.add_done_callback(
                 lambda done: self._reply_when_done(identity, request_id, request_type, start, done))
+            return
+        if isinstance(result, ReplyThen):
+            self._reply(identity, request_id, request_type, start, result=result.result)
+            try:
+                result.then()
+            except Exception:
+                logger.exception("%s: the bookkeeping after its reply failed", request_type.name)
             return
         self._reply(identity, request_id, request_type, start, result=result)
 

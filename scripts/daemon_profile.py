@@ -38,14 +38,14 @@ PHASES: dict[str, tuple[type, str]] = {
     "  ranks and fingerprints (registry)": (engine.Registry, "rank_specs"),
     "  prefix walk + pinning (storage.lookup)": (manager.StorageManager, "lookup"),
     "    pool.pin_prefix": (pool.MemoryPool, "pin_prefix"),
-    "  lease bookkeeping (Engine._lease)": (engine.Engine, "_lease"),
-    "    LeaseTable.add": (leases.LeaseTable, "add"),
     "END_SESSION handler (engine.end_session)": (engine.Engine, "end_session"),
     "  LeaseTable.end": (leases.LeaseTable, "end"),
     "    pool.unpin": (pool.MemoryPool, "unpin"),
     "encode reply + metrics + send (Server._reply)": (server.Server, "_reply"),
     "  encode reply": (mq.Codec, "encode_reply"),
     "  send (MessageQueueServer.reply)": (mq.MessageQueueServer, "reply"),
+    "after a LOOKUP's reply: lease bookkeeping (Engine._lease)": (engine.Engine, "_lease"),
+    "  LeaseTable.add": (leases.LeaseTable, "add"),
 }
 
 _totals: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])  # calls, wall ns, CPU ns
