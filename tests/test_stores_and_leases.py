@@ -287,3 +287,23 @@ def test_lookup_chunks_answers_and_leases_as_lookup_does(daemon: DaemonProcess, 
     for request_id in ("a", "b"):
         client.submit(RequestType.END_SESSION, [request_id]).result(10)
     assert (status(daemon.url).sessions, status(daemon.url).leases) == (0, 0)
+
+
+@pytest.mark.daemon_args(*DAEMON_ARGS)
+def test_a_lookups_leases_are_in_place_before_the_next_request_is_read(daemon: DaemonProcess,
+                                                                        worker_for) -> None:
+    """A LOOKUP is answered before its leases are recorded (protocol.ReplyThen), but the daemon
+    records them before it reads another request: a STATUS or an END_SESSION sent right behind
+    the LOOKUP, without waiting for its reply, finds them."""
+    worker = worker_for(daemon.url)
+    client = worker.mq_client
+    hashes = chunk_hashes(list(range(3 * CHUNK)))
+    assert store(client, worker.instance_id, hashes, "s") == [ChunkOutcome.STORED] * 3
+    for n in range(20):
+        looked_up = client.submit(RequestType.LOOKUP_CHUNKS, ["m", 1, f"r{n}", hashes])
+        report = client.submit(RequestType.STATUS, [])
+        ended = client.submit(RequestType.END_SESSION, [f"r{n}"])
+        assert looked_up.result(10) == 3
+        assert (report.result(10).sessions, report.result(10).leases) == (1, 3)
+        ended.result(10)
+    assert (status(daemon.url).sessions, status(daemon.url).leases) == (0, 0)
