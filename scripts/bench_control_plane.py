@@ -21,6 +21,8 @@
    flight) and from 8 client processes (issue 5's targets).
 3. Where the time goes: the hit rotation again against a daemon started under
    `scripts/daemon_profile.py` (per-phase timers).
+4. The floor: the hit rotation against a daemon whose LOOKUP only walks the prefix
+   (`scripts/daemon_floor.py`: no pins, no leases), the ratios no lease work could beat.
 Prints tables, writes control_plane.png and control_plane.json to --out.
 """
 
@@ -393,6 +395,16 @@ def profile(tmp: Path, samples: int) -> dict[str, dict[str, dict[str, float]]]:
     return out
 
 
+# ---- 4. the floor: LOOKUP without leases -----------------------------------------------------------
+
+
+def floor(tmp: Path, samples: int) -> dict[str, list[dict]]:
+    """The hit rotation against a daemon whose LOOKUP only walks the prefix (daemon_floor.py):
+    what a LOOKUP costs before any pin or lease, for the ratios faster leases could reach."""
+    prefix = (sys.executable, str(Path(__file__).with_name("daemon_floor.py")), "--")
+    return hit_path(tmp, samples, daemon_prefix=prefix)
+
+
 # ---- report -------------------------------------------------------------------------------------
 
 
@@ -419,17 +431,24 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def print_tables(results: dict) -> None:
-    print()
+def print_hit_table(title: str, hit_path_rows: dict[str, list[dict]]) -> None:
+    print(f"\n{title}")
     print(f"{'':<14}{'chunks':>7}{'PING':>7}{'echo':>7}{'hit':>7}{'hit+END':>8}{'miss':>7}"
           f"{'hit+END/PING':>14}{'p99 ratio':>10}{'hit/echo':>9}{'next':>7}"
           "   (p50 us; p99 in JSON; next: the PING after a hit, carrying its END_SESSION)")
-    for world, rows in results["hit path"].items():
+    for world, rows in hit_path_rows.items():
         for r in rows:
             print(f"{world:<14}{r['chunks']:>7}{r['ping_p50_us']:>7.0f}{r['echo_p50_us']:>7.0f}"
                   f"{r['hit_p50_us']:>7.0f}{r['hit+end_p50_us']:>8.0f}{r['miss_p50_us']:>7.0f}"
                   f"{r['hit+end / ping p50']:>14.2f}{r['hit+end / ping p99']:>10.2f}"
                   f"{r['hit / echo p50']:>9.2f}{r['next_p50_us']:>7.0f}")
+
+
+def print_tables(results: dict) -> None:
+    print_hit_table("the hit path", results["hit path"])
+    if "floor" in results:
+        print_hit_table("the floor: the same rotation, LOOKUP walking the prefix only (no pins, no leases)",
+                        results["floor"])
     print()
     for r in results["tcp misses"]:
         print(f"tcp miss, {r['chunks']:>3} chunks: p50 {r['p50_us']:.0f} us, p99 {r['p99_us']:.0f} us")
@@ -448,8 +467,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="where to write the PNG and JSON")
     parser.add_argument("--samples", type=int, default=2000, help="rounds per latency point")
     parser.add_argument("--seconds", type=float, default=2.0, help="duration of each throughput run")
-    parser.add_argument("--parts", default="hits,misses,profile",
-                        help="which parts to run, of hits (1), misses (2) and profile (3); "
+    parser.add_argument("--parts", default="hits,misses,profile,floor",
+                        help="which parts to run, of hits (1), misses (2), profile (3) and floor (4); "
                              "default: %(default)s")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
@@ -462,6 +481,8 @@ def main() -> int:
         results.update(misses_and_throughput(tmp, args.samples, args.seconds))
     if "profile" in parts:
         results["profile"] = profile(tmp, args.samples // 4)
+    if "floor" in parts:
+        results["floor"] = floor(tmp, args.samples // 2)
     print_tables(results)
     checks = {}
     for world, rows in results["hit path"].items():

@@ -79,16 +79,24 @@ def _dump(path: str) -> None:
                   out, indent=1)
 
 
+def run_daemon(command: list[str], usage: str | None) -> None:
+    """Run `PYTHON -m lmcache_mp.cli serve ARGS...`, given as `command`, in this process (whose
+    classes the caller has patched)."""
+    if command[1:3] != ["-m", "lmcache_mp.cli"]:
+        raise SystemExit(usage)
+    sys.argv = ["lmcache_mp.cli", *command[3:]]
+    runpy.run_module("lmcache_mp.cli", run_name="__main__")
+
+
 def main() -> None:
     out, sep, *command = sys.argv[1:]
-    if sep != "--" or command[1:3] != ["-m", "lmcache_mp.cli"]:
+    if sep != "--":
         raise SystemExit(__doc__)
     for name, (cls, attr) in PHASES.items():
         if hasattr(cls, attr):  # an older tree may lack one (to profile it the same way)
             setattr(cls, attr, _timed(name, getattr(cls, attr)))
     atexit.register(_dump, out)
-    sys.argv = ["lmcache_mp.cli", *command[3:]]
-    runpy.run_module("lmcache_mp.cli", run_name="__main__")
+    run_daemon(command, __doc__)
 
 
 if __name__ == "__main__":

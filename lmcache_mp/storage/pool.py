@@ -62,8 +62,10 @@ One lock guards all bookkeeping; no method ever copies object bytes, so it is he
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import mmap
+import operator
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterable
@@ -79,8 +81,8 @@ _TARGET_SLAB_BYTES = 64 << 20
 _MIN_SLABS = 8
 
 
-def _is_object(obj: PoolObject | None) -> bool:
-    return obj is not None
+# `obj is not None` as a C-level callable (`takewhile` calls it once per key of a prefix walk).
+_is_object = functools.partial(operator.is_not, None)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -627,39 +629,39 @@ class MemoryPool:
         descendants and `objects` in reverse (objects[0] the most recent of them); only the READY
         unpinned ones move, but walks go through the rest. Every walk stops at an object already
         seen, so this is O(objects + ancestors walked), and parent cycles can't trap it."""
-        order: list[PoolObject] = []  # every object seen, each after its ancestors
-        seen: set[PoolObject] = set()
-        for start in objects:
-            walk = self._walk_up(start, seen)
-            walk.reverse()
-            order.extend(walk)
         ready = ObjectState.READY
-        for obj in reversed(order):
+        for obj in reversed(self._walk_up(objects)):  # the last walk first, each nearest first
             if obj.state is ready and obj.pins == 0:
                 obj.slab.size_class.evictable.move_to_end(obj)
 
     def _descends_from(self, obj: PoolObject, others: set[PoolObject | None]) -> bool:
         """Whether `obj` or one of its ancestors is in `others`: linking it as their parent would
         close a cycle. O(ancestors)."""
-        return any(node in others for node in self._walk_up(obj, set()))
+        return any(node in others for node in self._walk_up([obj]))
 
     @staticmethod
-    def _walk_up(obj: PoolObject, seen: set[PoolObject]) -> list[PoolObject]:
-        """`obj` and its ancestors, nearest first, stopping at the first already in `seen` (which
-        collects them): a walk never loops, even over a parent cycle. A parent that was freed
-        counts as none and is cleared. (A list built in one loop, not a generator: this runs for
-        every object a LOOKUP's leases give back.)"""
-        walk: list[PoolObject] = []
+    def _walk_up(starts: list[PoolObject]) -> list[PoolObject]:
+        """Each start and its ancestors, stopping at the first object an earlier walk (or this
+        one) met, so no walk ever loops, even over a parent cycle; the walks in order, each
+        laid out from its farthest ancestor to its start. A parent that was freed counts as none
+        and is cleared. One loop, no call per object: an END_SESSION gives a LOOKUP's whole
+        prefix back through `_refresh`."""
+        walked: list[PoolObject] = []
+        seen: set[PoolObject] = set()
         freed = ObjectState.FREED
-        node: PoolObject | None = obj
-        while node is not None and node not in seen:
-            seen.add(node)
-            walk.append(node)
-            parent = node.parent
-            if parent is not None and parent.state is freed:
-                node.parent = parent = None
-            node = parent
-        return walk
+        for start in starts:
+            first = len(walked)
+            node: PoolObject | None = start
+            while node is not None and node not in seen:
+                seen.add(node)
+                walked.append(node)
+                parent = node.parent
+                if parent is not None and parent.state is freed:
+                    node.parent = parent = None
+                node = parent
+            if len(walked) - first > 1:
+                walked[first:] = reversed(walked[first:])
+        return walked
 
     def _stick(self, slab: _Slab) -> None:
         slab.stuck += 1
