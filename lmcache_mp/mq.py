@@ -365,6 +365,7 @@ class MessageQueueClient:
                 self._flush()
             finally:
                 self._io.release()
+                self._wake_waiters()  # a waiter that found the socket taken may lead now
 
     def _flush(self) -> None:
         while self._outbox:
@@ -386,6 +387,7 @@ class MessageQueueClient:
             self._expire_overdue()
         finally:
             self._io.release()
+            self._wake_waiters()  # as in `_kick`
         self._kick()
 
     def _wait_for(self, future: MessagingFuture[Any], timeout: float | None) -> None:

@@ -39,6 +39,15 @@ def lookup(scheduler: LMCacheMPSchedulerAdapter, request_id: str, **kw) -> int:
     return hit
 
 
+def wait_for_leases(url: str, sessions: int, leases: int) -> None:
+    """Until STATUS shows these many lease sessions and leases: RELEASE_LEASES and END_SESSION
+    are fire and forget (and deferred by the scheduler adapter), so their effect shows later."""
+    deadline = time.monotonic() + 10
+    while (report := status(url)).sessions != sessions or report.leases != leases:
+        assert time.monotonic() < deadline, f"{report.sessions} sessions, {report.leases} leases"
+        time.sleep(0.01)
+
+
 def run_worker(spec: dict, timeout: float = 120) -> subprocess.CompletedProcess:
     out = subprocess.run([sys.executable, "-m", "tests.kv_worker", json.dumps(spec)],
                          capture_output=True, text=True, timeout=timeout)

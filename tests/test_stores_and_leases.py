@@ -26,7 +26,18 @@ from lmcache_mp.errors import ServerError
 from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import ChunkOutcome, ErrorCode, RequestType
-from tests.helpers import BLOCK, CHUNK, LAYERS, NUM_BLOCKS, SHAPE, block_hashes, freeze, lookup, status
+from tests.helpers import (
+    BLOCK,
+    CHUNK,
+    LAYERS,
+    NUM_BLOCKS,
+    SHAPE,
+    block_hashes,
+    freeze,
+    lookup,
+    status,
+    wait_for_leases,
+)
 from tests.kv_worker import make_caches
 from tests.test_fault_paths import lease
 from tests.test_tiers import count_lookup, store
@@ -209,13 +220,6 @@ def ranks_holding(url: str, world_size: int, hashes: list[bytes]) -> Iterator[No
         for proc in procs:
             proc.kill()
             proc.wait(10)
-
-
-def wait_for_leases(url: str, sessions: int, leases: int) -> None:
-    deadline = time.monotonic() + 10
-    while (st := status(url)).sessions != sessions or st.leases != leases:
-        assert time.monotonic() < deadline, f"{st.sessions} sessions, {st.leases} leases"
-        time.sleep(0.01)
 
 
 @pytest.mark.daemon_args("--chunk-size", str(CHUNK))
