@@ -20,18 +20,9 @@ import pytest
 import torch
 
 from lmcache_mp.launcher import DaemonProcess
+from tests import helpers
 from tests import test_vllm_connector as real
-from tests.helpers import (
-    BLOCK,
-    CHUNK,
-    LAYERS,
-    NUM_BLOCKS,
-    SHAPE,
-    block_hashes,
-    lookup,
-    status,
-    wait_for_leases,
-)
+from tests.helpers import BLOCK, CHUNK, LAYERS, NUM_BLOCKS, SHAPE, block_hashes, lookup, status
 from tests.kv_worker import make_caches, pages
 from vllm_adapter import LMCacheMPSchedulerAdapter
 
@@ -222,7 +213,7 @@ def test_a_chunk_missing_on_one_rank_ends_the_prefix(daemon: DaemonProcess, rank
     store_chunk(2)
     assert hit(scheduler, "full") == CHUNKS * CHUNK
     scheduler.end_session("full")
-    wait_for_leases(daemon.url, 0, 0)
+    helpers.wait_for_leases(daemon.url, 0, 0)
 
 
 @pytest.mark.daemon_args(*DAEMON_ARGS)
@@ -261,12 +252,12 @@ def test_leases_cover_every_rank_until_retrieved_or_ended(daemon: DaemonProcess,
     assert hit(scheduler, "r") == CHUNKS * CHUNK
     assert leases(daemon) == (1, CHUNKS * WORLD)
     scheduler.release_leases("r", HASHES[:BLOCKS_IN_CHUNK])  # chunk 0: inside vLLM's own hit, say
-    wait_for_leases(daemon.url, 1, (CHUNKS - 1) * WORLD)
+    helpers.wait_for_leases(daemon.url, 1, (CHUNKS - 1) * WORLD)
     got = rank0.retrieve("r", block_ids(2), HASHES)
     assert torch.equal(got.view(torch.uint8), expected_pages(0, block_ids(0)).view(torch.uint8))
     assert leases(daemon) == (1, CHUNKS - 1)  # rank 1's, but for chunk 0
     scheduler.end_session("r")
-    wait_for_leases(daemon.url, 0, 0)
+    helpers.wait_for_leases(daemon.url, 0, 0)
     assert hit(scheduler, "again") == CHUNKS * CHUNK
     scheduler.end_session("again")
 
