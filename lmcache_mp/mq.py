@@ -59,10 +59,9 @@ CLOSE_LINGER_MS = 2000
 
 # pyzmq's flags are IntFlag enums, and `send_multipart` ORs SNDMORE into each frame's flags:
 # an enum operation in pure Python per frame, several microseconds per message on the daemon's
-# and every client's critical path. These are the same flags as plain ints.
+# and every client's critical path. These are the same flags as plain ints, for arithmetic.
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
-_EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 
 
@@ -438,7 +437,7 @@ class MessageQueueClient:
         """Settle every reply that has arrived, asking the socket before each read (ZMQ_EVENTS
         costs less than a read that fails with EAGAIN)."""
         settled = False
-        while self._sock.getsockopt(_EVENTS) & _POLLIN:
+        while self._sock.getsockopt(zmq.EVENTS) & _POLLIN:
             settled |= self._on_reply(recv_frames(self._sock))
         if settled:
             self._wake_waiters()
