@@ -38,7 +38,7 @@ def build_model(out: Path, dtype: str, flags: list[str]) -> None:
         raise RuntimeError(f"make_tiny_model.py failed ({built.returncode}):\n{built.stderr[-2000:]}")
 
 
-def llm_args(model: str, dtype: str, url: str | None, load_mode: str = "async") -> dict[str, Any]:
+def llm_args(model: str, dtype: str, url: str | None, load_mode: str = "auto") -> dict[str, Any]:
     """`vllm.LLM` keyword arguments: one request at a time, prefix caching on, and the connector
     against the daemon at `url` (none when `url` is None)."""
     args: dict[str, Any] = {"model": model, "dtype": dtype, "max_model_len": 4096, "enforce_eager": True,

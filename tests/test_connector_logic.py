@@ -137,7 +137,7 @@ def store_prompt(scheduler: SchedulerSide, worker: Worker, req: Any, tables: dic
 
 @pytest.fixture
 def halves(daemon: DaemonProcess) -> Iterator[tuple[SchedulerSide, Worker]]:
-    settings = ConnectorSettings(url=daemon.url, reconnect_interval_s=0.3)
+    settings = ConnectorSettings(url=daemon.url, reconnect_interval_s=0.3, load_mode="async")
     scheduler = SchedulerSide(settings, "m", 1, 0, BLOCK)
     worker = Worker(settings, seed=1)
     yield scheduler, worker
@@ -246,7 +246,7 @@ def test_sync_loads_complete_before_the_forward_pass(daemon: DaemonProcess) -> N
         assert match(scheduler, exact) == (CHUNK, False)
         scheduler.update_state_after_alloc(reader, Blocks(tables["r"]), 2 * CHUNK)
         meta = scheduler.build_connector_meta(step(tables, new=((reader, 2 * CHUNK, 1),)))
-        assert meta.sync_loads and list(meta.loads) == ["r"]
+        assert meta.sync_loads == {"r"} and list(meta.loads) == ["r"]
         worker.side.start_load_kv(meta)  # returns with the KV in place
         assert torch.equal(pages(worker.caches, "CPU_ATTN", SHAPE, tables["r"][:4]),
                            pages(worker.caches, "CPU_ATTN", SHAPE, tables["w"][:4]))
@@ -262,6 +262,45 @@ def test_sync_loads_complete_before_the_forward_pass(daemon: DaemonProcess) -> N
         scheduler.update_state_after_alloc(exact, Blocks(tables["x"][:4]), CHUNK)
         worker.side.start_load_kv(scheduler.build_connector_meta(step(tables, new=((exact, CHUNK, CHUNK),))))
         assert worker.side.take_load_errors() == set(tables["x"][:2])
+    finally:
+        worker.side.shutdown()
+        scheduler.shutdown()
+
+
+@pytest.mark.daemon_args(*DAEMON_ARGS)
+def test_auto_loads_synchronously_only_while_nothing_else_computes(daemon: DaemonProcess) -> None:
+    """load_mode "auto" (the default): a hit whose request comes to an engine that computes
+    nothing else loads before its forward pass, one step sooner. A whole-prompt hit (which a
+    sync load would cut a chunk short), and any hit while another request computes, load
+    asynchronously. Both kinds in one step: the sync load is in place when start_load_kv
+    returns, the async one is reported done afterwards."""
+    settings = ConnectorSettings(url=daemon.url, reconnect_interval_s=0.3)
+    assert settings.load_mode == "auto"
+    scheduler, worker = SchedulerSide(settings, "m", 1, 0, BLOCK), Worker(settings, seed=4)
+    try:
+        tokens = list(range(900, 900 + 2 * CHUNK + 1))
+        tables = {"w": list(range(5)), "s": list(range(20, 25)), "x": list(range(40, 44))}
+        store_prompt(scheduler, worker, request("w", tokens), tables)  # computed, then finished
+
+        alone, whole = request("s", tokens), request("x", tokens[: 2 * CHUNK])
+        assert match(scheduler, alone) == (2 * CHUNK, False)
+        assert match(scheduler, whole) == (2 * CHUNK, True)
+        scheduler.update_state_after_alloc(alone, Blocks(tables["s"]), 2 * CHUNK)
+        scheduler.update_state_after_alloc(whole, Blocks(tables["x"]), 2 * CHUNK)
+        meta = scheduler.build_connector_meta(step(tables, new=((alone, 2 * CHUNK, 1),)))
+        assert meta.sync_loads == {"s"} and set(meta.loads) == {"s", "x"}
+        worker.side.start_load_kv(meta)
+        assert torch.equal(pages(worker.caches, "CPU_ATTN", SHAPE, tables["s"][:4]),
+                           pages(worker.caches, "CPU_ATTN", SHAPE, tables["w"][:4]))
+        worker.side.wait_for_save(meta)
+        worker.wait_reported("received", "x")
+        assert "s" not in worker.reported["received"] and worker.reported["failed"] == {}
+        assert torch.equal(pages(worker.caches, "CPU_ATTN", SHAPE, tables["x"]),
+                           pages(worker.caches, "CPU_ATTN", SHAPE, tables["w"][:4]))
+
+        assert match(scheduler, request("b", tokens)) == (2 * CHUNK, True)  # "s" computes
+        scheduler.request_finished(alone)
+        assert match(scheduler, request("c", tokens)) == (2 * CHUNK, False)  # nothing computes
     finally:
         worker.side.shutdown()
         scheduler.shutdown()

@@ -239,14 +239,16 @@ def test_fresh_engine_loads_chunk_aligned_prefixes(engine1: list[list[int]], tin
     assert daemon.objects() == STORED_CHUNKS + 1  # PROBE's own second chunk
 
 
-def test_fresh_engine_with_sync_loads(engine1: list[list[int]], tiny_model: Path, work_dir: Path,
-                                      daemon: Daemon, baseline: list[list[int]]) -> None:
-    """load_mode "sync": loads land before the forward pass; a whole-prompt hit (the last
-    prompt) leaves its last chunk for vLLM to compute."""
+@pytest.mark.parametrize("load_mode", ["sync", "async"])
+def test_fresh_engine_with_each_load_mode(engine1: list[list[int]], tiny_model: Path, work_dir: Path,
+                                          daemon: Daemon, baseline: list[list[int]], load_mode: str) -> None:
+    """The other tests run the default, "auto" (sync while nothing else computes). "sync": loads
+    land before the forward pass, and a whole-prompt hit (the last prompt) leaves its last chunk
+    for vLLM to compute. "async": loads run while the engine steps on, whole-prompt hits whole."""
     spec = engine_spec(tiny_model, daemon, [PROMPTS])
-    spec["connector"]["lmcache.mp.load_mode"] = "sync"
-    (outputs,) = run_engine(spec, work_dir / "engine-sync.log")
-    assert cached(outputs) == [3 * CHUNK, 3 * CHUNK, CHUNK, 0, 3 * CHUNK]
+    spec["connector"]["lmcache.mp.load_mode"] = load_mode
+    (outputs,) = run_engine(spec, work_dir / f"engine-{load_mode}.log")
+    assert cached(outputs) == ([3 * CHUNK, 3 * CHUNK, CHUNK, 0, 3 * CHUNK] if load_mode == "sync" else HITS)
     assert tokens(outputs) == baseline[: len(PROMPTS)]
 
 

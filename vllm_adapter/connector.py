@@ -15,10 +15,12 @@ Settings (`kv_connector_extra_config`; unknown `lmcache.mp.*` keys are refused):
   as failed (a lookup as a miss, a store as skipped, a load as failed and recomputed).
 - `lmcache.mp.reconnect_interval_s` (1): how often an absent daemon is tried again, and the
   heartbeat period by which the scheduler notices that the daemon has gone.
-- `lmcache.mp.load_mode` ("async"): "async" loads while the engine steps on, other requests
+- `lmcache.mp.load_mode` ("auto"): "async" loads while the engine steps on, other requests
   keep running; "sync" loads right before the request's forward pass (the worker waits for
-  it), one scheduler step sooner, best for time to first token of requests that come alone.
-  A sync load leaves at least the last chunk for vLLM to compute.
+  it), one scheduler step sooner, best for time to first token of requests that come alone,
+  but every request of that step waits for the copy. A sync load leaves at least the last
+  chunk for vLLM to compute. "auto" loads a request synchronously while no other request
+  computes and its hit is not a whole-prompt one, asynchronously otherwise.
 - `lmcache.mp.lookup_wait_ms` (2): how long the scheduler may wait in one step, across
   requests, for lookups still in flight. A lookup answered within it lets its request be
   scheduled (and its load planned) in that step instead of the next; 0 never waits.
@@ -27,7 +29,7 @@ Settings (`kv_connector_extra_config`; unknown `lmcache.mp.*` keys are refused):
   rarely shared and would churn the cache.
 
 How it works: vLLM builds the class twice. The scheduler half (`connector_scheduler`, in the
-EngineCore process) looks each request up once, plans asynchronous chunk-aligned loads beyond
+EngineCore process) looks each request up once, plans chunk-aligned loads beyond
 vLLM's own prefix-cache hit and stores of each new full chunk, and sends those plans to the
 workers in `LMCacheMPConnectorMetadata`. The worker half (`connector_worker`, in each worker)
 registers the KV caches with the daemon and runs the plans as batched RETRIEVE and STORE

@@ -29,6 +29,7 @@ CONNECT_TIMEOUT_S = 2.0
 DEFAULT_LOOKUP_WAIT_MS = 2.0
 
 _PREFIX = "lmcache.mp."
+LOAD_MODES = ("auto", "async", "sync")
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,9 @@ class ConnectorSettings:
     reconnect_interval_s: float = DEFAULT_RECONNECT_INTERVAL_S
     save_decode_cache: bool = False
     # "async": loads run while the engine steps on (other requests keep running);
-    # "sync": a request's load runs right before its forward pass, one scheduler step sooner.
-    load_mode: str = "async"
+    # "sync": a request's load runs right before its forward pass, one scheduler step sooner;
+    # "auto": sync while no other request computes and the sync load loses no hit, else async.
+    load_mode: str = "auto"
     # How long the scheduler may wait, per step and across requests, for lookups in flight.
     lookup_wait_ms: float = DEFAULT_LOOKUP_WAIT_MS
     # CURVE keys, for a daemon that requires them: its public key file and this client's
@@ -60,12 +62,13 @@ class ConnectorSettings:
             timeout_s=float(ours.get("timeout_s", DEFAULT_TIMEOUT_S)),
             reconnect_interval_s=float(ours.get("reconnect_interval_s", DEFAULT_RECONNECT_INTERVAL_S)),
             save_decode_cache=_as_bool(ours.get("save_decode_cache", False)),
-            load_mode=str(ours.get("load_mode", "async")),
+            load_mode=str(ours.get("load_mode", "auto")),
             lookup_wait_ms=float(ours.get("lookup_wait_ms", DEFAULT_LOOKUP_WAIT_MS)),
             curve=_curve(ours.get("server_public_key"), ours.get("client_key")),
         )
-        if settings.load_mode not in ("async", "sync"):
-            raise ValueError(f'{_PREFIX}load_mode must be "async" or "sync", not {settings.load_mode!r}')
+        if settings.load_mode not in LOAD_MODES:
+            raise ValueError(f"{_PREFIX}load_mode must be one of {', '.join(LOAD_MODES)}, "
+                             f"not {settings.load_mode!r}")
         if not 0 <= settings.lookup_wait_ms <= 1000:
             raise ValueError(f"{_PREFIX}lookup_wait_ms must be within 0-1000, not {settings.lookup_wait_ms}")
         if settings.timeout_s <= 0 or settings.reconnect_interval_s <= 0:
@@ -102,8 +105,9 @@ class LMCacheMPConnectorMetadata(KVConnectorMetadata):
     step: int = 0  # the scheduler's count of steps: workers report sliding-window stores done by it
     # Preempted this step: their blocks are free again, so their stores must land first.
     preempted: set[str] = field(default_factory=set)
-    # The loads must complete before this step's forward pass (load_mode "sync").
-    sync_loads: bool = False
+    # The loads (of `loads`) that must complete before this step's forward pass; the others
+    # run while the engine steps on, and are reported done in a later step.
+    sync_loads: set[str] = field(default_factory=set)
     # Nothing is scheduled: vLLM steps only to collect transfers (finished requests whose
     # blocks wait for their stores).
     idle: bool = False

@@ -1,11 +1,12 @@
 """The scheduler half of `LMCacheMPDaemonConnector`, in vLLM's EngineCore process.
 
 It decides, per request, what the daemon holds (one LOOKUP, sent when the request arrives),
-what to load (whole chunks beyond vLLM's own prefix-cache hit, asynchronously) and what to
-store (each new full chunk once its KV is computed), and hands that to the workers as
-`LMCacheMPConnectorMetadata`. It never waits on the daemon: a pending lookup keeps the
-request waiting (vLLM asks again next step), and an absent daemon means 0 hits. For a hybrid
-model each of these is done per KV cache group (`group_adapters`), and the sliding-window
+what to load (whole chunks beyond vLLM's own prefix-cache hit; `load_mode` says whether before
+the request's forward pass or while the engine steps on) and what to store (each new full chunk
+once its KV is computed), and hands that to the workers as `LMCacheMPConnectorMetadata`. It
+waits on the daemon only within `lookup_wait_ms` per step: a lookup still pending after that
+keeps the request waiting (vLLM asks again next step), and an absent daemon means 0 hits. For a
+hybrid model each of these is done per KV cache group (`group_adapters`), and the sliding-window
 blocks it will store are held in vLLM's block pool until stored (`block_holds`).
 """
 
@@ -47,6 +48,7 @@ class _RequestState:
     hit_tokens: int | None = None  # tokens the daemon holds for this prompt, once known
     local_tokens: int = 0  # vLLM's own (block-aligned) prefix hit offered with that answer
     load_planned: bool = False  # one load per request: after a failure or preemption, recompute
+    sync_load: bool = False  # its load, once planned, completes before its forward pass
     leases_released: bool = False
     saved_chunks: int = 0  # leading chunks the daemon holds: its hit, then what we stored
     has_stores: bool = False  # a store went out: the workers report the id in finished_sending
@@ -93,7 +95,7 @@ class SchedulerSide:
         self._sliding = [group for group in groups if group.sliding_window is not None]
         self._world_size = world_size
         self._save_decode_cache = settings.save_decode_cache
-        self._sync_loads = settings.load_mode == "sync"
+        self._load_mode = settings.load_mode
         self._lookup_wait_s = settings.lookup_wait_ms / 1000
         self._lookup_wait_left = self._lookup_wait_s  # this step's, across requests
         self._reconnect_interval_s = settings.reconnect_interval_s
@@ -111,6 +113,10 @@ class SchedulerSide:
         self._chunk_blocks = 0  # vLLM blocks per daemon chunk, known once connected
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: dict[str, RequestOps] = {}
+        self._pending_sync_loads: set[str] = set()
+        # The requests the latest step computed, but for those finished since: while any is
+        # left, a load in "auto" mode is asynchronous (a sync load would stall their step).
+        self._computing: set[str] = set()
         # Give the first attempt a moment, so that the first requests already see the daemon.
         self._link.wait(CONNECT_TIMEOUT_S)
 
@@ -148,13 +154,27 @@ class SchedulerSide:
         if hit is None:
             return None, True  # lookup pending: vLLM skips the request this step, asks again
         state.local_tokens = num_computed_tokens
-        if self._sync_loads and hit:
-            # vLLM must compute at least one token itself: a sync load stops a chunk short
-            # of a hit that covers the whole request.
-            chunk_tokens = self._chunk_blocks * self._block_size
-            hit = min(hit, (request.num_tokens - 1) // chunk_tokens * chunk_tokens)
+        sync = self._loads_synchronously(request, hit)
+        if sync:
+            hit = self._sync_hit(request, hit)
         new = max(0, hit - num_computed_tokens)
-        return new, new > 0 and not self._sync_loads
+        state.sync_load = sync
+        return new, new > 0 and not sync
+
+    def _loads_synchronously(self, request: Request, hit: int) -> bool:
+        """Whether the request's load runs right before its forward pass (`load_mode`). "auto"
+        takes the sync load's step sooner when it costs nothing: when no other request computes
+        (a sync load holds up the whole step's forward pass, so running requests would pay for
+        it; asynchronous, it runs while they step on), and when the load loses no hit."""
+        if self._load_mode != "auto":
+            return self._load_mode == "sync"
+        return not self._computing and self._sync_hit(request, hit) == hit
+
+    def _sync_hit(self, request: Request, hit: int) -> int:
+        """vLLM must compute at least one token itself: a sync load stops a chunk short of a
+        hit that covers the whole request."""
+        chunk_tokens = self._chunk_blocks * self._block_size
+        return min(hit, (request.num_tokens - 1) // chunk_tokens * chunk_tokens) if hit else 0
 
     def _state(self, request: Request) -> _RequestState:
         state = self._requests.get(request.request_id)
@@ -217,6 +237,8 @@ class SchedulerSide:
                                           for i in range(start, end)]), block_hashes=hashes)
             for group in self._groups])
         state.load_planned = True
+        if state.sync_load:
+            self._pending_sync_loads.add(request.request_id)
         self._release_unloaded(state, start, end)
 
     def _release_unloaded(self, state: _RequestState, start: int, end: int) -> None:
@@ -241,11 +263,12 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> LMCacheMPConnectorMetadata:
         self._lookup_wait_left = self._lookup_wait_s  # a new step's
         self._step += 1
+        self._computing = set(scheduler_output.num_scheduled_tokens)
         preempted = set(scheduler_output.preempted_req_ids or ())
         meta = LMCacheMPConnectorMetadata(loads=self._pending_loads, preempted=preempted,
-                                          sync_loads=self._sync_loads, step=self._step,
+                                          sync_loads=self._pending_sync_loads, step=self._step,
                                           idle=scheduler_output.total_num_scheduled_tokens == 0)
-        self._pending_loads = {}
+        self._pending_loads, self._pending_sync_loads = {}, set()
         for req_id in preempted:  # its blocks are freed, and recomputed in new ones
             self._drop_holds(req_id)
         if self._connected() is None:
@@ -345,6 +368,7 @@ class SchedulerSide:
         """Forget the request; True if its blocks must stay until the workers report its
         stores done (in finished_sending)."""
         state = self._requests.pop(request.request_id, None)
+        self._computing.discard(request.request_id)
         if self._holds is not None:
             self._holds.finish(request.request_id)
         adapter = self._link.get()

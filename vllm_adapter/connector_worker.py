@@ -122,22 +122,31 @@ class WorkerSide:
         if not meta.loads:
             return
         adapter = self._adapter()
-        if meta.sync_loads:
-            # Before this step's forward pass: its blocks must hold the KV, or be reported bad
-            # now so that vLLM recomputes them in this very step.
-            if adapter is None:
-                failed = {rid: _loaded_blocks(ops) for rid, ops in meta.loads.items()}
-            else:
-                failed = adapter.retrieve_now(list(meta.loads), list(meta.loads.values()), self._timeout_s,
-                                              record_kv_event(self._kv_caches))
-            self._note_load_errors(failed)
-            return
+        now = {rid: ops for rid, ops in meta.loads.items() if rid in meta.sync_loads}
+        later = {rid: ops for rid, ops in meta.loads.items() if rid not in meta.sync_loads}
+        if now:  # first: the forward pass waits for these, and nothing queues ahead of them
+            self._load_now(adapter, now)
+        if later:
+            self._load_later(adapter, later)
+
+    def _load_now(self, adapter: WorkerGroups | None, loads: dict[str, RequestOps]) -> None:
+        """Before this step's forward pass: the blocks must hold the KV, or be reported bad now
+        so that vLLM recomputes them in this very step."""
         if adapter is None:
-            for req_id, ops in meta.loads.items():
+            failed = {rid: _loaded_blocks(ops) for rid, ops in loads.items()}
+        else:
+            failed = adapter.retrieve_now(list(loads), list(loads.values()), self._timeout_s,
+                                          record_kv_event(self._kv_caches))
+        self._note_load_errors(failed)
+
+    def _load_later(self, adapter: WorkerGroups | None, loads: dict[str, RequestOps]) -> None:
+        """While the engine steps on: reported done (or failed) by `transfer_results`."""
+        if adapter is None:
+            for req_id, ops in loads.items():
                 self._unsent_loads[req_id] = _loaded_blocks(ops)
             return
         # The event orders the daemon's writes after vLLM's work still in flight on these blocks.
-        adapter.batched_submit_retrieve_requests(list(meta.loads), list(meta.loads.values()),
+        adapter.batched_submit_retrieve_requests(list(loads), list(loads.values()),
                                                  record_kv_event(self._kv_caches))
 
     def wait_for_save(self, meta: LMCacheMPConnectorMetadata) -> None:
