@@ -25,7 +25,7 @@ from vllm_adapter.connector_common import (
 )
 from vllm_adapter.group_adapters import RequestOps, WorkerGroups, all_ops, connect_groups
 from vllm_adapter.kv_groups import KVGroup
-from vllm_adapter.multi_process_adapter import LMCacheMPWorkerAdapter
+from vllm_adapter.multi_process_adapter import LMCacheMPWorkerAdapter, SyncLoad
 from vllm_adapter.utils import record_kv_event
 
 if TYPE_CHECKING:
@@ -79,6 +79,9 @@ class WorkerSide:
         self._with_stores: set[str] = set()  # requests that had stores, until reported finished
         self._unsent_loads: dict[str, list[int]] = {}  # loads the daemon never got -> their blocks
         self._load_errors: set[int] = set()
+        # The step whose loads begin_step sent, until its start_load_kv; its sync loads in flight.
+        self._loads_sent_for: int | None = None
+        self._sync_loads: tuple[WorkerGroups, list[SyncLoad]] | None = None
         # Requests with stores not all reported done -> the latest step that had one, and the step
         # through which they were last reported done (see block_holds).
         self._store_steps: dict[str, int] = {}
@@ -105,39 +108,50 @@ class WorkerSide:
         return adapter
 
     def begin_step(self, meta: LMCacheMPConnectorMetadata) -> None:
-        """Runs before each step's forward pass.
+        """Runs first in each step, before vLLM prepares the step's inputs.
 
         vLLM frees a preempted request's blocks at once and may hand them to another request
-        in this very step: its stores must finish reading them first. And if the daemon
-        went away, this is when the (non-blocking) check for its return goes out, so that
-        by the stores after the forward pass the worker is registered again."""
+        in this very step: its stores must finish reading them first. If the daemon went away,
+        this is when the (non-blocking) check for its return goes out, so that by the stores
+        after the forward pass the worker is registered again. And the step's loads go out now:
+        the daemon copies while vLLM prepares the step's inputs (milliseconds on a CPU), and the
+        forward pass waits only for what is left of the sync loads (`start_load_kv`)."""
         adapter = self._adapter()
-        if adapter is None:
-            return
-        if meta.preempted:
-            adapter.wait_for_stores(meta.preempted, self._timeout_s)
-        adapter.ensure_registered()
+        if adapter is not None:
+            if meta.preempted:
+                adapter.wait_for_stores(meta.preempted, self._timeout_s)
+            adapter.ensure_registered()
+        self._send_loads(adapter, meta)
 
     def start_load_kv(self, meta: LMCacheMPConnectorMetadata) -> None:
-        if not meta.loads:
-            return
-        adapter = self._adapter()
+        """The forward pass is next: the step's sync loads must have landed, or their blocks be
+        reported bad now so that vLLM recomputes them in this very step."""
+        if self._loads_sent_for != meta.step:  # begin_step did not run for this step
+            self._send_loads(self._adapter(), meta)
+        self._loads_sent_for = None
+        self._finish_sync_loads()
+
+    def _send_loads(self, adapter: WorkerGroups | None, meta: LMCacheMPConnectorMetadata) -> None:
+        """Send the step's loads: the sync ones to be waited for by `start_load_kv`, the others
+        to be reported by `transfer_results`."""
+        self._finish_sync_loads()  # defensive: an earlier step's, had its forward pass not come
+        self._loads_sent_for = meta.step
         now = {rid: ops for rid, ops in meta.loads.items() if rid in meta.sync_loads}
         later = {rid: ops for rid, ops in meta.loads.items() if rid not in meta.sync_loads}
         if now:  # first: the forward pass waits for these, and nothing queues ahead of them
-            self._load_now(adapter, now)
+            if adapter is None:
+                self._note_load_errors({rid: _loaded_blocks(ops) for rid, ops in now.items()})
+            else:
+                self._sync_loads = (adapter, adapter.start_retrieve(list(now), list(now.values()),
+                                                                    record_kv_event(self._kv_caches)))
         if later:
             self._load_later(adapter, later)
 
-    def _load_now(self, adapter: WorkerGroups | None, loads: dict[str, RequestOps]) -> None:
-        """Before this step's forward pass: the blocks must hold the KV, or be reported bad now
-        so that vLLM recomputes them in this very step."""
-        if adapter is None:
-            failed = {rid: _loaded_blocks(ops) for rid, ops in loads.items()}
-        else:
-            failed = adapter.retrieve_now(list(loads), list(loads.values()), self._timeout_s,
-                                          record_kv_event(self._kv_caches))
-        self._note_load_errors(failed)
+    def _finish_sync_loads(self) -> None:
+        if self._sync_loads is not None:
+            adapter, loads = self._sync_loads
+            self._sync_loads = None
+            self._note_load_errors(adapter.finish_retrieve(loads, self._timeout_s))
 
     def _load_later(self, adapter: WorkerGroups | None, loads: dict[str, RequestOps]) -> None:
         """While the engine steps on: reported done (or failed) by `transfer_results`."""

@@ -20,7 +20,12 @@ import torch
 from lmcache_mp.errors import LMCacheMPError
 from lmcache_mp.mq import MessageQueueClient
 from vllm_adapter.kv_groups import KVGroup
-from vllm_adapter.multi_process_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp
+from vllm_adapter.multi_process_adapter import (
+    LMCacheMPSchedulerAdapter,
+    LMCacheMPWorkerAdapter,
+    LoadStoreOp,
+    SyncLoad,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -178,12 +183,17 @@ class WorkerGroups(_Groups):
         for group, adapter in self._each():
             adapter.batched_submit_retrieve_requests(*self._split(group, request_ids, ops), event)
 
-    def retrieve_now(self, request_ids: list[str], ops: list[RequestOps], timeout_s: float,
-                     event: torch.cuda.Event | None) -> dict[str, list[int]]:
+    def start_retrieve(self, request_ids: list[str], ops: list[RequestOps],
+                       event: torch.cuda.Event | None) -> list[SyncLoad]:
+        """A synchronous load, every group's sent at once; `finish_retrieve` waits for them."""
+        return [adapter.start_retrieve(*self._split(group, request_ids, ops), event)
+                for group, adapter in self._each()]
+
+    def finish_retrieve(self, loads: list[SyncLoad], timeout_s: float) -> dict[str, list[int]]:
+        """The requests that did not load in some group -> their block ids, in every group."""
         failed: dict[str, list[int]] = {}
-        for group, adapter in self._each():
-            for rid, block_ids in adapter.retrieve_now(*self._split(group, request_ids, ops), timeout_s,
-                                                       event).items():
+        for (group, adapter), load in zip(self._each(), loads, strict=True):
+            for rid, block_ids in adapter.finish_retrieve(load, timeout_s).items():
                 failed.setdefault(self.request_of(group, rid), []).extend(block_ids)
         return failed
 

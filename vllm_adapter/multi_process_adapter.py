@@ -329,6 +329,14 @@ class _PerRequestOps:
         return self._sent.pop(request_id, None)
 
 
+@dataclass
+class SyncLoad:
+    """A synchronous load on its way (`LMCacheMPWorkerAdapter.start_retrieve`)."""
+
+    request_ids: list[str]
+    tracker: _PerRequestOps
+
+
 def _failure(future: MessagingFuture) -> str | None:
     error = future.exception()
     if error is not None:
@@ -655,12 +663,23 @@ class LMCacheMPWorkerAdapter:
 
     def retrieve_now(self, request_ids: list[str], ops: list[LoadStoreOp], timeout_s: float,
                      event: torch.cuda.Event | None = None) -> dict[str, list[int]]:
-        """A synchronous load: retrieve and wait. Returns the requests that did not load
-        (failed, refused or timed out) -> their block ids. Not reported by `get_finished`.
-        One that got no reply in time is returned only once the daemon has confirmed that it
-        will not write into its blocks any more, or is gone (see the module docstring)."""
-        tracker = _PerRequestOps()
-        self._submit(RequestType.RETRIEVE, tracker, request_ids, ops, event)
+        """A synchronous load: retrieve and wait (`start_retrieve`, then `finish_retrieve`)."""
+        return self.finish_retrieve(self.start_retrieve(request_ids, ops, event), timeout_s)
+
+    def start_retrieve(self, request_ids: list[str], ops: list[LoadStoreOp],
+                       event: torch.cuda.Event | None = None) -> SyncLoad:
+        """Send a synchronous load; `finish_retrieve` waits for it. Not reported by
+        `get_finished`."""
+        load = SyncLoad(request_ids, _PerRequestOps())
+        self._submit(RequestType.RETRIEVE, load.tracker, request_ids, ops, event)
+        return load
+
+    def finish_retrieve(self, load: SyncLoad, timeout_s: float) -> dict[str, list[int]]:
+        """Wait for a load sent by `start_retrieve`. Returns the requests that did not load
+        (failed, refused or timed out) -> their block ids. One that got no reply in time is
+        returned only once the daemon has confirmed that it will not write into its blocks any
+        more, or is gone (see the module docstring)."""
+        request_ids, tracker = load.request_ids, load.tracker
         tracker.wait(request_ids, timeout_s)
         done = tracker.poll()
         failed: dict[str, list[int]] = {}
