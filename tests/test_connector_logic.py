@@ -273,8 +273,9 @@ def test_auto_loads_synchronously_only_while_nothing_else_computes(daemon: Daemo
     nothing else loads before its forward pass, one step sooner. A whole-prompt hit (which a
     sync load would cut a chunk short), and any hit while another request computes, load
     asynchronously. Both kinds in one step: they go out as the step begins, before vLLM
-    prepares its inputs; the sync load is in place when start_load_kv returns, the async one
-    is reported done afterwards."""
+    prepares its inputs (and, without sync loads, vLLM calls start_load_kv only after the
+    forward pass); the sync load is in place when start_load_kv returns, the async one is
+    reported done by transfer_results."""
     settings = ConnectorSettings(url=daemon.url, reconnect_interval_s=0.3)
     assert settings.load_mode == "auto"
     scheduler, worker = SchedulerSide(settings, "m", 1, 0, BLOCK), Worker(settings, seed=4)
@@ -290,16 +291,15 @@ def test_auto_loads_synchronously_only_while_nothing_else_computes(daemon: Daemo
         scheduler.update_state_after_alloc(whole, Blocks(tables["x"]), 2 * CHUNK)
         meta = scheduler.build_connector_meta(step(tables, new=((alone, 2 * CHUNK, 1),)))
         assert meta.sync_loads == {"s"} and set(meta.loads) == {"s", "x"}
-        worker.side.begin_step(meta)
-        until(lambda: torch.equal(pages(worker.caches, "CPU_ATTN", SHAPE, tables["s"][:4]),
-                                  pages(worker.caches, "CPU_ATTN", SHAPE, tables["w"][:4])))
+        worker.side.begin_step(meta)  # both loads go out, before any start_load_kv
+        for loaded in (tables["s"][:4], tables["x"]):
+            until(lambda blocks=loaded: torch.equal(pages(worker.caches, "CPU_ATTN", SHAPE, blocks),
+                                                    pages(worker.caches, "CPU_ATTN", SHAPE, tables["w"][:4])))
         worker.side.start_load_kv(meta)
         assert worker.side.take_load_errors() == set()
         worker.side.wait_for_save(meta)
         worker.wait_reported("received", "x")
         assert "s" not in worker.reported["received"] and worker.reported["failed"] == {}
-        assert torch.equal(pages(worker.caches, "CPU_ATTN", SHAPE, tables["x"]),
-                           pages(worker.caches, "CPU_ATTN", SHAPE, tables["w"][:4]))
 
         assert match(scheduler, request("b", tokens)) == (2 * CHUNK, True)  # "s" computes
         scheduler.request_finished(alone)

@@ -113,9 +113,14 @@ class WorkerSide:
         vLLM frees a preempted request's blocks at once and may hand them to another request
         in this very step: its stores must finish reading them first. If the daemon went away,
         this is when the (non-blocking) check for its return goes out, so that by the stores
-        after the forward pass the worker is registered again. And the step's loads go out now:
-        the daemon copies while vLLM prepares the step's inputs (milliseconds on a CPU), and the
-        forward pass waits only for what is left of the sync loads (`start_load_kv`)."""
+        after the forward pass the worker is registered again.
+
+        And the step's loads go out now. A sync load copies while vLLM prepares the step's
+        inputs (~3 ms on a CPU), and the forward pass waits only for what is left of it
+        (`start_load_kv`). In a step without sync loads vLLM calls `start_load_kv` only after
+        the forward pass: an async load sent there would be reported a step later than one sent
+        here, which copies during the forward pass and is reported at its end (the blocks it
+        writes belong to a request that this step does not compute)."""
         adapter = self._adapter()
         if adapter is not None:
             if meta.preempted:
