@@ -22,7 +22,7 @@ baseline; engine 2's TTFT within 10 ms of the floor in every mode, and within 5 
 default mode (issue 12); engine 1's TTFT within +-4% of no
 connector; the restarted daemon's STATUS shows promotions from disk (promotions_total > 0).
 Engine 3's TTFT is reported, without a target. Prints a table, writes e2e.png and e2e.json to
---out. Takes about 5 minutes on 2 cores; 15 on an AVX2-only VM, where the bf16 full prefill
+--out. Takes about 6 minutes on 2 cores; 18 on an AVX2-only VM, where the bf16 full prefill
 takes ~43 s instead of ~1.5 s.
 """
 
