@@ -106,7 +106,7 @@ class Worker:
 
     def run(self, meta: LMCacheMPConnectorMetadata, finished: set[str] = frozenset()) -> None:
         self.side.begin_step(meta)
-        self.side.start_load_kv(meta)
+        self.side.start_load_kv()
         self.side.wait_for_save(meta)
         self.collect(finished, meta.idle)
 
@@ -247,7 +247,8 @@ def test_sync_loads_complete_before_the_forward_pass(daemon: DaemonProcess) -> N
         scheduler.update_state_after_alloc(reader, Blocks(tables["r"]), 2 * CHUNK)
         meta = scheduler.build_connector_meta(step(tables, new=((reader, 2 * CHUNK, 1),)))
         assert meta.sync_loads == {"r"} and list(meta.loads) == ["r"]
-        worker.side.start_load_kv(meta)  # returns with the KV in place
+        worker.side.begin_step(meta)
+        worker.side.start_load_kv()  # returns with the KV in place
         assert torch.equal(pages(worker.caches, "CPU_ATTN", SHAPE, tables["r"][:4]),
                            pages(worker.caches, "CPU_ATTN", SHAPE, tables["w"][:4]))
         worker.collect()
@@ -260,7 +261,8 @@ def test_sync_loads_complete_before_the_forward_pass(daemon: DaemonProcess) -> N
         finally:
             raw.close()
         scheduler.update_state_after_alloc(exact, Blocks(tables["x"][:4]), CHUNK)
-        worker.side.start_load_kv(scheduler.build_connector_meta(step(tables, new=((exact, CHUNK, CHUNK),))))
+        worker.side.begin_step(scheduler.build_connector_meta(step(tables, new=((exact, CHUNK, CHUNK),))))
+        worker.side.start_load_kv()
         assert worker.side.take_load_errors() == set(tables["x"][:2])
     finally:
         worker.side.shutdown()
@@ -295,7 +297,7 @@ def test_auto_loads_synchronously_only_while_nothing_else_computes(daemon: Daemo
         for loaded in (tables["s"][:4], tables["x"]):
             until(lambda blocks=loaded: torch.equal(pages(worker.caches, "CPU_ATTN", SHAPE, blocks),
                                                     pages(worker.caches, "CPU_ATTN", SHAPE, tables["w"][:4])))
-        worker.side.start_load_kv(meta)
+        worker.side.start_load_kv()
         assert worker.side.take_load_errors() == set()
         worker.side.wait_for_save(meta)
         worker.wait_reported("received", "x")

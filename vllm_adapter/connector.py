@@ -206,7 +206,7 @@ class LMCacheMPDaemonConnector(KVConnectorBase_V1, SupportsHMA):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._worker is not None:
-            self._worker.start_load_kv(self._meta())
+            self._worker.start_load_kv()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing per layer: loads are whole requests, and vLLM schedules a request only

@@ -172,7 +172,7 @@ class SchedulerSide:
 
     def _sync_hit(self, request: Request, hit: int) -> int:
         """vLLM must compute at least one token itself: a sync load stops a chunk short of a
-        hit that covers the whole request."""
+        hit that covers the whole request. (No hit before the daemon answers, nor a chunk size.)"""
         chunk_tokens = self._chunk_blocks * self._block_size
         return min(hit, (request.num_tokens - 1) // chunk_tokens * chunk_tokens) if hit else 0
 

@@ -79,8 +79,7 @@ class WorkerSide:
         self._with_stores: set[str] = set()  # requests that had stores, until reported finished
         self._unsent_loads: dict[str, list[int]] = {}  # loads the daemon never got -> their blocks
         self._load_errors: set[int] = set()
-        # The step whose loads begin_step sent, until its start_load_kv; its sync loads in flight.
-        self._loads_sent_for: int | None = None
+        # The sync loads begin_step sent, until start_load_kv has waited for them.
         self._sync_loads: tuple[WorkerGroups, list[SyncLoad]] | None = None
         # Requests with stores not all reported done -> the latest step that had one, and the step
         # through which they were last reported done (see block_holds).
@@ -128,19 +127,17 @@ class WorkerSide:
             adapter.ensure_registered()
         self._send_loads(adapter, meta)
 
-    def start_load_kv(self, meta: LMCacheMPConnectorMetadata) -> None:
-        """The forward pass is next: the step's sync loads must have landed, or their blocks be
-        reported bad now so that vLLM recomputes them in this very step."""
-        if self._loads_sent_for != meta.step:  # begin_step did not run for this step
-            self._send_loads(self._adapter(), meta)
-        self._loads_sent_for = None
+    def start_load_kv(self) -> None:
+        """The forward pass is next: the sync loads `begin_step` sent must have landed, or their
+        blocks be reported bad now so that vLLM recomputes them in this very step."""
         self._finish_sync_loads()
 
     def _send_loads(self, adapter: WorkerGroups | None, meta: LMCacheMPConnectorMetadata) -> None:
         """Send the step's loads: the sync ones to be waited for by `start_load_kv`, the others
         to be reported by `transfer_results`."""
-        self._finish_sync_loads()  # defensive: an earlier step's, had its forward pass not come
-        self._loads_sent_for = meta.step
+        # An earlier step's, should vLLM have returned before its start_load_kv (execute_model
+        # has such a path, for encoder-cache transfers): their errors must not be lost.
+        self._finish_sync_loads()
         now = {rid: ops for rid, ops in meta.loads.items() if rid in meta.sync_loads}
         later = {rid: ops for rid, ops in meta.loads.items() if rid not in meta.sync_loads}
         if now:  # first: the forward pass waits for these, and nothing queues ahead of them
