@@ -26,6 +26,7 @@ from lmcache_mp.protocol import RequestType
 from lmcache_mp.status_text import render_status
 from lmcache_mp.storage.base import TierCleared
 from lmcache_mp.storage.tiers import redact_url
+from lmcache_mp.v1remote.protocol import DEFAULT_MAX_CONNECTIONS, DEFAULT_PORT
 
 if TYPE_CHECKING:
     from lmcache_mp.daemon import Daemon
@@ -260,8 +261,6 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def _add_remote_server(sub: argparse._SubParsersAction) -> None:
-    from lmcache_mp.v1remote.server import DEFAULT_MAX_CONNECTIONS, DEFAULT_PORT
-
     remote = sub.add_parser(
         "remote-server", help="run a standalone store that speaks LMCache's v1 remote protocol",
         description="Run an in-memory, LRU-bounded KV store speaking the v1 remote TCP protocol "

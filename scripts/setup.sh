@@ -5,13 +5,14 @@
 #   scripts/setup.sh test       + the test suite's and the benchmarks' needs (Debian's
 #                               redis-server and systemd-analyze too, installed with
 #                               apt-get when missing)
+# LMCACHE_MP_VENV=DIR sets up DIR instead of .venv (CI's first-run check uses a fresh one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 profile="${1:-base}"
 python="${PYTHON:-python3.11}"
 command -v "$python" >/dev/null || python=python3
-venv=.venv
+venv="${LMCACHE_MP_VENV:-.venv}"
 
 case "$profile" in
   base) extras="" ;;

@@ -105,6 +105,10 @@ DTYPE_BY_TORCH_NAME: dict[str, WireDtype] = {
     "float8_e5m2": WireDtype.FLOAT8_E5M2,
 }
 
+# The standalone server's defaults, here so that `lmcache-mp --help` needs no server module.
+DEFAULT_PORT = 65432
+DEFAULT_MAX_CONNECTIONS = 64
+
 MAX_KEY_LENGTH = 150  # bytes of UTF-8 in the client header's key field
 CLIENT_HEADER_FORMAT = "iiiiiiiii150s"
 SERVER_HEADER_FORMAT = "iiiiiiiii"

@@ -41,6 +41,8 @@ import numpy as np
 
 from lmcache_mp.v1remote.protocol import (
     CLIENT_HEADER_SIZE,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_PORT,
     ClientCommand,
     ClientMetaMessage,
     MemoryFormat,
@@ -55,8 +57,6 @@ from lmcache_mp.v1remote.protocol import (
 
 logger = logging.getLogger("lmcache_mp.v1remote.server")
 
-DEFAULT_PORT = 65432
-DEFAULT_MAX_CONNECTIONS = 64
 # A PUT announcing more than this closes its connection instead of being read: no KV chunk is
 # this large, and reading (to discard) up to 2 GiB per bogus header would be an easy way to waste us.
 MAX_PUT_BYTES = 1 << 30
