@@ -8,9 +8,11 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from lmcache_mp.launcher import daemon_status
+from lmcache_mp.protocol import StatusReport
 from vllm_adapter import LMCacheMPSchedulerAdapter
 
 BLOCK, CHUNK = 16, 32  # vLLM block and daemon chunk sizes of the data-path tests
@@ -39,13 +41,22 @@ def lookup(scheduler: LMCacheMPSchedulerAdapter, request_id: str, **kw) -> int:
     return hit
 
 
+def wait_for_status(url: str, reached: Callable[[StatusReport], bool], what: str,
+                    timeout_s: float = 60) -> StatusReport:
+    """The first STATUS for which `reached` holds, asked until a deadline: what a worker sent
+    (a STORE, a release) takes effect in the daemon later, by an amount a busy machine stretches."""
+    deadline = time.monotonic() + timeout_s
+    while not reached(report := status(url)):
+        assert time.monotonic() < deadline, f"not reached in {timeout_s} s: {what}; STATUS {report}"
+        time.sleep(0.01)
+    return report
+
+
 def wait_for_leases(url: str, sessions: int, leases: int) -> None:
     """Until STATUS shows these many lease sessions and leases: RELEASE_LEASES and END_SESSION
     are fire and forget (and deferred by the scheduler adapter), so their effect shows later."""
-    deadline = time.monotonic() + 10
-    while (report := status(url)).sessions != sessions or report.leases != leases:
-        assert time.monotonic() < deadline, f"{report.sessions} sessions, {report.leases} leases"
-        time.sleep(0.01)
+    wait_for_status(url, lambda r: (r.sessions, r.leases) == (sessions, leases),
+                    f"{sessions} sessions, {leases} leases")
 
 
 def run_worker(spec: dict, timeout: float = 120) -> subprocess.CompletedProcess:

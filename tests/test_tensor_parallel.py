@@ -22,7 +22,17 @@ import torch
 from lmcache_mp.launcher import DaemonProcess
 from tests import helpers
 from tests import test_vllm_connector as real
-from tests.helpers import BLOCK, CHUNK, LAYERS, NUM_BLOCKS, SHAPE, block_hashes, lookup, status
+from tests.helpers import (
+    BLOCK,
+    CHUNK,
+    LAYERS,
+    NUM_BLOCKS,
+    SHAPE,
+    block_hashes,
+    lookup,
+    status,
+    wait_for_status,
+)
 from tests.kv_worker import make_caches, pages
 from vllm_adapter import LMCacheMPSchedulerAdapter
 
@@ -314,7 +324,10 @@ def test_vllm_tp2_engines_store_and_load_per_rank(short_tmp: Path) -> None:
         engine = real.Engine(spec, short_tmp / "engine1.log", TP_ENV, TP_TIMEOUT_S)
         try:
             stored = engine.round(0)
-            report = status(daemon.url)  # while the engine runs: both ranks are registered
+            # While the engine runs (both ranks registered), once its STOREs have landed: a
+            # request's STORE is sent as it finishes and copied by the daemon after that.
+            report = wait_for_status(daemon.url, lambda r: r.objects >= real.STORED_CHUNKS * WORLD,
+                                     "every stored chunk on both ranks")
             (barrier / "go-1").touch()
             engine.round(1)
             engine.finish()
