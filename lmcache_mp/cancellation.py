@@ -13,12 +13,18 @@ RETRIEVE of those requests touches that instance's blocks any more.
   `cancelled` between chunks);
 - which pairs were cancelled, and when, so that an operation sent before the CANCEL and still
   queued refuses to start (`begin`). "Before" is the order in which the server read them
-  (`ARRIVAL`, set by the server for the handler it runs): operations sent after the CANCEL,
-  such as the STORE of what vLLM recomputed after a cancelled load, run as usual.
+  (`request_context.ARRIVAL`): operations sent after the CANCEL, such as the STORE of what vLLM
+  recomputed after a cancelled load, run as usual.
   The server refuses any request that waited in its queue longer than the queue deadline, and
   a worker's requests reach the daemon in order, so every operation sent before a CANCEL was
   queued before it and starts within the deadline, or never: an entry is forgotten after twice
-  the deadline plus a second. The record is also capped in size (oldest out, with a warning).
+  the deadline plus a second, and never earlier. A confirmed cancel is a promise the worker acts
+  on (it hands the blocks back to vLLM), so the record is bounded by refusing new cancels when
+  it is full (OVERLOADED: the worker keeps its blocks and asks again), never by forgetting old
+  ones: per instance (a worker cancels at most what it had in flight) and in all.
+  Only the registered instance's own connection may cancel its transfers (the engine checks);
+  a CANCEL for an instance that is not registered records nothing, as none of its operations can
+  start any more (each looks its registration up first), and only waits for copies still running.
 """
 
 from __future__ import annotations
@@ -29,33 +35,35 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import Future
-from contextvars import ContextVar
 
 from lmcache_mp.errors import ServerError
 from lmcache_mp.protocol import ErrorCode
+from lmcache_mp.request_context import ARRIVAL
 
 logger = logging.getLogger(__name__)
 
 Pair = tuple[int, str]  # (instance id, request id)
-
-# The position of the request being handled in the order the server read requests (it counts
-# from 1). Operations and CANCELs are ordered by it; 0 (unset) is before everything.
-ARRIVAL: ContextVar[int] = ContextVar("lmcache_mp_request_arrival", default=0)
 
 # Beyond the queue deadline: an operation that passed the server's deadline check just in time
 # may still be on its way to `begin` (a descheduled thread); another deadline and this margin
 # cover it generously.
 KEEP_MARGIN_S = 1.0
 DEFAULT_MAX_CANCELLED = 65_536
+# Per instance: a worker cancels what it had in flight (vLLM's running requests), re-sending the
+# same pairs until answered; far below this.
+DEFAULT_MAX_CANCELLED_PER_INSTANCE = 8_192
 # CANCELs waiting for copies to stop (each a deferred reply); more are refused OVERLOADED.
 DEFAULT_MAX_WAITERS = 4_096
 
 
 class TransferFence:
     def __init__(self, queue_deadline_s: float, max_cancelled: int = DEFAULT_MAX_CANCELLED,
-                 max_waiters: int = DEFAULT_MAX_WAITERS):
+                 max_waiters: int = DEFAULT_MAX_WAITERS,
+                 max_per_instance: int = DEFAULT_MAX_CANCELLED_PER_INSTANCE):
         self._keep_s = 2 * queue_deadline_s + KEEP_MARGIN_S
         self._max_cancelled = max_cancelled
+        self._max_per_instance = max_per_instance
+        self._per_instance: dict[int, int] = {}  # instance id -> its pairs in `_cancelled`
         self._max_waiters = max_waiters
         self._copying: dict[Pair, int] = {}
         # pair -> (when it is forgotten, the CANCEL's ARRIVAL), oldest first
@@ -101,33 +109,45 @@ class TransferFence:
         for reply, value in done:
             reply.set_result(value)
 
-    def cancel(self, instance_id: int, request_ids: list[str]) -> int | Future[int]:
-        """Record the cancellation; the number of requests with a copy running, as a Future that
-        completes once those copies have stopped (at once, as an int, when none runs)."""
+    def cancel(self, instance_id: int, request_ids: list[str], *, record: bool = True) -> int | Future[int]:
+        """Record the cancellation (unless `record` is False: the instance is not registered);
+        the number of requests with a copy running, as a Future that completes once those
+        copies have stopped (at once, as an int, when none runs). OVERLOADED, with nothing
+        recorded, when the record or the waiters are full."""
         pairs = {(instance_id, request_id) for request_id in request_ids}
         now = time.monotonic()
         with self._lock:
             self._forget_expired(now)
-            for pair in pairs:
-                self._cancelled[pair] = (now + self._keep_s, ARRIVAL.get())
-                self._cancelled.move_to_end(pair)
-            dropped = max(0, len(self._cancelled) - self._max_cancelled)
-            for _ in range(dropped):
-                self._cancelled.popitem(last=False)
             copying = {pair for pair in pairs if pair in self._copying}
-            reply: Future[int] | None = None
-            if copying and len(self._waiters) < self._max_waiters:
-                reply = Future()
-                self._waiters.append((copying, reply, len(copying)))
-        if dropped:
-            logger.warning("cancelled-transfer record full (%d): forgot the %d oldest", self._max_cancelled,
-                           dropped)
-        if not copying:
-            return 0
-        if reply is None:
-            raise ServerError(ErrorCode.OVERLOADED, f"{self._max_waiters} CANCEL_TRANSFERS requests "
-                                                    "already wait for copies to stop; retry")
+            if copying and len(self._waiters) >= self._max_waiters:
+                raise ServerError(ErrorCode.OVERLOADED, f"{self._max_waiters} CANCEL_TRANSFERS requests "
+                                                        "already wait for copies to stop; retry")
+            if record:
+                self._record_locked(instance_id, pairs, now)
+            if not copying:
+                return 0
+            reply: Future[int] = Future()
+            self._waiters.append((copying, reply, len(copying)))
         return reply
+
+    def _record_locked(self, instance_id: int, pairs: set[Pair], now: float) -> None:
+        new = [pair for pair in pairs if pair not in self._cancelled]
+        mine = self._per_instance.get(instance_id, 0)
+        if mine + len(new) > self._max_per_instance or len(self._cancelled) + len(new) > self._max_cancelled:
+            logger.warning("refused a CANCEL_TRANSFERS of %d requests for instance %d: the cancelled-"
+                           "transfer record is full (%d of %d for the instance, %d of %d in all)",
+                           len(pairs), instance_id, mine, self._max_per_instance, len(self._cancelled),
+                           self._max_cancelled)
+            raise ServerError(ErrorCode.OVERLOADED,
+                              f"the cancelled-transfer record is full ({mine} cancelled requests of "
+                              f"instance {instance_id} kept, {len(self._cancelled)} in all, for "
+                              f"{self._keep_s:.0f} s each); nothing recorded: retry later")
+        entry = (now + self._keep_s, ARRIVAL.get())
+        for pair in pairs:
+            self._cancelled[pair] = entry
+            self._cancelled.move_to_end(pair)
+        if new:
+            self._per_instance[instance_id] = mine + len(new)
 
     def counts(self) -> tuple[int, int]:
         """(pairs copying, pairs remembered as cancelled)."""
@@ -137,4 +157,9 @@ class TransferFence:
 
     def _forget_expired(self, now: float) -> None:
         while self._cancelled and next(iter(self._cancelled.values()))[0] <= now:
-            self._cancelled.popitem(last=False)
+            (instance_id, _), _ = self._cancelled.popitem(last=False)
+            left = self._per_instance[instance_id] - 1
+            if left:
+                self._per_instance[instance_id] = left
+            else:
+                del self._per_instance[instance_id]

@@ -303,7 +303,9 @@ class Engine:
 
     def cancel_transfers(self, instance_id: int, request_ids: list[str]) -> int | Future[int]:
         """CANCEL_TRANSFERS (see protocol.py); a Future while transfers of these requests copy."""
-        return self.fence.cancel(instance_id, request_ids)
+        # Only the instance's own connection may cancel its transfers; one not registered
+        # (any more) can start none, so nothing is recorded for it (cancellation.py).
+        return self.fence.cancel(instance_id, request_ids, record=self.registry.owned(instance_id))
 
     # ---- RELEASE_LEASES, END_SESSION, CLEAR, maintenance -------------------------------------
 

@@ -70,11 +70,15 @@ class ErrorCode(enum.IntEnum):
     # moment, every other request this until its engine is built (seconds: torch is imported
     # then). Retry, as for a daemon that is not there yet.
     STARTING = 12
+    # A request about a registration made on another connection (CANCEL_TRANSFERS,
+    # UNREGISTER_KV_CACHE): only the connection that registered an instance may act on it.
+    FORBIDDEN = 13
 
 
 # Errors no retry of the same request can change: the daemon found the request itself invalid.
 PERMANENT_ERRORS = frozenset({ErrorCode.MALFORMED_MESSAGE, ErrorCode.UNKNOWN_REQUEST_TYPE,
-                              ErrorCode.BAD_PAYLOAD, ErrorCode.NOT_IMPLEMENTED, ErrorCode.INVALID_ARGUMENT})
+                              ErrorCode.BAD_PAYLOAD, ErrorCode.NOT_IMPLEMENTED, ErrorCode.INVALID_ARGUMENT,
+                              ErrorCode.FORBIDDEN})
 
 
 # The daemon's phase, in HELLO and STATUS: "starting" until its engine is built (requests other than
@@ -216,11 +220,23 @@ class ReplyThen:
     then: Callable[[], None]
 
 
+# The most payload bytes a request of each size class can legitimately need, checked before
+# it is decoded on the socket thread (decoding takes ~60x the bytes in memory, and time).
+SMALL_PAYLOAD = 4 << 10  # a few scalars and names
+# Keys and block ids of one request: a 1M-token prompt is 4,096 chunk keys (~0.5 MiB) and
+# 65,536 blocks of 16 tokens (~0.3 MiB); several times that.
+KEYS_PAYLOAD = 4 << 20
+REGISTER_PAYLOAD = 4 << 20  # a handle per layer: ~0.5 MiB for 1,000 layers
+# Request ids a worker cancels at once: those it had in flight (~100 bytes each), far below this.
+CANCEL_PAYLOAD = 256 << 10
+
+
 @dataclass(frozen=True)
 class RequestSpec:
     payload: tuple[Any, ...]  # one type per payload argument
     reply: Any
     kind: HandlerKind
+    max_payload_bytes: int = SMALL_PAYLOAD  # larger: BAD_PAYLOAD, not decoded
 
 
 Keys = list[IPCCacheEngineKey]
@@ -236,28 +252,31 @@ PROTOCOL: dict[RequestType, RequestSpec] = {
     # worker's own random 63-bit number, unique per registration: never a pid, which repeats
     # across containers sharing one daemon.
     RequestType.REGISTER_KV_CACHE: RequestSpec((int, KVCache, KVCacheRegistration), RegisterReply,
-                                                    HandlerKind.WORKER),
-    # UNREGISTER_KV_CACHE(instance id) -> whether it was registered.
+                                                    HandlerKind.WORKER, REGISTER_PAYLOAD),
+    # UNREGISTER_KV_CACHE(instance id) -> whether it was registered (FORBIDDEN: by another
+    # connection).
     RequestType.UNREGISTER_KV_CACHE: RequestSpec((int,), bool, HandlerKind.WORKER),
     # LOOKUP(keys without worker id) -> number of leading chunks present on every rank, in any
     # tier (deferred while chunks are read up from a lower tier).
-    RequestType.LOOKUP: RequestSpec((Keys,), int, HandlerKind.DEFERRED),
+    RequestType.LOOKUP: RequestSpec((Keys,), int, HandlerKind.DEFERRED, KEYS_PAYLOAD),
     # LOOKUP_CHUNKS(model name, world size, request id or None, chunk hashes) -> as LOOKUP of one
     # hash-mode key per hash (without worker id, all of that request): the scheduler's usual
     # LOOKUP with the fields its keys share sent once. A list of bytes decodes ~40x faster than as
     # many keys, which made most of a LOOKUP's cost beyond a PING's (issue 14).
-    RequestType.LOOKUP_CHUNKS: RequestSpec((str, int, str | None, list[bytes]), int, HandlerKind.DEFERRED),
+    RequestType.LOOKUP_CHUNKS: RequestSpec((str, int, str | None, list[bytes]), int, HandlerKind.DEFERRED,
+                                            KEYS_PAYLOAD),
     # STORE / RETRIEVE(keys, instance id, block ids, CUDA event IPC handle or b"").
-    RequestType.STORE: RequestSpec((Keys, int, list[int], bytes), StoreResult, HandlerKind.WORKER),
+    RequestType.STORE: RequestSpec((Keys, int, list[int], bytes), StoreResult, HandlerKind.WORKER,
+                                      KEYS_PAYLOAD),
     RequestType.RETRIEVE: RequestSpec((Keys, int, list[int], bytes), RetrieveResult,
-                                         HandlerKind.WORKER),
+                                         HandlerKind.WORKER, KEYS_PAYLOAD),
     # END_SESSION(request id): release everything the request still holds.
     RequestType.END_SESSION: RequestSpec((str,), None, HandlerKind.INLINE),
     # RELEASE_LEASES(keys without worker id, as for LOOKUP, request id set; a token key names
     # the chunks from its `start`): release the leases the keys' requests hold on those chunks,
     # on every rank: chunks a request will not retrieve (e.g. inside vLLM's own prefix hit).
     # Its other leases stay until RETRIEVE / END_SESSION. Fire and forget, like END_SESSION.
-    RequestType.RELEASE_LEASES: RequestSpec((Keys,), None, HandlerKind.INLINE),
+    RequestType.RELEASE_LEASES: RequestSpec((Keys,), None, HandlerKind.INLINE, KEYS_PAYLOAD),
     # CLEAR() -> number of objects dropped from the CPU pool (objects under lease or being
     # written stay; lower tiers are persistent and keep theirs).
     RequestType.CLEAR: RequestSpec((), int, HandlerKind.WORKER),
@@ -273,7 +292,9 @@ PROTOCOL: dict[RequestType, RequestSpec] = {
     # is refused (a RETRIEVE: RetrieveResult ok=False, reason "cancelled", its leases spent; a
     # STORE: CANCELLED, nothing stored), one copying stops at its next chunk and is waited for
     # (deferred until then; a stopped STORE publishes nothing). Unknown requests answer 0 at once.
-    RequestType.CANCEL_TRANSFERS: RequestSpec((int, list[str]), int, HandlerKind.DEFERRED),
+    # Only the connection that registered the instance may send it (FORBIDDEN otherwise); one
+    # for an instance not registered records nothing. A full record answers OVERLOADED.
+    RequestType.CANCEL_TRANSFERS: RequestSpec((int, list[str]), int, HandlerKind.DEFERRED, CANCEL_PAYLOAD),
 }
 
 assert set(PROTOCOL) == set(RequestType), "every request type needs a spec"

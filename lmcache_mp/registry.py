@@ -30,6 +30,7 @@ from lmcache_mp.distributed.api import rank_of
 from lmcache_mp.errors import ServerError
 from lmcache_mp.keys import invalid
 from lmcache_mp.protocol import ErrorCode, InstanceInfo, KVCacheRegistration, RegisterReply
+from lmcache_mp.request_context import PEER
 from lmcache_mp.storage.base import ChunkFormat
 from lmcache_mp.storage.manager import RankSpec
 from lmcache_mp.transfer.context import TransferContext
@@ -49,6 +50,7 @@ class Instance:
     registration: KVCacheRegistration
     context: TransferContext
     fmt: ChunkFormat
+    owner: bytes  # the connection that registered it (request_context.PEER)
 
     @property
     def rank_key(self) -> RankKey:
@@ -110,7 +112,7 @@ class Registry:
                           f"{context.chunk_nbytes} bytes, too large for the pool: {err}; raise "
                           "--l1-size-gb or lower --chunk-size") from None
         fmt = geometry.chunk_format(reg.model_name, reg.world_size, reg.worker_id, self.chunk_size)
-        instance = Instance(instance_id, reg, context, fmt)
+        instance = Instance(instance_id, reg, context, fmt, PEER.get())
         with self._lock:
             self._check_unused_locked(instance_id)
             self._instances[instance_id] = instance
@@ -159,7 +161,7 @@ class Registry:
 
     def unregister(self, instance_id: int) -> bool:
         with self._lock:
-            found = self._drop_locked(instance_id)
+            found = self._owned_locked(instance_id) and self._drop_locked(instance_id)
         if found:
             logger.info("unregistered instance %d", instance_id)
         return found
@@ -188,6 +190,23 @@ class Registry:
                 self._drop_locked(instance_id)
         if instance_id is not None:
             logger.info("worker of instance %d went away: dropped its registration", instance_id)
+
+    def owned(self, instance_id: int) -> bool:
+        """Whether the instance is registered: False if not; FORBIDDEN if it is, by another
+        connection than the request's (only its own worker may cancel or unregister it)."""
+        with self._lock:
+            return self._owned_locked(instance_id)
+
+    def _owned_locked(self, instance_id: int) -> bool:
+        instance = self._instances.get(instance_id)
+        if instance is None:
+            return False
+        if instance.owner != PEER.get():
+            logger.warning("refused a request about instance %d from a connection that did not "
+                           "register it", instance_id)
+            raise ServerError(ErrorCode.FORBIDDEN, f"instance {instance_id} was registered on another "
+                                                   "connection: only its own worker may act on it")
+        return True
 
     def instance(self, instance_id: int) -> Instance:
         with self._lock:

@@ -26,7 +26,6 @@ from typing import Any
 import msgspec
 
 from lmcache_mp import __version__
-from lmcache_mp.cancellation import ARRIVAL
 from lmcache_mp.config import ServerConfig, SocketAccess, SocketClaim, claim_socket_path, ipc_path
 from lmcache_mp.errors import ServerError
 from lmcache_mp.mq import REQUEST_ID, Codec, MessageQueueServer
@@ -43,6 +42,7 @@ from lmcache_mp.protocol import (
     RequestType,
     StatusReport,
 )
+from lmcache_mp.request_context import ARRIVAL, PEER
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +166,12 @@ class Server:
             self._send_error(identity, request_id, ErrorCode.UNKNOWN_REQUEST_TYPE,
                              f"unknown request type frame {type_frame[:16]!r}")
             return
+        size, limit = sum(len(frame) for frame in payload), PROTOCOL[request_type].max_payload_bytes
+        if size > limit:
+            self._send_error(identity, request_id, ErrorCode.BAD_PAYLOAD,
+                             f"{request_type.name}: a {size}-byte payload, over its {limit}-byte limit",
+                             request_type)
+            return
         try:
             args = self.codec.decode_payload(request_type, payload)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as err:
@@ -238,14 +244,17 @@ class Server:
     def _run(self, identity: bytes, request_id: bytes, request_type: RequestType,
              handler: Handler, args: list[Any], arrival: int) -> None:
         start = time.perf_counter()
-        token = ARRIVAL.set(arrival)  # orders operations against CANCEL_TRANSFERS (cancellation.py)
+        # The request as its handler sees it (request_context.py): its order against
+        # CANCEL_TRANSFERS, and the connection that owns what it registers.
+        arrival_token, peer_token = ARRIVAL.set(arrival), PEER.set(identity)
         try:
             result = handler(*args)
         except Exception as err:
             self._reply(identity, request_id, request_type, start, error=err)
             return
         finally:
-            ARRIVAL.reset(token)
+            ARRIVAL.reset(arrival_token)
+            PEER.reset(peer_token)
         if isinstance(result, Future):  # a deferred handler: reply when it completes
             with self._queued_lock:
                 self._deferred += 1

@@ -16,12 +16,13 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
+from lmcache_mp import cancellation
 from lmcache_mp.custom_types import IPCCacheEngineKey
 from lmcache_mp.errors import ServerError
 from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import MessageQueueClient, MessagingFuture
 from lmcache_mp.protocol import ChunkOutcome, ErrorCode, RequestType, RetrieveResult
-from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes, freeze, status
+from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes, freeze, status, wait_for_status
 from tests.kv_worker import make_caches
 from tests.test_fault_paths import lease
 from tests.test_tiers import count_lookup, store
@@ -172,19 +173,57 @@ def cancel(client: MessageQueueClient, instance_id: int, request_ids: list[str])
     return client.submit(RequestType.CANCEL_TRANSFERS, [instance_id, request_ids]).result(10)
 
 
-def test_the_cancelled_record_is_bounded(daemons: Callable) -> None:
-    daemon: DaemonProcess = daemons(*DAEMON_ARGS, "--queue-deadline-s", "0.5")
-    client = MessageQueueClient(daemon.url)
+def refusal(client: MessageQueueClient, request_type: RequestType, payload: list) -> ErrorCode:
+    with pytest.raises(ServerError) as refused:
+        client.submit(request_type, payload).result(10)
+    return refused.value.code
+
+
+def test_only_its_own_connection_cancels_or_unregisters_an_instance(stored) -> None:
+    """Issue 25 item 1: another client can neither cancel a worker's transfers (a flood of its
+    cancels once evicted the worker's confirmed one) nor unregister it."""
+    daemon, worker = stored
+    other = MessageQueueClient(daemon.url)
     try:
-        assert cancel(client, 1, [f"r{i}" for i in range(70_000)]) == 0
-        assert status(daemon.url).cancelled_transfers == 65_536  # capped: the oldest forgotten
-        assert cancel(client, 1, ["a", "b"]) == 0
-        assert status(daemon.url).cancelled_transfers == 65_536
-        # Kept for twice the queue deadline plus a second: no RETRIEVE sent before can start later.
-        time.sleep(2.5)
+        iid = worker.instance_id
+        assert refusal(other, RequestType.CANCEL_TRANSFERS, [iid, ["r"]]) is ErrorCode.FORBIDDEN
+        assert refusal(other, RequestType.UNREGISTER_KV_CACHE, [iid]) is ErrorCode.FORBIDDEN
+        assert status(daemon.url).registered_instances == [iid]
         assert status(daemon.url).cancelled_transfers == 0
+        # An instance not registered has nothing left to start: a CANCEL for it records nothing.
+        assert cancel(other, iid + 1, [f"r{i}" for i in range(2000)]) == 0
+        assert status(daemon.url).cancelled_transfers == 0
+        # Its own worker may: the record keeps it.
+        assert cancel(worker.mq_client, iid, ["r"]) == 0
+        assert status(daemon.url).cancelled_transfers == 1
     finally:
-        client.close()
+        other.close()
+
+
+PER_INSTANCE = cancellation.DEFAULT_MAX_CANCELLED_PER_INSTANCE
+
+
+def test_a_full_cancelled_record_refuses_new_cancels_and_forgets_none(daemons: Callable) -> None:
+    daemon: DaemonProcess = daemons(*DAEMON_ARGS, "--queue-deadline-s", "0.5")
+    worker = LMCacheMPWorkerAdapter(daemon.url, None, "m", 1, 0, BLOCK)
+    try:
+        worker.register_kv_caches(make_caches(SHAPE, torch.bfloat16, LAYERS, seed=1), "CPU_ATTN")
+        client, iid = worker.mq_client, worker.instance_id
+        # One request is capped by bytes before it is decoded (item 8)...
+        flood = [f"cmpl-{i:032x}-0" for i in range(70_000)]
+        assert refusal(client, RequestType.CANCEL_TRANSFERS, [iid, flood]) is ErrorCode.BAD_PAYLOAD
+        # ...and the record per instance: full, it refuses new pairs and keeps the old ones.
+        for start in range(0, PER_INSTANCE, 4096):
+            assert cancel(client, iid, flood[start:min(start + 4096, PER_INSTANCE)]) == 0
+        assert refusal(client, RequestType.CANCEL_TRANSFERS, [iid, ["one-more"]]) is ErrorCode.OVERLOADED
+        assert cancel(client, iid, flood[:2]) == 0  # sent again: nothing new to keep
+        assert status(daemon.url).cancelled_transfers == PER_INSTANCE
+        # Kept for twice the queue deadline plus a second (no operation sent before a CANCEL can
+        # start later), then forgotten, which makes room again.
+        wait_for_status(daemon.url, lambda r: r.cancelled_transfers == 0, "the record expired")
+        assert cancel(client, iid, ["one-more"]) == 0
+    finally:
+        worker.shutdown()
 
 
 BIG_BLOCKS = 4096  # a cache whose half is 2048 chunks: tens of ms of copying
