@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from lmcache_mp.launcher import start_daemon
-from tests.helpers import status
+from tests.helpers import status, wait_for_status
 from tests.vllm_engine_run import kv_transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -250,6 +250,20 @@ def test_fresh_engine_with_each_load_mode(engine1: list[list[int]], tiny_model: 
     (outputs,) = run_engine(spec, work_dir / f"engine-{load_mode}.log")
     assert cached(outputs) == ([3 * CHUNK, 3 * CHUNK, CHUNK, 0, 3 * CHUNK] if load_mode == "sync" else HITS)
     assert tokens(outputs) == baseline[: len(PROMPTS)]
+
+
+def test_an_engine_with_another_rope_setting_shares_no_chunk(engine1: list[list[int]], tiny_model: Path,
+                                                           work_dir: Path, daemon: Daemon) -> None:
+    """Issue 25 item 2: the same --model with another rope setting (--hf-overrides) computes other
+    KV for the same tokens: it gets none of engine 1's chunks (keyed by the model name alone, it
+    got them all: wrong KV) and stores its own beside them."""
+    before = daemon.objects()
+    rope = {"rope_parameters": {"rope_theta": 20000.0, "rope_type": "default"}}
+    (outputs,) = run_engine(engine_spec(tiny_model, daemon, [HEADS], hf_overrides=rope),
+                            work_dir / "engine-rope.log")
+    assert cached(outputs) == [0, 0]
+    report = wait_for_status(daemon.url, lambda r: r.objects >= before + HEAD_CHUNKS, "its own chunks stored")
+    assert report.objects == before + HEAD_CHUNKS
 
 
 def test_engine_keeps_serving_while_the_daemon_restarts(engine1: list[list[int]], tiny_model: Path,

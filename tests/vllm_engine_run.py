@@ -6,9 +6,9 @@ SPEC: model, dtype, block_size, num_blocks (KV cache size; registering the cache
 daemon moves it into shared memory, so small is quick), max_tokens, prefix_caching (bool),
 connector (null, or the `kv_connector_extra_config` for LMCacheMPDaemonConnector), connector_module
 (optional: another module holding a class of that name, instead of `vllm_adapter.connector`),
-hybrid_kv_cache_manager (optional bool: vLLM's HMA on; off by default), max_num_batched_tokens
-(optional), logprobs (optional bool: also report each generated token's logprob), rounds (a
-list of rounds, each a list of prompts, each a list of token ids), barrier_dir (optional:
+hybrid_kv_cache_manager (optional bool: vLLM's HMA on; off by default), hf_overrides (optional),
+max_num_batched_tokens (optional), logprobs (optional bool: also report each generated token's
+logprob), rounds (a list of rounds, each a list of prompts, each a list of token ids), barrier_dir (optional:
 before round i > 0, wait until the file `go-i` exists there, so a test can act between
 rounds).
 
@@ -43,6 +43,8 @@ def engine_args(spec: dict[str, Any]) -> dict[str, Any]:
         "disable_hybrid_kv_cache_manager": not spec.get("hybrid_kv_cache_manager", False),
         "tensor_parallel_size": spec.get("tensor_parallel_size", 1),
     }
+    if spec.get("hf_overrides"):  # another configuration of the same model
+        args["hf_overrides"] = spec["hf_overrides"]
     if spec.get("max_num_batched_tokens"):  # small: a long prompt's prefill spans several steps
         args["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
     if spec.get("connector") is not None:

@@ -61,6 +61,7 @@ from vllm_adapter.connector_common import ConnectorSettings, LMCacheMPConnectorM
 from vllm_adapter.connector_scheduler import SchedulerSide
 from vllm_adapter.connector_worker import WorkerSide
 from vllm_adapter.kv_groups import UnsupportedKVGroups, kv_groups
+from vllm_adapter.model_identity import model_identity
 
 if TYPE_CHECKING:
     import torch
@@ -110,7 +111,8 @@ class LMCacheMPDaemonConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         _route_logs_to_vllm()
         settings = ConnectorSettings.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
-        model_name = vllm_config.model_config.model
+        # The model and every setting that changes its KV (model_identity.py): never the name alone.
+        model_name = model_identity(vllm_config.model_config)
         parallel = vllm_config.parallel_config
         check_parallel_config(parallel)
         self._scheduler: SchedulerSide | None = None
