@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import grp
 import ipaddress
 import os
 import socket
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,22 +54,103 @@ class SocketAccess:
 
     group: str | None = None
 
+    @property
+    def directory_mode(self) -> int:
+        return 0o700 if self.group is None else 0o750
+
+    def check_directory(self, path: Path) -> None:
+        """Refuse (ValueError) an existing `path` that `make_directory` would refuse, changing
+        nothing: the check made before anything starts."""
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return  # made by make_directory; check_free checks that it can be
+        _check_is_directory(path, st)
+        self._check_private(path, st)
+
     def make_directory(self, path: Path) -> None:
-        """Create `path` (and parents) for sockets; give it to the group if it is ours."""
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if self.group is not None and path.stat().st_uid == os.geteuid():
-            self._give(path, 0o750)
+        """Create `path` (and parents) for sockets, mode 0700 (0750 and the group's with a group),
+        or take an existing one that nobody else controls (see `_check_private`). A directory found
+        in a shared place (/tmp/lmcache-mp-$UID) may have been made by another user, to put their
+        own socket where the workers hand over their KV caches: it is checked through a descriptor
+        opened without following a symbolic link, and that descriptor is what gets the mode."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.mkdir(path, 0o700)
+            created = True
+        except FileExistsError:
+            created = False
+        fd = _open_directory(path)
+        try:
+            st = os.fstat(fd)
+            if not created:
+                self._check_private(path, st)
+            if self.group is not None:
+                os.fchown(fd, -1, grp.getgrnam(self.group).gr_gid)
+                os.fchmod(fd, 0o750)
+            elif created or _beyond(st, 0o700):
+                os.fchmod(fd, 0o700)  # the umask may have left less; a runtime directory more
+        finally:
+            os.close(fd)
+
+    def _check_private(self, path: Path, st: os.stat_result) -> None:
+        """An existing socket directory must be ours, and nobody else's to write in. One others
+        may only read or pass through is taken if it is the runtime directory, the daemon's own,
+        which make_directory then narrows (a container volume starts 0755); any other directory
+        may be shared (--listen ipc:///run/x.sock): narrowing it would lock its other users out,
+        so it is refused."""
+        where = f"the socket directory {path} (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o})"
+        if st.st_uid != os.geteuid():
+            raise ValueError(f"{where} is not owned by this user (uid {os.geteuid()}): another user may "
+                             "have made it first, to be handed the workers' KV caches; remove it or "
+                             "choose another directory")
+        beyond = _beyond(st, self.directory_mode)
+        if beyond & 0o022:
+            raise ValueError(f"{where} is writable by others: they could put their own sockets in it; "
+                             "choose a directory only this user may write in "
+                             f"(mode {self.directory_mode:04o})")
+        if beyond and not _is_runtime_dir(path):
+            raise ValueError(f"{where} is open to others: make it mode {self.directory_mode:04o} "
+                             "or choose another directory")
 
     def secure(self, socket_path: Path) -> None:
         """Set a freshly bound socket's mode (and group)."""
         if self.group is None:
             os.chmod(socket_path, 0o600)
         else:
-            self._give(socket_path, 0o660)
+            os.chown(socket_path, -1, grp.getgrnam(self.group).gr_gid)
+            os.chmod(socket_path, 0o660)
 
-    def _give(self, path: Path, mode: int) -> None:
-        os.chown(path, -1, grp.getgrnam(self.group).gr_gid)
-        os.chmod(path, mode)
+
+def _beyond(st: os.stat_result, allowed: int) -> int:
+    """The permission bits of `st` beyond `allowed`."""
+    return stat.S_IMODE(st.st_mode) & 0o777 & ~allowed
+
+
+def _is_runtime_dir(path: Path) -> bool:
+    return os.path.abspath(path) == os.path.abspath(runtime_dir())
+
+
+def _check_is_directory(path: Path, st: os.stat_result) -> None:
+    """`st` (from lstat) is a directory itself, not a symbolic link to one: whoever may change
+    the link could move the sockets, and where the workers look for them, elsewhere."""
+    if stat.S_ISLNK(st.st_mode):
+        raise ValueError(f"the socket directory {path} is a symbolic link (owner uid {st.st_uid}): "
+                         "give the directory itself")
+    if not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"the socket directory {path} (owner uid {st.st_uid}, mode "
+                         f"{stat.S_IMODE(st.st_mode):04o}) is not a directory")
+
+
+def _open_directory(path: Path) -> int:
+    """A descriptor of the directory `path` itself, never of a symbolic link's target."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as err:
+        if err.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        _check_is_directory(path, os.lstat(path))
+        raise  # a directory again: changed meanwhile, refused all the same
 
 
 class SocketInUseError(OSError):
@@ -169,6 +252,11 @@ def check_free(url: str) -> None:
     parts = urlsplit(url)
     family = socket.AF_INET6 if ":" in (parts.hostname or "") else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # As the listeners themselves do (ZeroMQ and the metrics' HTTP server): without it, the
+        # connections of the last daemon on this port that linger in TIME_WAIT (60 s after any
+        # use, one /metrics scrape is enough) would refuse its restart. A port some process still
+        # listens on is refused all the same.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((parts.hostname, parts.port))
         except OSError as err:
@@ -346,7 +434,11 @@ class ServerConfig:
             curve.check()
         for url in self.listen:
             check_endpoint(url, self.insecure_remote or curve is not None)
+            path = ipc_path(url)
+            if path is not None:  # before check_free, which probes it by writing a file there
+                self.socket_access.check_directory(path.parent)
             check_free(url)
+        self.socket_access.check_directory(self.attach_socket.parent)
         if self.metrics_port:
             check_free(f"tcp://{self.metrics_host}:{self.metrics_port}")
         for url in self.l2:

@@ -35,7 +35,7 @@ from lmcache_mp.storage.base import ChunkFormat
 from lmcache_mp.storage.manager import RankSpec
 from lmcache_mp.transfer.context import TransferContext
 from lmcache_mp.transfer.layouts import describe_caches
-from lmcache_mp.transfer.shm import AttachListener, map_storages, view_shared
+from lmcache_mp.transfer.shm import AttachListener, map_storages, prebuild_page_tables, view_shared
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class Registry:
         self._check_unused(instance_id)  # before mapping anything; checked again when inserting
         try:
             rank_of(reg.world_size, reg.worker_id)  # refuses ranks that do not fit a kv_rank
-            layers = self._open_layers(kv_caches, reg)
+            layers, mapped = self._open_layers(kv_caches, reg)
             geometry = describe_caches(layers, reg.layout)
             context = TransferContext(layers, geometry, self.chunk_size)
         except ValueError as err:
@@ -121,6 +121,7 @@ class Registry:
             self._rank_specs = {}
             if reg.attach_token:
                 self._tokens[reg.attach_token] = instance_id
+        prebuild_page_tables(mapped)  # only now: a refused registration touches none of its memory
         logger.info("registered instance %d: %s rank %d/%d, %s %s, %d layers x %d blocks of %d tokens",
                     instance_id, reg.model_name, reg.worker_id, reg.world_size, geometry.layout.name,
                     geometry.dtype, geometry.num_layers, geometry.num_blocks, geometry.block_size)
@@ -138,7 +139,9 @@ class Registry:
                               f"instance id {instance_id} is registered already (by another worker, or by "
                               "this one before its registration was dropped); register under a new id")
 
-    def _open_layers(self, handles: KVCache, reg: KVCacheRegistration) -> list[torch.Tensor]:
+    def _open_layers(self, handles: KVCache, reg: KVCacheRegistration
+                     ) -> tuple[list[torch.Tensor], list[torch.UntypedStorage]]:
+        """The layers' tensors, and the shared storages mapped for them (none for CUDA)."""
         if handles and all(isinstance(h, SharedMemoryTensor) for h in handles):
             if not reg.attach_token:
                 raise ValueError("shared-memory caches need an attach token")
@@ -151,11 +154,11 @@ class Registry:
                     os.close(fd)
                 raise ValueError(f"handles name storages {sorted(sizes)}, {len(fds)} descriptors arrived")
             storages = map_storages(fds, [sizes[i] for i in range(len(fds))])
-            return [view_shared(h, storages) for h in handles]  # type: ignore[arg-type]
+            return [view_shared(h, storages) for h in handles], storages  # type: ignore[arg-type]
         if handles and all(isinstance(h, CudaIPCWrapper) for h in handles):
             if reg.attach_token:
                 self.attach.claim(reg.attach_token)  # liveness only: it carries no descriptors
-            return [h.to_tensor() for h in handles]  # type: ignore[attr-defined]
+            return [h.to_tensor() for h in handles], []  # type: ignore[attr-defined]
         kinds = sorted({type(h).__name__ for h in handles}) or ["nothing"]
         raise ValueError(f"expected one handle per layer, all of one kind; got {', '.join(kinds)}")
 

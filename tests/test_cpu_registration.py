@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from lmcache_mp.errors import ServerError
 from lmcache_mp.launcher import DaemonProcess
+from lmcache_mp.protocol import ErrorCode
 from lmcache_mp.transfer import shm_move
 from lmcache_mp.transfer.shm_move import AllocateInSharedMemory
 from tests.helpers import BLOCK, CHUNK, LAYERS, NUM_BLOCKS, SHAPE, block_hashes, status
@@ -111,24 +113,25 @@ def test_registration_moves_the_cache_into_a_memfd_in_place(daemon: DaemonProces
 
 
 @pytest.mark.daemon_args(*DAEMON_ARGS)
-@pytest.mark.parametrize("refused", ["memfd_create", "madvise", "madvise midway"])
+@pytest.mark.parametrize("refused", ["memfd_create", "madvise midway"])
 def test_fallback_to_torch_when_the_memfd_path_is_refused(daemon: DaemonProcess,
                                                           worker: LMCacheMPWorkerAdapter,
                                                           caplog: pytest.LogCaptureFixture,
                                                           monkeypatch: pytest.MonkeyPatch,
                                                           refused: str) -> None:
-    """The kernel refuses (ENOSYS from memfd_create, as under a seccomp filter; EINVAL from madvise,
-    as before Linux 5.14, once the memfd exists; or ENOMEM halfway through the move, after steps
-    were copied and released from the old memory): the storage is left as it was, torch moves
-    it, and the reason is logged once."""
+    """The kernel refuses (ENOSYS from memfd_create, as under a seccomp filter; or ENOMEM
+    halfway through the move, after steps were copied and released from the old memory): the
+    storage is left as it was, torch moves it (vLLM's tensors keep their bytes), and the reason
+    is logged once. The daemon refuses that memory, which its worker could shrink under it
+    (issue 25 item 3): the worker serves without the cache."""
     real_madvise = shm_move._madvise
     populates, releases = [], []
 
     def madvise(address: int, nbytes: int, advice: int) -> None:
         if advice == shm_move.MADV_POPULATE_WRITE:
             populates.append(address)
-            if refused == "madvise" or len(populates) > 4:
-                raise OSError(errno.EINVAL if refused == "madvise" else errno.ENOMEM, "refused by the test")
+            if len(populates) > 4:
+                raise OSError(errno.ENOMEM, "refused by the test")
         else:
             releases.append(address)
         real_madvise(address, nbytes, advice)
@@ -143,15 +146,54 @@ def test_fallback_to_torch_when_the_memfd_path_is_refused(daemon: DaemonProcess,
         monkeypatch.setattr(shm_move, "STEP_BYTES", 64 << 10)  # 8 steps for these 512 KiB
     monkeypatch.setattr(shm_move, "_fallback_logged", False)
     caches = make_caches(SHAPE, torch.bfloat16, LAYERS, seed=2)
-    with caplog.at_level(logging.INFO, logger=MOVE_LOG):
-        register_and_check(daemon, worker, caches)
-        shm_move.move_to_shared_memory(torch.zeros(4096, dtype=torch.uint8).untyped_storage())
+    before = {name: t.clone() for name, t in caches.items()}
+    with caplog.at_level(logging.INFO, logger=MOVE_LOG), pytest.raises(ServerError) as refusal:
+        worker.register_kv_caches(caches, "CPU_ATTN")
+    assert refusal.value.code is ErrorCode.INVALID_ARGUMENT and "can shrink" in refusal.value.message
+    assert status(daemon.url).registered_instances == []
+    assert all(t.untyped_storage().is_shared() for t in caches.values())
+    assert all(torch.equal(t.view(torch.uint8), before[name].view(torch.uint8)) for name, t in caches.items())
     assert "/memfd:" not in storage_mapping(next(iter(caches.values())))
     messages = [r.getMessage() for r in caplog.records]
     assert sum("memfd path is unavailable" in m and "refused by the test" in m for m in messages) == 1
-    assert sum(m.endswith(f"{shm_move.TORCH_PATH})") for m in messages) == 2
+    assert sum(m.endswith(f"{shm_move.TORCH_PATH})") for m in messages) == 1
     if refused == "madvise midway":
         assert releases, "no step was released before the failure: the case tests nothing"
+
+
+@pytest.mark.daemon_args(*DAEMON_ARGS)
+def test_a_kernel_without_populate_still_moves_into_a_sealed_memfd(daemon: DaemonProcess,
+                                                                   worker: LMCacheMPWorkerAdapter,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before Linux 5.14, MADV_POPULATE_WRITE is EINVAL: the move faults pages in as it writes."""
+    real_madvise = shm_move._madvise
+
+    def madvise(address: int, nbytes: int, advice: int) -> None:
+        if advice == shm_move.MADV_POPULATE_WRITE:
+            raise OSError(errno.EINVAL, "refused by the test")
+        real_madvise(address, nbytes, advice)
+
+    monkeypatch.setattr(shm_move, "_madvise", madvise)
+    caches = make_caches(SHAPE, torch.bfloat16, LAYERS, seed=3)
+    register_and_check(daemon, worker, caches)
+    assert "/memfd:lmcache-mp-kv (deleted)" in storage_mapping(next(iter(caches.values())))
+
+
+@pytest.mark.daemon_args(*DAEMON_ARGS)
+def test_a_registered_cache_cannot_shrink_under_the_daemon(daemon: DaemonProcess,
+                                                           worker: LMCacheMPWorkerAdapter) -> None:
+    """Issue 25 item 3: a worker that cut its shared-memory file short (one ftruncate) then sent a
+    STORE killed the daemon with SIGBUS. The memfd is sealed against shrinking: the ftruncate
+    fails, and the daemon serves on."""
+    caches = make_caches(SHAPE, torch.bfloat16, LAYERS, seed=4)
+    worker.register_kv_caches(caches, "CPU_ATTN")
+    fd, _ = next(iter(caches.values())).untyped_storage()._share_fd_cpu_()
+    with pytest.raises(PermissionError):
+        os.ftruncate(fd, 0)
+    retrieved = round_trip(daemon.url, worker, caches)
+    stored = pages(caches, "CPU_ATTN", SHAPE, STORED)
+    assert torch.equal(retrieved.view(torch.uint8), stored.view(torch.uint8))
+    assert daemon.proc.poll() is None
 
 
 @pytest.mark.daemon_args(*DAEMON_ARGS)

@@ -1,14 +1,18 @@
 """Who may use the daemon's Unix sockets: its own user by default; with --socket-group, also
 that group's members (a vLLM running as another user). Real daemon, real permissions; the
-other user's side runs as `nobody` when the tests run as root."""
+other user's side runs as `nobody` when the tests run as root. And its TCP ports: a restart
+takes them back at once, whatever connections of the last daemon linger in TIME_WAIT."""
 
 from __future__ import annotations
 
 import grp
 import os
+import socket
 import stat
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -66,3 +70,68 @@ def test_an_unknown_group_is_refused_at_start() -> None:
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "socket_group (--socket-group) is no-such-group: no such group on this machine" in out.stderr
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def time_wait_on(port: int) -> bool:
+    """Whether a TCP connection whose local port is `port` is in TIME_WAIT (what the side that
+    closed first keeps for 60 s)."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "06":  # 06: TIME_WAIT
+            return True
+    return False
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not {what} within {timeout_s} s"
+        time.sleep(0.01)
+
+
+def read_to_end(conn: socket.socket) -> bytes:
+    """Everything until the peer closes (so that its end, the daemon's, closes first)."""
+    conn.settimeout(30)
+    data = b""
+    while chunk := conn.recv(65536):
+        data += chunk
+    return data
+
+
+def test_a_restart_takes_back_its_metrics_port_after_a_scrape(daemons) -> None:
+    port = free_port()
+    first = daemons("--l1-size-gb", "0.05", "--metrics-port", str(port))
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as scrape:
+        scrape.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        assert b"lmcache_mp_" in read_to_end(scrape)  # HTTP/1.0: the server closes first
+    wait_for(lambda: time_wait_on(port), "the scrape's connection in TIME_WAIT on the metrics port")
+    assert first.stop() == 0
+    second = daemons("--l1-size-gb", "0.05", "--metrics-port", str(port))
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as scrape:
+        scrape.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        assert b"lmcache_mp_" in read_to_end(scrape)
+    assert second.stop() == 0
+
+
+def test_a_restart_takes_back_its_tcp_port_while_a_port_in_use_is_still_refused(daemons,
+                                                                                short_tmp: Path) -> None:
+    url = f"tcp://127.0.0.1:{free_port()}"
+    port = int(url.rsplit(":", 1)[1])
+    first = daemons("--l1-size-gb", "0.05", url=url)
+    # Not by the launcher: the first daemon would answer its HELLO.
+    refused = subprocess.run([sys.executable, "-m", "lmcache_mp.cli", "serve", "--listen", url],
+                             capture_output=True, text=True, timeout=60,
+                             env=dict(os.environ, LMCACHE_MP_RUNTIME_DIR=str(short_tmp)))
+    assert refused.returncode == 2, refused.stderr
+    assert f"cannot start: cannot listen on {url}: Address already in use" in refused.stderr
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as client:
+        assert first.stop() == 0  # closes the connection: its end first
+        read_to_end(client)
+    wait_for(lambda: time_wait_on(port), "the client's connection in TIME_WAIT on the daemon's port")
+    assert daemons("--l1-size-gb", "0.05", url=url).stop() == 0

@@ -17,6 +17,7 @@ is no name in /dev/shm to leak, and the kernel frees it once the last process ho
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import mmap
 import os
@@ -97,6 +98,7 @@ class AttachChannel:
         sock.settimeout(timeout_s)
         try:
             sock.connect(path)
+            _check_daemon_user(sock, path)
             socket.send_fds(sock, [token + struct.pack("<I", len(fds))], fds)
             if sock.recv(1) != _ACK:
                 raise ConnectionError(f"the daemon at {path} refused the attach channel")
@@ -117,6 +119,18 @@ class AttachChannel:
 
     def close(self) -> None:
         self._sock.close()
+
+
+def _check_daemon_user(sock: socket.socket, path: str) -> None:
+    """Hand the KV caches over only to a process of this user or root (SO_PEERCRED: whoever
+    listens on `path`). Another user's could read and write them: one that made the socket
+    directory first (/tmp/lmcache-mp-$UID) and listens where the daemon's attach socket should
+    be. This refuses no real deployment: a daemon takes attach channels from its own user only,
+    unless it runs as root (a vLLM of a --socket-group member registers with a root daemon)."""
+    uid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+    if uid not in (os.geteuid(), 0):
+        raise PermissionError(f"the attach socket {path} is served by uid {uid}, not by this user "
+                              f"(uid {os.geteuid()}) or root: not handing it the KV caches")
 
 
 # ---- daemon side ----------------------------------------------------------------------------
@@ -274,10 +288,12 @@ class AttachListener:
 
 def map_storages(fds: list[int], nbytes: list[int]) -> list[torch.UntypedStorage]:
     """Map shared-memory descriptors (closing them) as torch storages. The mapping lives as
-    long as any tensor viewing it. Their page tables are built on a background thread."""
+    long as any tensor viewing it. Nothing is touched: `prebuild_page_tables` once the
+    registration is accepted."""
     storages = []
     try:
         for fd, size in zip(fds, nbytes, strict=True):
+            _check_cannot_shrink(fd)
             actual = os.fstat(fd).st_size
             if actual < size:
                 raise ValueError(f"shared memory descriptor holds {actual} bytes, the handle says {size}")
@@ -286,8 +302,26 @@ def map_storages(fds: list[int], nbytes: list[int]) -> list[torch.UntypedStorage
     finally:
         for fd in fds:
             os.close(fd)
-    threading.Thread(target=_build_page_tables, args=(storages,), name="attach-populate", daemon=True).start()
     return storages
+
+
+def _check_cannot_shrink(fd: int) -> None:
+    """Refuse memory its worker could cut short under the daemon's mapping: the daemon's next
+    copy of the cut pages would die of SIGBUS. A memfd sealed with F_SEAL_SHRINK (as `shm_move`
+    makes them) cannot shrink; nothing else is accepted."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:  # EINVAL: not a memfd (a plain file, torch's shm_open memory, a pipe...)
+        seals = 0
+    if not seals & fcntl.F_SEAL_SHRINK:
+        raise ValueError("its shared memory can shrink under the daemon: only a memfd sealed with "
+                         f"F_SEAL_SHRINK is accepted, as the worker adapter makes them (seals {seals:#x})")
+
+
+def prebuild_page_tables(storages: list[torch.UntypedStorage]) -> None:
+    """Build the page tables of freshly mapped storages on a background thread, once their
+    registration is accepted (a refused one must not fault in the worker's memory)."""
+    threading.Thread(target=_build_page_tables, args=(storages,), name="attach-populate", daemon=True).start()
 
 
 def _build_page_tables(storages: list[torch.UntypedStorage]) -> None:

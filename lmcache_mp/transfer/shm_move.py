@@ -11,8 +11,12 @@ needs the cache's size once, not twice); then the two storages swap their memory
 (`_swap_data_ptr_`, the in-place swap torch's share path makes too). No name is ever linked in
 /dev/shm, and the kernel frees the memfd once no process maps it.
 
-Where any of that is missing or refused (an older torch or kernel, a seccomp filter), torch's
-`share_memory_()` runs instead, and the reason is logged once.
+The memfd is sealed against shrinking (F_SEAL_SHRINK): the daemon maps it, and a file cut
+short under a mapping would kill the daemon with SIGBUS at its next copy, so the daemon refuses
+any memory without that seal. A kernel before 5.14 lacks MADV_POPULATE_WRITE: the pages are
+then faulted in as they are written. Where the rest is missing or refused (an older torch, a
+seccomp filter on memfd_create), torch's `share_memory_()` runs instead and the reason is
+logged once: vLLM keeps working, but the daemon refuses that memory (it can shrink).
 
 Moving costs about what faulting in fresh memory costs (docs/benchmarks.md, section 9): on a VM
 whose fresh pages are slow, no way of moving can be much faster. So the connector also offers vLLM
@@ -24,6 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -109,7 +115,7 @@ def _shared_zeros(size: torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
     try:
         storage = _new_memfd_storage(nbytes)
         address = storage.data_ptr()
-        _run_steps(nbytes, lambda offset, n: _madvise(address + offset, n, MADV_POPULATE_WRITE))
+        _run_steps(nbytes, lambda offset, n: _prefault(address + offset, n))
     except (OSError, RuntimeError) as err:
         _log_fallback_once(err)
         return None
@@ -146,10 +152,13 @@ def _move_fast(storage: torch.UntypedStorage) -> None:
 
 
 def _new_memfd_storage(nbytes: int) -> torch.UntypedStorage:
-    """A torch storage over a fresh memfd of `nbytes` (zeros, not faulted in yet)."""
-    fd = os.memfd_create("lmcache-mp-kv", os.MFD_CLOEXEC)
+    """A torch storage over a fresh memfd of `nbytes` (zeros, not faulted in yet), sealed against
+    shrinking: the daemon maps it too, and a file cut short under a mapping turns the next copy
+    of the cut pages into SIGBUS, which would kill the daemon. It refuses memory without the seal."""
+    fd = os.memfd_create("lmcache-mp-kv", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, nbytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
         return torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)  # maps a dup of fd
     finally:
         os.close(fd)
@@ -174,9 +183,19 @@ def _run_steps(nbytes: int, step: Callable[[int, int], None]) -> None:
             raise
 
 
+def _prefault(address: int, nbytes: int) -> None:
+    """Have the kernel zero-fill these pages in one call, no fault per page. A kernel before
+    5.14 does not know the advice (EINVAL): the pages are then faulted in as they are written,
+    slower but still in the sealed memfd the daemon requires."""
+    try:
+        _madvise(address, nbytes, MADV_POPULATE_WRITE)
+    except OSError as err:
+        if err.errno != errno.EINVAL:
+            raise
+
+
 def _move_step(dst: int, src: int, offset: int, nbytes: int, released: list[int]) -> None:
-    # The kernel zero-fills the pages in one call, no fault per page; the copy then only copies.
-    _madvise(dst + offset, nbytes, MADV_POPULATE_WRITE)
+    _prefault(dst + offset, nbytes)  # the copy then only copies
     ctypes.memmove(dst + offset, src + offset, nbytes)
     if _release(src + offset, nbytes):
         released.append(offset)

@@ -1,0 +1,109 @@
+"""Issue 25 items 3 and 11, and the descriptors of the minor items: what a careless or hostile
+worker hands the daemon with REGISTER_KV_CACHE. A real daemon; the worker is this process,
+speaking the protocol by hand (the attach channel and REGISTER as the adapter sends them), so
+that it can send what the adapter never would."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from lmcache_mp.custom_types import SharedMemoryTensor
+from lmcache_mp.errors import ServerError
+from lmcache_mp.launcher import DaemonProcess
+from lmcache_mp.mq import MessageQueueClient
+from lmcache_mp.protocol import ErrorCode, KVCacheRegistration, RequestType
+from lmcache_mp.transfer.shm import AttachChannel
+from tests.helpers import status
+
+SIZE = 256 << 20  # sparse: nothing is allocated unless someone touches it
+PAGE = (2, 16, 64)  # a block's page: 2 heads x 16 tokens x 64 dims, bf16 (4 KiB)
+
+
+def sealed_memfd(size: int = SIZE, seal: bool = True) -> int:
+    fd = os.memfd_create("hostile-worker", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if seal:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    return fd
+
+
+def plain_file(size: int = SIZE) -> int:
+    fd, path = tempfile.mkstemp(prefix="lmc-hostile-")
+    os.unlink(path)
+    os.ftruncate(fd, size)
+    return fd
+
+
+def pipe_end(size: int = SIZE) -> int:
+    read_end, write_end = os.pipe()
+    os.close(write_end)
+    return read_end
+
+
+def handles(dtype: str = "bfloat16", size: int = SIZE) -> list[SharedMemoryTensor]:
+    """Two layers of bf16 pages filling one storage of `size` bytes."""
+    page = PAGE[0] * PAGE[1] * PAGE[2]  # elements
+    blocks = size // 2 // (2 * page)
+    return [SharedMemoryTensor(state=SharedMemoryTensor.State(
+        storage_index=0, storage_nbytes=size, dtype=dtype, shape=(blocks, *PAGE),
+        stride=(page, PAGE[1] * PAGE[2], PAGE[2], 1), storage_offset=i * blocks * page)) for i in range(2)]
+
+
+@pytest.fixture
+def register(daemon: DaemonProcess) -> Iterator[Callable[..., object]]:
+    """register(fd, handles) -> the daemon's reply (raises its ServerError): `fd` goes over a fresh
+    attach channel, as the adapter sends a cache; the channel stays open until the test ends."""
+    client = MessageQueueClient(daemon.url, request_timeout_s=30)
+    hello = client.handshake("hostile worker")
+    channels: list[AttachChannel] = []
+
+    def send(fd: int, layers: list[SharedMemoryTensor]) -> object:
+        channels.append(AttachChannel.open(hello.attach_socket, [fd]))
+        os.close(fd)
+        reg = KVCacheRegistration("m", 1, 0, "CPU_ATTN", channels[-1].token)
+        return client.submit(RequestType.REGISTER_KV_CACHE, [len(channels), layers, reg]).result(30)
+
+    yield send
+    for channel in channels:
+        channel.close()
+    client.close()
+
+
+def refusal(register: Callable[..., object], fd: int, layers: list[SharedMemoryTensor]) -> ServerError:
+    with pytest.raises(ServerError) as refused:
+        register(fd, layers)
+    return refused.value
+
+
+@pytest.mark.parametrize("make", [plain_file, pipe_end, lambda: sealed_memfd(seal=False)],
+                         ids=["plain file", "pipe", "memfd without seals"])
+def test_memory_its_worker_could_shrink_is_refused(daemon: DaemonProcess, register, make) -> None:
+    """A worker that shrank its file under the daemon's mapping, then sent a STORE, killed the
+    daemon with SIGBUS (item 3); a descriptor that is no shared memory at all was answered
+    INTERNAL. Now: only a memfd sealed against shrinking is mapped; the rest is a typed refusal."""
+    error = refusal(register, make(), handles())
+    assert error.code is ErrorCode.INVALID_ARGUMENT and "can shrink" in error.message, error
+    assert status(daemon.url).registered_instances == []
+
+
+def test_a_refused_registration_touches_none_of_its_memory(daemon: DaemonProcess, register) -> None:
+    """Item 11: a registration refused for its dtype had the daemon fault in the worker's whole
+    (sparse) file, charged to the daemon. Validation comes first; a refused one maps nothing in."""
+    fd = sealed_memfd()
+    watch = os.dup(fd)
+    try:
+        error = refusal(register, fd, handles(dtype="complex64"))
+        assert error.code is ErrorCode.INVALID_ARGUMENT and "dtype" in error.message, error
+        # A good registration after it: its pages are built in the background, so once it has
+        # been answered (and a STATUS after it), the refused one's would have started too.
+        good = sealed_memfd(64 << 20)
+        assert register(good, handles(size=64 << 20)) is not None
+        assert status(daemon.url).registered_instances == [2]
+        assert os.fstat(watch).st_blocks == 0  # not one page of the refused file was allocated
+    finally:
+        os.close(watch)
