@@ -3,6 +3,7 @@ foreign files, LRU capacity, the directory lock, a really full filesystem, concu
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import shutil
@@ -323,6 +324,126 @@ def test_unusable_directory_is_a_clear_error(tmp_path: Path) -> None:
 def test_directory_is_private(tmp_path: Path) -> None:
     DiskTier(tmp_path / "cache", MiB).close()
     assert (tmp_path / "cache").stat().st_mode & 0o777 == 0o700
+
+
+def _snapshot(directory: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file under `directory`: its bytes and mtime, to show that nothing touched them."""
+    return {str(p.relative_to(directory)): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("target_exists", [True, False], ids=["to-a-file", "dangling"])
+def test_symlinked_lock_is_refused_and_its_target_untouched(tmp_path: Path, target_exists: bool) -> None:
+    root = tmp_path / "cache"
+    root.mkdir()
+    victim = tmp_path / "victim.txt"
+    if target_exists:
+        victim.write_bytes(b"precious, not a pid\n")
+        os.utime(victim, ns=(10**18, 10**18))
+    (root / "lock").symlink_to(victim)
+    with pytest.raises(ValueError, match=rf"{root}/lock is a symbolic link"):
+        DiskTier(root, MiB)
+    if target_exists:
+        assert victim.read_bytes() == b"precious, not a pid\n" and victim.stat().st_mtime_ns == 10**18
+    else:
+        assert not victim.exists()  # not created through the link either
+    assert (root / "lock").is_symlink()
+
+
+def test_hard_linked_lock_is_refused_and_its_target_untouched(tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    root.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"precious, not a pid\n")
+    os.link(victim, root / "lock")
+    with pytest.raises(ValueError, match=rf"{root}/lock is not a plain file of its own"):
+        DiskTier(root, MiB)
+    assert victim.read_bytes() == b"precious, not a pid\n"
+
+
+def test_symlinked_tmp_is_refused_and_its_target_untouched(tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    root.mkdir()
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_bytes(b"keep me")
+    (victim / f"{'ab' * 20}.kv.7").write_bytes(b"named like a temp file")
+    before = _snapshot(victim)
+    (root / "tmp").symlink_to(victim, target_is_directory=True)
+    with pytest.raises(ValueError, match=rf"{root}/tmp is a symbolic link"):
+        DiskTier(root, MiB)
+    assert _snapshot(victim) == before
+
+
+def test_symlinked_shard_is_refused_and_its_target_untouched(tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    root.mkdir()
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    for i, age in enumerate((1, 2)):  # named like objects; the tier could hold only one of them
+        path = victim / f"ab{i:038x}.kv"
+        path.write_bytes(bytes(10 * KiB))
+        os.utime(path, (age, age))
+    before = _snapshot(victim)
+    (root / "ab").symlink_to(victim, target_is_directory=True)
+    with pytest.raises(ValueError, match=rf"{root}/ab is a symbolic link"):
+        DiskTier(root, 15 * KiB)
+    assert _snapshot(victim) == before
+
+
+def test_symlinked_object_is_never_followed(tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    tier = DiskTier(root, MiB)
+    tier.put(key(1), payload(KiB, seed=1))
+    path = file_of(root, key(1))
+    victim = tmp_path / "victim.kv"  # a valid object for key(1), outside the tier
+    shutil.copyfile(path, victim)
+    os.utime(victim, ns=(10**18, 10**18))
+    before = (victim.read_bytes(), victim.stat().st_mtime_ns)
+    path.unlink()
+    path.symlink_to(victim)
+
+    assert tier.get(key(1)) is None  # neither read nor served through the link
+    assert not tier.contains(key(1))
+    stats = tier.stats()
+    assert (stats.objects, stats.bytes, stats.hits_total, stats.misses_total) == (0, 0, 0, 1)
+    assert path.is_symlink() and (victim.read_bytes(), victim.stat().st_mtime_ns) == before
+    tier.put(key(1), payload(KiB, seed=1))  # replaces the link itself, never writes through it
+    assert not path.is_symlink() and torch.equal(tier.get(key(1)), payload(KiB, seed=1))
+    assert (victim.read_bytes(), victim.stat().st_mtime_ns) == before
+    tier.remove(key(1))
+    path.symlink_to(victim)
+    tier.close()
+
+    restarted = DiskTier(root, 1)  # a link is never indexed, so never evicted nor its target removed
+    assert restarted.stats().objects == 0 and path.is_symlink()
+    assert (victim.read_bytes(), victim.stat().st_mtime_ns) == before
+    restarted.close()
+
+
+def test_oversized_file_does_not_empty_the_tier(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    root = tmp_path / "cache"
+    first = DiskTier(root, MiB)
+    for i in range(5):
+        first.put(key(i), payload(10 * KiB, seed=i))
+    stored = first.stats().bytes
+    first.close()
+    huge = root / "ab" / f"ab{0:038x}.kv"  # named like an object, sparse, and the newest
+    with huge.open("wb") as f:
+        f.truncate(1 << 36)
+    os.utime(huge, ns=(4 * 10**18, 4 * 10**18))  # the year 2096
+
+    with caplog.at_level(logging.WARNING, logger="lmcache_mp.storage.disk"):
+        restarted = DiskTier(root, MiB)
+    assert all(restarted.contains(key(i)) for i in range(5))
+    stats = restarted.stats()
+    assert (stats.objects, stats.bytes, stats.evictions_total, stats.corrupt_total) == (5, stored, 0, 1)
+    assert not huge.exists()  # larger than the whole tier: no object of it, so removed on its own
+    warnings = [r.getMessage() for r in caplog.records if "larger than" in r.getMessage()]
+    assert len(warnings) == 1 and huge.name[:-3] in warnings[0], warnings
+    for i in range(5):
+        assert torch.equal(restarted.get(key(i)), payload(10 * KiB, seed=i))
+    restarted.close()
 
 
 def test_concurrent_use_never_returns_wrong_bytes(tmp_path: Path) -> None:
