@@ -278,6 +278,14 @@ def _add_remote_server(sub: argparse._SubParsersAction) -> None:
     remote.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                         help="client connections served at once; more are accepted and closed at "
                              "once (default: %(default)s)")
+    # 60 s, as server.DEFAULT_IDLE_TIMEOUT_S: not imported from there, as it would pull numpy into
+    # every lmcache-mp command.
+    remote.add_argument("--idle-timeout-s", type=float, default=60.0, metavar="S",
+                        help="close a connection that sends no request for S seconds, so that "
+                             "forgotten or dead clients do not hold --max-connections slots; a "
+                             "message once begun must also finish within S seconds plus its size at "
+                             "1 MiB/s. Clients must reconnect after a quiet spell longer than this "
+                             "(default: %(default)s)")
     remote.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="log verbosity; DEBUG also logs every connection that closes "
                              "(default: %(default)s)")
@@ -294,15 +302,15 @@ def cmd_remote_server(args: argparse.Namespace) -> int:
         if not args.size_gb > 0:
             raise ValueError(f"--size-gb must be positive, not {args.size_gb}")
         server = RemoteServer(host, port, capacity_bytes=int(args.size_gb * 2**30),
-                              max_connections=args.max_connections)
+                              max_connections=args.max_connections, idle_timeout_s=args.idle_timeout_s)
     except (ValueError, OSError) as err:
         logger.error("cannot start: %s", err)
         return 2
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: server.stop())
     logger.info("v1 remote server listening on %s:%d capacity=%.3f GiB (%d bytes) max_connections=%d "
-                "pid=%d", *server.address, args.size_gb, server.store.capacity, args.max_connections,
-                os.getpid())
+                "idle_timeout_s=%g pid=%d", *server.address, args.size_gb, server.store.capacity,
+                args.max_connections, server.idle_timeout_s, os.getpid())
     try:
         server.serve_forever()
     finally:

@@ -2,17 +2,19 @@
 
 Every series exists (at 0) from the start, so dashboards and alerts work before the first
 request. The server and the engine report through the small `Metrics` interface; the pool
-and lease gauges are read at scrape time, never updated on the hot path.
+and lease gauges are read at scrape time, never updated on the hot path. The HTTP side is
+`metrics_http.py` (bounded, unlike prometheus_client's own server).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from lmcache_mp.metrics_http import MetricsHTTPServer
 from lmcache_mp.protocol import ChunkOutcome, ErrorCode, RequestType
 
 _LATENCY_BUCKETS = (50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25,
@@ -101,8 +103,12 @@ class Metrics:
               read_tiers: Callable[[], dict[str, dict[str, float]]]) -> None:
         self.registry.register(_Gauges(read, read_tiers))
 
-    def serve(self, host: str, port: int) -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, host: str, port: int) -> MetricsHTTPServer:
+        """Serve http://HOST:PORT/metrics on a daemon thread from now on (OSError if the port is
+        taken); the server is returned for `close()`, which the daemon never needs."""
+        server = MetricsHTTPServer(host, port, self.registry)
+        server.start()
+        return server
 
     def request_done(self, request_type: RequestType, status: ErrorCode, seconds: float) -> None:
         requests = self._requests.get((request_type, status))

@@ -18,8 +18,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lmcache_mp.cli import build_parser
 from lmcache_mp.v1remote.client import V1Connection, V1ConnectionError
 from lmcache_mp.v1remote.protocol import (
+    DEFAULT_MAX_CONNECTIONS,
     KEY_DTYPES,
     ClientCommand,
     ClientMetaMessage,
@@ -32,7 +34,7 @@ from lmcache_mp.v1remote.protocol import (
     format_key,
     parse_key,
 )
-from lmcache_mp.v1remote.server import RemoteServer
+from lmcache_mp.v1remote.server import DEFAULT_IDLE_TIMEOUT_S, RemoteServer
 from tests.servers import ServerProcess, command, start_v1_server
 
 CLIENT_FMT = "iiiiiiiii150s"  # command, length, fmt, dtype, location, shape0..3, key
@@ -266,6 +268,39 @@ def test_connection_limit(remote_server: Callable[..., ServerProcess]) -> None:
             time.sleep(0.05)
     assert second.health()
     second.close()
+
+
+def test_idle_and_stalled_connections_are_reaped(remote_server: Callable[..., ServerProcess]) -> None:
+    # Every slot taken by a connection that sends nothing (or stops half-way through a message)
+    # locked every client out for good; with an idle timeout they are closed and clients get in.
+    server = remote_server("--idle-timeout-s", "1")
+    silent = [server.connect(timeout=30) for _ in range(DEFAULT_MAX_CONNECTIONS - 2)]
+    mid_header = server.connect(timeout=30)
+    mid_header.sendall(_header(HEALTH, ANY_KEY)[:100])
+    mid_payload = server.connect(timeout=30)
+    mid_payload.sendall(_header(PUT, "model@1@0@ab@half", 1000) + b"x" * 10)
+    hogs = [*silent, mid_header, mid_payload]
+    deadline = time.monotonic() + 30
+    while True:  # refused (every slot taken) until the server has reaped the hogs
+        try:
+            with server.client() as client:
+                assert client.health()
+                break
+        except ConnectionError:
+            assert time.monotonic() < deadline, "no client got in: the idle connections were never closed"
+            time.sleep(0.05)
+    for sock in hogs:  # each one was closed by the server (the 30 s socket timeout is the deadline)
+        assert _closed_by_server(sock)
+        sock.close()
+    deadline = time.monotonic() + 10
+    # Each thread logs just after its shutdown, which the client may see first.
+    while (log := server.log()).count("idle for") < len(silent) or log.count("not done in time") < 2:
+        assert time.monotonic() < deadline, log
+        time.sleep(0.02)
+    assert log.count("idle for") == len(silent) and log.count("not done in time") == 2, log
+    with pytest.raises(ValueError):
+        RemoteServer("127.0.0.1", 0, capacity_bytes=1 << 20, idle_timeout_s=0)
+    assert build_parser().parse_args(["remote-server"]).idle_timeout_s == DEFAULT_IDLE_TIMEOUT_S
 
 
 # --- the LRU bound ----------------------------------------------------------------------------

@@ -13,12 +13,20 @@ clients and our `V1Connection` can use it, and adds what the reference lacks:
   `MAX_LIST_BYTES`;
 - robustness: a malformed header (unknown command, unparseable key, negative length, a PUT over
   `MAX_PUT_BYTES`) or a connection closed mid-message closes that connection only, logged once with
-  the peer. Well-formed requests are always answered (PUT never is, per the protocol).
+  the peer. Well-formed requests are always answered (PUT never is, per the protocol);
+- timeouts: a connection that sends no request for `idle_timeout_s` is closed, and so is one whose
+  message (a request's header and payload in, or a reply out) is not done within `idle_timeout_s`
+  plus its size at `MIN_BYTES_PER_S`: forgotten, dead or stalled clients cannot keep the
+  `max_connections` slots from the clients that want them. (This does not stop a peer that keeps
+  opening new connections: the protocol has no authentication to tell it apart.)
 
 Design: one listening socket (selector loop in `serve_forever`), one thread per connection with
-blocking sockets, at most `max_connections` at once (more are accepted and closed at once). The store
-is an OrderedDict under one lock; payloads are received straight into their own buffer
-(`recv_into`) and sent back with header and payload gathered by `sendmsg`, never concatenated.
+blocking sockets, at most `max_connections` at once (more are accepted and closed at once). The
+selector loop is also the watchdog: each connection keeps the deadline of what it waits for, and the
+loop shuts overdue sockets down, which wakes their threads (no socket timeouts, so the hot path pays
+no syscall for them). The store is an OrderedDict under one lock; payloads are received straight
+into their own buffer (`recv_into`) and sent back with header and payload gathered by `sendmsg`,
+never concatenated.
 
 There is no authentication, encryption or checksum: anyone who can reach the port can read,
 overwrite and fill the store. Hence loopback by default (`parse_listen_url`).
@@ -63,6 +71,10 @@ MAX_PUT_BYTES = 1 << 30
 # Counted against the capacity for every object besides its payload (key, header fields, dict
 # slot), so that floods of empty objects are bounded too.
 ENTRY_OVERHEAD_BYTES = 256
+DEFAULT_IDLE_TIMEOUT_S = 60.0
+# A message must move at least this fast (on top of the idle timeout): slow enough for any real
+# network, fast enough that a peer trickling a 1 GiB PUT loses its slot within ~18 minutes.
+MIN_BYTES_PER_S = 1 << 20
 MAX_LIST_BYTES = 16 << 20  # LIST replies are cut (at a key boundary) beyond this
 _DRAIN_CHUNK = 1 << 20
 
@@ -199,18 +211,34 @@ class _PeerClosed(Exception):
     """The peer closed its connection in the middle of a message."""
 
 
+@dataclass(slots=True, eq=False)
+class _Connection:
+    sock: socket.socket
+    peer: str
+    # Monotonic time by which what the connection waits for must be done: the next request's
+    # header while idle, the current message while busy. Written by its thread, read by the
+    # watchdog in `serve_forever` (a float assignment: atomic under the GIL).
+    deadline: float
+    thread: threading.Thread | None = None
+    timed_out: bool = False  # the watchdog shut it down
+
+
 class RemoteServer:
     """The v1 remote server. Binds in the constructor (port 0 picks a free port: see `address`);
     `serve_forever()` accepts connections until `stop()`; `close()` stops and closes everything."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, capacity_bytes: int,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"the capacity must be positive, not {capacity_bytes}")
         if max_connections < 1:
             raise ValueError(f"max_connections must be at least 1, not {max_connections}")
+        if not idle_timeout_s > 0:
+            raise ValueError(f"the idle timeout must be positive, not {idle_timeout_s}")
         self.store = LRUStore(capacity_bytes)
         self.max_connections = max_connections
+        self.idle_timeout_s = idle_timeout_s
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host, port), family=family, backlog=128)
         self._listener.setblocking(False)  # accept() only after select() says so, never blocks
@@ -222,9 +250,12 @@ class RemoteServer:
         self._serve_done.set()  # not serving yet
         self._serve_ident: int | None = None
         self._conn_lock = threading.Lock()
-        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._conns: dict[socket.socket, _Connection] = {}
+        # How often the watchdog looks: a connection is closed at most this late.
+        self._watch_every_s = min(1.0, idle_timeout_s / 4)
         self._accepted = 0
         self._rejected = 0
+        self._timed_out = 0
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -236,10 +267,15 @@ class RemoteServer:
         try:
             selector.register(self._listener, selectors.EVENT_READ)
             selector.register(self._wake_r, selectors.EVENT_READ)
+            next_watch = time.monotonic()
             while not self._stopping.is_set():
-                for key, _ in selector.select():
+                for key, _ in selector.select(timeout=max(0.0, next_watch - time.monotonic())):
                     if key.fileobj is self._listener:
                         self._accept()
+                now = time.monotonic()
+                if now >= next_watch:
+                    self._close_overdue(now)
+                    next_watch = now + self._watch_every_s
         finally:
             selector.close()
             self._listener.close()
@@ -260,27 +296,39 @@ class RemoteServer:
             self._serve_done.wait(timeout_s)
         self._listener.close()
         with self._conn_lock:
-            conns = dict(self._conns)
-        for conn in conns:
-            # shutdown, not close: it wakes the thread blocked on this socket, which closes it
-            # itself (closing an fd under another thread's recv risks it being reused).
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
+            conns = list(self._conns.values())
+            for conn in conns:
+                _shutdown(conn)
         deadline = time.monotonic() + timeout_s
-        for thread in conns.values():
-            thread.join(max(0.0, deadline - time.monotonic()))
+        for conn in conns:
+            if conn.thread is not None:
+                conn.thread.join(max(0.0, deadline - time.monotonic()))
         self._wake_r.close()
         self._wake_w.close()
 
     def stats(self) -> dict[str, int]:
         """Store size and counters: objects, bytes (payloads), accounted_bytes, capacity, gets,
-        hits, exists, puts, discarded_puts, evictions, connections, accepted, rejected."""
+        hits, exists, puts, discarded_puts, evictions, connections, accepted, rejected, timed_out
+        (connections closed for idling or for a message not done in time)."""
         with self._conn_lock:
             conns = {"connections": len(self._conns), "accepted": self._accepted,
-                     "rejected": self._rejected}
+                     "rejected": self._rejected, "timed_out": self._timed_out}
         return {**self.store.stats(), **conns}
 
     # --- connections ------------------------------------------------------------------------
+
+    def _close_overdue(self, now: float) -> None:
+        with self._conn_lock:
+            for conn in self._conns.values():
+                if not conn.timed_out and conn.deadline < now:
+                    conn.timed_out = True
+                    self._timed_out += 1
+                    _shutdown(conn)
+
+    def _arm(self, conn: _Connection, message_bytes: int = 0) -> None:
+        """Start the clock for what `conn` waits for next: a request (`message_bytes` 0), or a
+        message of that many bytes to receive or send."""
+        conn.deadline = time.monotonic() + self.idle_timeout_s + message_bytes / MIN_BYTES_PER_S
 
     def _accept(self) -> None:
         try:
@@ -295,12 +343,14 @@ class RemoteServer:
         conn.setblocking(True)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         name = f"{peer[0]}:{peer[1]}"
+        state = _Connection(conn, name, deadline=0.0)
+        self._arm(state)
         with self._conn_lock:
             admitted = len(self._conns) < self.max_connections and not self._stopping.is_set()
             if admitted:
-                thread = threading.Thread(target=self._serve_connection, args=(conn, name),
-                                          name=f"v1remote-{name}", daemon=True)
-                self._conns[conn] = thread
+                thread = state.thread = threading.Thread(target=self._serve_connection, args=(state,),
+                                                         name=f"v1remote-{name}", daemon=True)
+                self._conns[conn] = state
                 self._accepted += 1
             else:
                 self._rejected += 1
@@ -310,34 +360,46 @@ class RemoteServer:
             return
         thread.start()
 
-    def _serve_connection(self, conn: socket.socket, peer: str) -> None:
-        """Answer one connection's requests in order until it closes or misbehaves."""
+    def _serve_connection(self, state: _Connection) -> None:
+        """Answer one connection's requests in order until it closes, misbehaves or times out."""
+        conn, peer = state.sock, state.peer
         header = bytearray(CLIENT_HEADER_SIZE)
         view = memoryview(header)
         try:
             while True:
+                self._arm(state)
                 got = recv_exact_into(conn, view)
                 if got == 0:
-                    logger.debug("%s: closed", peer)
+                    if state.timed_out:
+                        logger.info("%s: idle for %g s, closing the connection", peer, self.idle_timeout_s)
+                    else:
+                        logger.debug("%s: closed", peer)
                     return
                 if got < CLIENT_HEADER_SIZE:
                     raise _PeerClosed(f"after {got} of {CLIENT_HEADER_SIZE} header bytes")
-                self._handle(conn, ClientMetaMessage.deserialize(header))
+                self._handle(state, ClientMetaMessage.deserialize(header))
         except ProtocolError as err:
             logger.warning("%s: malformed request, closing the connection: %s", peer, err)
-        except _PeerClosed as err:
-            logger.warning("%s: closed in the middle of a message (%s)", peer, err)
-        except OSError as err:
-            if not self._stopping.is_set():  # at shutdown, close() broke the connection itself
+        except (_PeerClosed, OSError) as err:
+            # The watchdog's shutdown shows as a short read (receiving) or an error (sending).
+            if state.timed_out:
+                logger.warning("%s: message not done in time, closing the connection (%s)", peer, err)
+            elif isinstance(err, _PeerClosed):
+                logger.warning("%s: closed in the middle of a message (%s)", peer, err)
+            elif not self._stopping.is_set():  # at shutdown, close() broke the connection itself
                 logger.warning("%s: connection error, closing it: %s", peer, err)
         except Exception:  # a bug here must cost this connection only, never the server
             logger.exception("%s: unexpected error, closing the connection", peer)
         finally:
-            with self._conn_lock:
+            with self._conn_lock:  # unlisted before closed: see `_shutdown`
                 self._conns.pop(conn, None)
             conn.close()
 
-    def _handle(self, conn: socket.socket, msg: ClientMetaMessage) -> None:
+    def _handle(self, state: _Connection, msg: ClientMetaMessage) -> None:
+        conn = state.sock
+        # Re-armed as soon as the header is in: a request that came just before the idle
+        # deadline is not cut off while being answered. Only a PUT's length is a payload to come.
+        self._arm(state, msg.length if msg.command is ClientCommand.PUT else 0)
         if msg.command is ClientCommand.PUT:
             self._put(conn, msg)
         elif msg.command is ClientCommand.GET:
@@ -347,6 +409,7 @@ class RemoteServer:
             else:
                 reply = ServerMetaMessage(ServerReturnCode.SUCCESS, len(entry.payload), entry.fmt,
                                           entry.dtype, entry.shape, entry.location)
+                self._arm(state, len(entry.payload))
                 send_all(conn, [reply.serialize(), entry.payload])
         elif msg.command is ClientCommand.EXIST:
             conn.sendall(_SUCCESS if self.store.contains(msg.key) else _FAIL)
@@ -356,6 +419,7 @@ class RemoteServer:
             listing = self.store.listing(MAX_LIST_BYTES)
             reply = ServerMetaMessage(ServerReturnCode.SUCCESS, len(listing), MemoryFormat.BINARY,
                                       WireDtype.UINT8, (len(listing), 0, 0, 0))
+            self._arm(state, len(listing))
             send_all(conn, [reply.serialize(), listing])
 
     def _put(self, conn: socket.socket, msg: ClientMetaMessage) -> None:
@@ -378,6 +442,15 @@ class RemoteServer:
             self.store.release(cost)
             raise
         self.store.commit(msg.key, _Entry(msg.fmt, msg.dtype, msg.shape, msg.location, payload, cost))
+
+
+def _shutdown(conn: _Connection) -> None:
+    """Wake the thread blocked on `conn`'s socket, which then closes it itself (closing it here,
+    under that thread's recv, would free the descriptor for reuse while still in use). Call with the
+    connection lock held: a thread unlists its connection before closing the socket, so a listed
+    connection's descriptor is still its own."""
+    with contextlib.suppress(OSError):  # the peer reset it meanwhile
+        conn.sock.shutdown(socket.SHUT_RDWR)
 
 
 def _drain(conn: socket.socket, length: int) -> None:
