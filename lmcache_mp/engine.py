@@ -147,10 +147,10 @@ class Engine:
                 hashes: list[bytes]) -> int | ReplyThen | Future[int]:
         if not hashes:
             return 0
-        ranks = self.registry.rank_specs(model, world_size)
-        if not ranks:
+        combos = self.registry.format_combos(model, world_size)
+        if not combos:
             return 0  # some rank has no registered cache: nothing could be retrieved
-        hits = self.storage.lookup(hashes, ranks)
+        hits = self.storage.lookup(hashes, combos)
         if isinstance(hits, list):
             # The hits are pinned already: nothing can evict them before the lease is recorded,
             # right after the reply (and before any later request, END_SESSION included, is read).

@@ -32,7 +32,7 @@ from lmcache_mp.keys import invalid
 from lmcache_mp.protocol import ErrorCode, InstanceInfo, KVCacheRegistration, RegisterReply
 from lmcache_mp.request_context import PEER
 from lmcache_mp.storage.base import ChunkFormat
-from lmcache_mp.storage.manager import RankSpec
+from lmcache_mp.storage.manager import FormatCombo, RankSpec
 from lmcache_mp.transfer.context import TransferContext
 from lmcache_mp.transfer.layouts import describe_caches
 from lmcache_mp.transfer.shm import AttachListener, map_storages, prebuild_page_tables, view_shared
@@ -68,6 +68,11 @@ class Instance:
         return chunk_hash, self.fmt.fingerprint
 
 
+def _cache_kind(fmt: ChunkFormat) -> tuple:
+    """A format without its rank: what every rank of one engine's caches has in common."""
+    return fmt.layout, fmt.dtype, fmt.num_layers, fmt.page_shape, fmt.chunk_tokens
+
+
 class Registry:
     def __init__(self, attach_socket: Path, access: SocketAccess, chunk_size: int,
                  admit_chunk: Callable[[int], None]):
@@ -78,9 +83,14 @@ class Registry:
         # rank -> {format fingerprint: the registered instances with that format}
         self._rank_formats: dict[RankKey, dict[bytes, list[Instance]]] = {}
         self._tokens: dict[bytes, int] = {}  # attach token -> instance id
-        # (model, world size) -> `rank_specs`' answer, made once per change of the registrations
-        # (every LOOKUP asks); emptied, under the lock, by every register and drop.
-        self._rank_specs: dict[tuple[str, int], list[list[RankSpec]]] = {}
+        # (model, world size) -> how many of its ranks have a registered cache: a LOOKUP claiming
+        # more ranks than that is answered without a look at any rank (it could claim 2^31).
+        self._ranks_registered: dict[tuple[str, int], int] = {}
+        # (model, world size) -> `format_combos`' answer, made once per change of the
+        # registrations (every LOOKUP asks), only for worlds whose every rank is registered
+        # (so never more entries than registrations); emptied, under the lock, by every
+        # register and drop.
+        self._combos: dict[tuple[str, int], list[FormatCombo]] = {}
         self._lock = threading.Lock()
         self.attach = AttachListener(attach_socket, self._on_attach_closed, access)
         self.attach.start()
@@ -116,9 +126,13 @@ class Registry:
         with self._lock:
             self._check_unused_locked(instance_id)
             self._instances[instance_id] = instance
-            formats = self._rank_formats.setdefault(instance.rank_key, {})
+            formats = self._rank_formats.get(instance.rank_key)
+            if formats is None:
+                formats = self._rank_formats[instance.rank_key] = {}
+                world = instance.rank_key[:2]
+                self._ranks_registered[world] = self._ranks_registered.get(world, 0) + 1
             formats.setdefault(fmt.fingerprint, []).append(instance)
-            self._rank_specs = {}
+            self._combos = {}
             if reg.attach_token:
                 self._tokens[reg.attach_token] = instance_id
         prebuild_page_tables(mapped)  # only now: a refused registration touches none of its memory
@@ -181,7 +195,11 @@ class Registry:
             del formats[instance.fmt.fingerprint]
         if not formats:
             del self._rank_formats[instance.rank_key]
-        self._rank_specs = {}
+            world = instance.rank_key[:2]
+            self._ranks_registered[world] -= 1
+            if not self._ranks_registered[world]:
+                del self._ranks_registered[world]
+        self._combos = {}
         if instance.registration.attach_token:
             self._tokens.pop(instance.registration.attach_token, None)
         return True
@@ -219,19 +237,28 @@ class Registry:
                               f"no KV cache is registered under instance id {instance_id}")
         return instance
 
-    def rank_specs(self, model: str, world_size: int) -> list[list[RankSpec]]:
-        """For each rank, the `RankSpec` of each distinct chunk format registered for it (usually
-        exactly one); an empty list when some rank has none: nothing could be retrieved into
-        every rank. Read without the lock when known: a LOOKUP racing a registration change may
-        see the registrations just before it, as it would have a moment earlier."""
-        specs = self._rank_specs.get((model, world_size))
-        if specs is not None:
-            return specs
+    def format_combos(self, model: str, world_size: int) -> list[FormatCombo]:
+        """What a LOOKUP can hit: one `RankSpec` per rank, in rank order, for each kind of cache
+        (layout, dtype, geometry: `_cache_kind`) registered on every rank of the world; usually
+        exactly one. Empty when some rank has no cache: nothing could be retrieved into every
+        rank. The ranks of one engine share a kind, so mixing kinds across ranks would find
+        chunks no engine can load, and trying every mix grew as formats ** ranks.
+        Read without the lock when known: a LOOKUP racing a registration change may see the
+        registrations just before it, as it would have a moment earlier."""
+        combos = self._combos.get((model, world_size))
+        if combos is not None:
+            return combos
         with self._lock:
-            formats = [self._rank_formats.get((model, world_size, rank), {}) for rank in range(world_size)]
-            per_rank = [[same[0].rank_spec for same in rank_formats.values()] for rank_formats in formats]
-            specs = self._rank_specs[model, world_size] = per_rank if all(per_rank) else []
-        return specs
+            if self._ranks_registered.get((model, world_size), 0) < world_size:
+                return []  # not cached: a claimed world costs nothing to remember
+            by_kind: dict[tuple, list[RankSpec]] = {}
+            for rank in range(world_size):  # no more ranks than registrations
+                for same_format in self._rank_formats[model, world_size, rank].values():
+                    spec = same_format[0].rank_spec
+                    by_kind.setdefault(_cache_kind(spec.fmt), []).append(spec)
+            combos = self._combos[model, world_size] = [
+                tuple(specs) for specs in by_kind.values() if len(specs) == world_size]
+        return combos
 
     def instance_ids(self) -> list[int]:
         with self._lock:

@@ -30,12 +30,12 @@ def _walk_only(self: engine.Engine, model: str, world_size: int, request_id: str
     """`Engine._lookup` without pins, leases or lower tiers: the leading chunks every rank has."""
     if not hashes:
         return 0
-    ranks = self.registry.rank_specs(model, world_size)
-    if not ranks:
+    combos = self.registry.format_combos(model, world_size)
+    if not combos:
         return 0
     readable = self.storage.pool._readable  # the pool's READY index, which pin_prefix walks
     return min(len(list(itertools.takewhile(_is_object, map(readable.get, zip(
-        hashes, itertools.repeat(specs[0].fmt.fingerprint)))))) for specs in ranks)
+        hashes, itertools.repeat(spec.fmt.fingerprint)))))) for spec in combos[0])
 
 
 def main() -> None:

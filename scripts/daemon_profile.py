@@ -35,7 +35,7 @@ PHASES: dict[str, tuple[type, str]] = {
     "LOOKUP_CHUNKS handler (engine.lookup_chunks)": (engine.Engine, "lookup_chunks"),
     "  key mapping (lookup_hashes)": (keys.ChunkMapper, "lookup_hashes"),
     "  key mapping (op_chunks, token keys)": (keys.ChunkMapper, "op_chunks"),
-    "  ranks and fingerprints (registry)": (engine.Registry, "rank_specs"),
+    "  ranks and fingerprints (registry)": (engine.Registry, "format_combos"),
     "  prefix walk + pinning (storage.lookup)": (manager.StorageManager, "lookup"),
     "    pool.pin_prefix": (pool.MemoryPool, "pin_prefix"),
     "END_SESSION handler (engine.end_session)": (engine.Engine, "end_session"),

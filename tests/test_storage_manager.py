@@ -22,7 +22,7 @@ import torch
 from lmcache_mp.storage import manager as manager_module
 from lmcache_mp.storage.base import ChunkFormat, ChunkKey, TierStats
 from lmcache_mp.storage.disk import DiskTier, object_name
-from lmcache_mp.storage.manager import Hits, RankSpec, StorageManager
+from lmcache_mp.storage.manager import FormatCombo, Hits, RankSpec, StorageManager
 from lmcache_mp.storage.pool import MemoryPool, ObjectState, PoolObject, ReserveFailure
 
 KiB = 1024
@@ -100,9 +100,9 @@ def assert_hits(hits: Hits, chain: list[bytes], fmts: list[ChunkFormat]) -> None
             assert torch.equal(obj.data, expected(chunk_hash, fmt, obj.nbytes))
 
 
-def specs(*fmts: ChunkFormat, nbytes: int = NBYTES) -> list[list[RankSpec]]:
-    """`ranks` for a lookup: one registered format per rank."""
-    return [[RankSpec(fmt, nbytes)] for fmt in fmts]
+def specs(*fmts: ChunkFormat, nbytes: int = NBYTES) -> list[FormatCombo]:
+    """`combos` for a lookup: one kind of cache, of these formats on its ranks."""
+    return [tuple(RankSpec(fmt, nbytes) for fmt in fmts)]
 
 
 def tier_stats(mgr: StorageManager, i: int = 0) -> TierStats:
@@ -557,11 +557,11 @@ def test_lookups_without_lower_tiers_never_return_a_future(make) -> None:
     chain = hashes(5)
     store(mgr, RANK0, chain)
     store(mgr, RANK1, chain[:2])
-    for query, ranks, n in [(chain, specs(RANK0, RANK1), 2), (chain, specs(RANK0), 5),
-                            (hashes(3, ns=9), specs(RANK0), 0), ([], specs(RANK0), 0)]:
-        result = mgr.lookup(query, ranks)
+    for query, combos, n in [(chain, specs(RANK0, RANK1), 2), (chain, specs(RANK0), 5),
+                             (hashes(3, ns=9), specs(RANK0), 0), ([], specs(RANK0), 0)]:
+        result = mgr.lookup(query, combos)
         assert isinstance(result, list) and len(result) == n
-        assert_hits(result, query, [spec.fmt for [spec] in ranks])
+        assert_hits(result, query, [spec.fmt for spec in combos[0]])
         mgr.unpin(flat(result))
     assert mgr.stats()[0].num_pinned == 0
 
@@ -858,10 +858,8 @@ def test_read_through_finds_chunks_of_any_registered_format(make, disk) -> None:
     assert len(control) == 4
     mgr.unpin(flat(control))
     mgr.clear()
-    # ...and each rank registered both formats (two instances per rank with different layouts).
-    ranks = [[RankSpec(RANK0, NBYTES), RankSpec(other0, NBYTES)],
-             [RankSpec(RANK1, NBYTES), RankSpec(other1, NBYTES)]]
-    hits = resolve(mgr.lookup(chain, ranks))
+    # ...and each rank registered both formats (two engines of different layouts).
+    hits = resolve(mgr.lookup(chain, specs(RANK0, RANK1) + specs(other0, other1)))
     mgr.unpin(flat(hits))
     assert len(hits) == 4
 

@@ -7,8 +7,9 @@ The engine sees storage only through these primitives:
     commit_store(fmt, hashes, slots, parent)   make them visible, link the prefix chain, and
                                                queue them for the lower tiers (write-behind)
     abort(objects)                             a STORE's copy failed: free its slots
-    lookup(hashes, ranks) -> Hits | Future[Hits]
-                                               the leading chunks present on every rank, pinned
+    lookup(hashes, combos) -> Hits | Future[Hits]
+                                               the leading chunks present on every rank (in the
+                                               formats of one of the combos), pinned
                                                in L1; a Future when some must first be read
                                                from a lower tier (read-through)
     pin(keys) / unpin(objects)                 a RETRIEVE reads L1 only
@@ -76,6 +77,9 @@ class RankSpec:
     chunk_nbytes: int
 
 
+FormatCombo = tuple[RankSpec, ...]  # one per rank, in rank order: the caches of one engine
+
+
 class StorageManager:
     def __init__(self, pool: MemoryPool, tiers: list[tuple[str, StorageTier]], write_queue_bytes: int):
         self.pool = pool
@@ -131,10 +135,10 @@ class StorageManager:
 
     # ---- LOOKUP -------------------------------------------------------------------------------
 
-    def lookup(self, hashes: list[bytes], ranks: list[list[RankSpec]]) -> Hits | Future[Hits]:
-        """See the module docstring. `ranks` holds, per rank, its registered formats; every
-        combination of them (one, unless a rank registered several layouts) is tried."""
-        combos = list(itertools.product(*ranks))
+    def lookup(self, hashes: list[bytes], combos: list[FormatCombo]) -> Hits | Future[Hits]:
+        """See the module docstring. `combos` holds, for each kind of cache registered on every
+        rank (one, unless engines of several layouts share the model), its format per rank;
+        each is tried."""
         hits, best, lengths = self._l1_prefix(hashes, combos)
         if len(hits) == len(hashes) or not self._tiers:
             return hits
