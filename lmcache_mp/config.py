@@ -241,6 +241,21 @@ def check_endpoint(url: str, remote_ok: bool) -> None:
         )
 
 
+def check_authenticated(url: str, curve: bool, allow_unauthenticated: bool) -> None:
+    """Refuse a tcp:// endpoint without CURVE unless the operator accepted that: a TCP port,
+    loopback too, is open to every user of this machine (and every container sharing its
+    network namespace), whereas a Unix socket is the daemon's user's alone."""
+    if not url.startswith("tcp://") or curve or allow_unauthenticated:
+        return
+    raise ValueError(
+        f"refusing to listen on {url} without authentication: any local user (and any process in "
+        "a container sharing this network namespace) could read, overwrite and clear the cache and "
+        "unregister workers. Use ipc://PATH (a Unix socket only this user may open), or give the "
+        "daemon CURVE keys (--curve-secret-key and --curve-allowed-keys; `lmcache-mp keygen` makes "
+        "them), or pass --allow-unauthenticated-tcp to accept that risk."
+    )
+
+
 def check_free(url: str) -> None:
     """Refuse, before anything starts, a TCP port another process holds, or an ipc:// path in
     a directory we may not create sockets in. (A live daemon on the same ipc:// path is found
@@ -348,7 +363,7 @@ class ServerConfig:
     listen: list[str] = setting(
         lambda: [default_url()],
         "endpoint to bind; repeat for several. ipc://PATH (a Unix socket, created mode 0600) or "
-        "tcp://127.0.0.1:PORT", metavar="URL",
+        "tcp://127.0.0.1:PORT (only with CURVE keys or allow_unauthenticated_tcp)", metavar="URL",
         default_text="ipc://$XDG_RUNTIME_DIR/lmcache-mp/daemon.sock (or /tmp/lmcache-mp-$UID/)")
     socket_group: str | None = setting(
         None, "a group whose members may use the daemon's Unix sockets (mode 0660 in a 0750 "
@@ -356,14 +371,20 @@ class ServerConfig:
         check=_known_group, metavar="GROUP", default_text="none (0600 sockets, 0700 directory)")
     curve_secret_key: str | None = setting(
         None, "the daemon's CURVE secret key file (NAME.key_secret, from `lmcache-mp keygen`): "
-        "clients must then authenticate, on every endpoint, and TCP may listen beyond loopback",
+        "clients must then authenticate, on every endpoint, and TCP may listen, beyond loopback too",
         check=_existing_file, metavar="PATH", default_text="none (no authentication)")
     curve_allowed_keys: str | None = setting(
         None, "directory of the public key files (*.key) of the clients allowed to connect; "
         "needed with curve_secret_key", check=_existing_directory, metavar="DIR")
+    allow_unauthenticated_tcp: bool = setting(
+        False, "allow tcp:// endpoints, loopback ones included, WITHOUT authentication (CURVE): "
+        "any local user, and any process in any container sharing the network namespace, can then "
+        "read, overwrite and clear the cache and unregister workers. Off, tcp:// needs CURVE keys; "
+        "ipc:// (a Unix socket only this user may open) or CURVE are the secure options")
     insecure_remote: bool = setting(
-        False, "allow TCP endpoints beyond loopback WITHOUT authentication: anyone who reaches "
-        "the port can read and write the cache. Only on a trusted network; prefer CURVE")
+        False, "allow TCP endpoints beyond loopback WITHOUT authentication (implies "
+        "allow_unauthenticated_tcp): anyone who reaches the port can read and write the cache. "
+        "Only on a trusted network; prefer CURVE")
     chunk_size: int = setting(
         DEFAULT_CHUNK_SIZE, "tokens per stored chunk; a multiple of vLLM's block size", check=_chunk_size)
     l1_size_gb: float = setting(
@@ -434,6 +455,8 @@ class ServerConfig:
             curve.check()
         for url in self.listen:
             check_endpoint(url, self.insecure_remote or curve is not None)
+            check_authenticated(url, curve is not None,
+                                self.allow_unauthenticated_tcp or self.insecure_remote)
             path = ipc_path(url)
             if path is not None:  # before check_free, which probes it by writing a file there
                 self.socket_access.check_directory(path.parent)

@@ -353,7 +353,8 @@ def free_port() -> int:
 def misses_and_throughput(tmp: Path, samples: int, seconds: float) -> dict[str, Any]:
     results: dict[str, Any] = {"tcp misses": [], "throughput": {}}
     url = f"tcp://127.0.0.1:{free_port()}"
-    daemon = start_daemon(tmp, "--l1-size-gb", "0.01", url=url)
+    # Unauthenticated on purpose: the benchmark measures the bare transport.
+    daemon = start_daemon(tmp, "--l1-size-gb", "0.01", "--allow-unauthenticated-tcp", url=url)
     try:
         for chunks in CHUNK_COUNTS:
             print(f"tcp: {chunks}-chunk misses...", flush=True)

@@ -1,6 +1,7 @@
 """Authenticated remote access (ZeroMQ CURVE): real daemons, real keys, real sockets.
 An allowed client is served; a client with an unknown key, or with none, gets no connection;
-TCP beyond loopback needs CURVE or an explicit --insecure-remote."""
+TCP needs CURVE or an explicit flag (--allow-unauthenticated-tcp on loopback, --insecure-remote
+beyond it; tests/test_socket_access.py has the loopback refusal)."""
 
 from __future__ import annotations
 
@@ -56,7 +57,10 @@ def free_port() -> int:
 
 
 @pytest.fixture
-def curve_daemon(daemons, keys: Path) -> DaemonProcess:
+def curve_daemon(daemons, keys: Path, monkeypatch: pytest.MonkeyPatch) -> DaemonProcess:
+    """On loopback TCP, with neither --allow-unauthenticated-tcp nor its environment variable:
+    CURVE is what lets it listen there."""
+    monkeypatch.delenv("LMCACHE_MP_ALLOW_UNAUTHENTICATED_TCP", raising=False)
     return daemons("--curve-secret-key", str(keys / "server" / "server.key_secret"),
                    "--curve-allowed-keys", str(keys / "allowed"), "--l1-size-gb", "0.05",
                    url=f"tcp://127.0.0.1:{free_port()}", curve=client_curve(keys, "alice"))

@@ -313,7 +313,7 @@ def test_tcp_loopback_and_refusal_of_public_bind(short_tmp: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    d = start_daemon(short_tmp, url=f"tcp://127.0.0.1:{port}")
+    d = start_daemon(short_tmp, "--allow-unauthenticated-tcp", url=f"tcp://127.0.0.1:{port}")
     try:
         assert f"tcp://127.0.0.1:{port}" in d.log()
     finally:

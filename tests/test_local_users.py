@@ -110,7 +110,8 @@ def test_the_attach_sockets_runtime_directory_is_checked_too(base: Path) -> None
     runtime.mkdir(mode=0o700)
     os.chown(runtime, NOBODY, -1)
     try:
-        daemon = start_daemon(runtime, "--l1-size-gb", "0.05", url=f"tcp://127.0.0.1:{free_port()}")
+        daemon = start_daemon(runtime, "--l1-size-gb", "0.05", "--allow-unauthenticated-tcp",
+                              url=f"tcp://127.0.0.1:{free_port()}")
     except RuntimeError as refused:
         log = str(refused)
     else:

@@ -79,7 +79,7 @@ REFUSALS = [
     ([], {"LMCACHE_MP_LOG_FORMAT": "xml"}, "log_format (--log-format) is 'xml': use one of text, json"),
     (["--lease-ttl-s", "0"], {}, "lease_ttl_s (--lease-ttl-s) is 0.0: must be positive"),
     (["--listen", "ipc:///proc/lmcache-mp.sock"], {},
-     "the socket directory of ipc:///proc/lmcache-mp.sock (/proc) is not writable"),
+     "the socket directory /proc (owner uid 0, mode 0555) is open to others"),
     (["--l2", "disk:///proc/kv?size_gb=1"], {},
      "the disk tier's directory of disk:///proc/kv?size_gb=1 (/proc/kv) is not writable"),
     (["--listen", "tcp://10.1.2.3:5555"], {},
@@ -98,7 +98,8 @@ def test_bad_settings_are_refused_at_start_in_one_line(args: list[str], env: dic
 
 
 def test_ports_in_use_are_refused_at_start(busy_port: int) -> None:
-    for args in (["--listen", f"tcp://127.0.0.1:{busy_port}"], ["--metrics-port", str(busy_port)]):
+    for args in (["--listen", f"tcp://127.0.0.1:{busy_port}", "--allow-unauthenticated-tcp"],
+                 ["--metrics-port", str(busy_port)]):
         out = serve(*args)
         assert out.returncode == 2
         assert out.stderr.strip() == (

@@ -1,7 +1,9 @@
 """Who may use the daemon's Unix sockets: its own user by default; with --socket-group, also
 that group's members (a vLLM running as another user). Real daemon, real permissions; the
-other user's side runs as `nobody` when the tests run as root. And its TCP ports: a restart
-takes them back at once, whatever connections of the last daemon linger in TIME_WAIT."""
+other user's side runs as `nobody` when the tests run as root. Its TCP ports: every local user
+may connect to one, so tcp:// without CURVE is refused unless --allow-unauthenticated-tcp says
+otherwise; and a restart takes them back at once, whatever connections of the last daemon
+linger in TIME_WAIT."""
 
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ import pytest
 
 from lmcache_mp.launcher import DaemonProcess
 
+ALLOW_TCP = "--allow-unauthenticated-tcp"
+ALLOW_TCP_ENV = "LMCACHE_MP_ALLOW_UNAUTHENTICATED_TCP"
 GROUP = "daemon"  # present on Debian, and `nobody` is not in it
 CONNECT = "import socket, sys; socket.socket(socket.AF_UNIX).connect(sys.argv[1])"
 # The other user's client: a Python `nobody` may run (the venv's may live under /root).
@@ -123,9 +127,9 @@ def test_a_restart_takes_back_its_tcp_port_while_a_port_in_use_is_still_refused(
                                                                                 short_tmp: Path) -> None:
     url = f"tcp://127.0.0.1:{free_port()}"
     port = int(url.rsplit(":", 1)[1])
-    first = daemons("--l1-size-gb", "0.05", url=url)
+    first = daemons("--l1-size-gb", "0.05", ALLOW_TCP, url=url)
     # Not by the launcher: the first daemon would answer its HELLO.
-    refused = subprocess.run([sys.executable, "-m", "lmcache_mp.cli", "serve", "--listen", url],
+    refused = subprocess.run([sys.executable, "-m", "lmcache_mp.cli", "serve", "--listen", url, ALLOW_TCP],
                              capture_output=True, text=True, timeout=60,
                              env=dict(os.environ, LMCACHE_MP_RUNTIME_DIR=str(short_tmp)))
     assert refused.returncode == 2, refused.stderr
@@ -134,4 +138,39 @@ def test_a_restart_takes_back_its_tcp_port_while_a_port_in_use_is_still_refused(
         assert first.stop() == 0  # closes the connection: its end first
         read_to_end(client)
     wait_for(lambda: time_wait_on(port), "the client's connection in TIME_WAIT on the daemon's port")
-    assert daemons("--l1-size-gb", "0.05", url=url).stop() == 0
+    assert daemons("--l1-size-gb", "0.05", ALLOW_TCP, url=url).stop() == 0
+
+
+def test_tcp_without_curve_is_refused_unless_allowed(daemons, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any local user (and any container sharing the network namespace) may connect to a loopback
+    port: without CURVE keys, the daemon will not listen on one unless the operator says so."""
+    monkeypatch.delenv(ALLOW_TCP_ENV, raising=False)
+    url = f"tcp://127.0.0.1:{free_port()}"
+    with pytest.raises(RuntimeError, match="daemon exited with 2") as refused:
+        daemons("--l1-size-gb", "0.05", url=url)
+    log = str(refused.value)
+    assert f"lmcache-mp serve: cannot start: refusing to listen on {url} without authentication" in log
+    assert ALLOW_TCP in log and "--curve-secret-key" in log and "lmcache-mp keygen" in log, log
+    assert "Traceback" not in log
+
+
+@pytest.mark.parametrize("how", ["flag", "environment"])
+def test_unauthenticated_tcp_serves_when_allowed(daemons, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    monkeypatch.delenv(ALLOW_TCP_ENV, raising=False)
+    if how == "environment":
+        monkeypatch.setenv(ALLOW_TCP_ENV, "1")  # the launcher's daemon inherits it
+    url = f"tcp://127.0.0.1:{free_port()}"
+    daemon = daemons("--l1-size-gb", "0.05", *([ALLOW_TCP] if how == "flag" else []), url=url)
+    out = subprocess.run([sys.executable, "-m", "lmcache_mp.cli", "ping", "--url", url, "--count", "1"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert daemon.stop() == 0
+
+
+def test_serve_help_explains_the_unauthenticated_tcp_flag() -> None:
+    out = subprocess.run([sys.executable, "-m", "lmcache_mp.cli", "serve", "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())  # argparse wraps the help
+    assert ALLOW_TCP in text and ALLOW_TCP_ENV in text
+    assert "any local user" in text and "CURVE" in text and "ipc://" in text
