@@ -188,6 +188,27 @@ def test_v1_damaged_values_are_misses_until_rewritten(tmp_path: Path, tier_at) -
         assert all(torch.equal(g, d) for g, d in zip(got, data, strict=True))
 
 
+def test_v1_tier_reconnects_after_the_server_closed_its_idle_connection(tmp_path: Path, tier_at) -> None:
+    # The server closes connections idle for --idle-timeout-s. The tier's pooled connection died
+    # that way during a quiet spell: the next batch failed on it (the tier went down) or, a PUT
+    # having no reply, was lost silently.
+    server = start_v1_server(tmp_path, "--idle-timeout-s", "1")
+    try:
+        tier = tier_at(f"lmcache://127.0.0.1:{server.port}?timeout_s=5")
+        keys, data = chunks(2)
+        assert tier.batched_put([(keys[0], data[0])]) == 1
+        assert tier.batched_contains(keys[:1]) == [True]  # landed; the connection back in the pool
+        wait_until(lambda: "idle for 1 s, closing the connection" in server.log())
+        assert tier.batched_put([(keys[1], data[1])]) == 1
+        got = tier.batched_get(keys, empties(2))
+        assert all(g is not None and torch.equal(g, d) for g, d in zip(got, data, strict=True))
+        s = tier.stats()
+        assert (s.up, s.errors_total, s.unavailable_total, s.write_errors_total) == (1, 0, 0, 0), s
+        assert (s.writes_total, s.hits_total, s.misses_total, s.corrupt_total) == (2, 2, 0, 0), s
+    finally:
+        assert server.stop() == 0, server.log()
+
+
 def _restartable(kind: str, tmp: Path) -> tuple[str, Callable[[], None], Callable[[], None]]:
     """A URL, and how to kill and restart its server on the same port."""
     port = free_port()

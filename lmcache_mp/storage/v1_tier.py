@@ -14,14 +14,25 @@ both against the key (the protocol has no checksum or authentication of its own)
 
 The protocol has no DELETE: a damaged object found on a read stays on the server until it is
 evicted or overwritten, and `NetworkTier` remembers it as bad so that write-behind replaces it.
+
+Pooled connections. Servers close connections left idle (ours after `--idle-timeout-s`, 60 s by
+default), so a pooled connection may be dead when the next batch comes: used as is, the batch
+fails (and the tier goes down for a while) or, for a PUT (no reply), is lost without a word. So a
+connection idle longer than `MAX_IDLE_S` is dropped, one the server closed is detected (a zero-wait
+poll) and dropped before use, and a batch that still finds its pooled connection closed before any
+reply (the server closed it between that check and our request) runs once more on a new one. Every
+operation here may run twice: EXIST and GET are idempotent, and a PUT re-sent whole stores the
+same bytes under the same key again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+import time
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
 import torch
@@ -30,11 +41,17 @@ from lmcache_mp.storage.base import ChunkKey
 from lmcache_mp.storage.chunk_format import CorruptChunk, as_buffer, header_size_of, verify
 from lmcache_mp.storage.remote import Fetched, NetworkTier
 from lmcache_mp.storage.tiers import redact_url
-from lmcache_mp.v1remote.client import V1Connection
-from lmcache_mp.v1remote.protocol import format_key
+from lmcache_mp.v1remote.client import V1Connection, V1PeerClosedError
+from lmcache_mp.v1remote.protocol import Buffer, format_key
+
+logger = logging.getLogger(__name__)
+R = TypeVar("R")
 
 DEFAULT_TIMEOUT_S = 1.0
 IDLE_CONNECTIONS = 4  # kept open for the next batch (a writer, a reader, a probe, one spare)
+# A pooled connection idle longer is closed rather than used: well under our server's default idle
+# timeout (60 s), so that it is not closed by the server just as a request goes out on it (a lost PUT).
+MAX_IDLE_S = 20.0
 _KEY_DTYPES = {"float16": "half", "bfloat16": "bfloat16", "float32": "float", "float64": "double",
                "int8": "int8", "uint8": "uint8"}  # other dtypes (fp8) travel as raw bytes: "uint8"
 
@@ -44,7 +61,7 @@ class V1RemoteTier(NetworkTier):
         super().__init__(name)
         self._address = (host, port)
         self._timeout_s = timeout_s
-        self._idle: list[V1Connection] = []
+        self._idle: list[tuple[V1Connection, float]] = []  # (connection, when it went idle)
         self._idle_lock = threading.Lock()
 
     @classmethod
@@ -64,24 +81,28 @@ class V1RemoteTier(NetworkTier):
     # ---- the network primitives ---------------------------------------------------------------
 
     def _exists_many(self, keys: list[ChunkKey]) -> list[bool]:
-        with self._connection() as conn:
-            return conn.exist_many([_key_string(k) for k in keys])
+        names = [_key_string(k) for k in keys]
+        return self._run(lambda conn: conn.exist_many(names))
 
     def _fetch_many(self, keys: list[ChunkKey], outs: list[torch.Tensor | None]) -> list[Fetched | None]:
         if any(out is None for out in outs):
             raise ValueError("the v1 tier reads into destination buffers only (`out` is required)")
+        names = [_key_string(k) for k in keys]
         heads = [bytearray(header_size_of(k)) for k in keys]
         payloads = [as_buffer(out) for out in outs]  # type: ignore[arg-type]
-        good = [False] * len(keys)
-
-        def check(i: int) -> None:  # as each chunk lands, while the next ones are on their way
-            with contextlib.suppress(CorruptChunk):
-                verify(keys[i], heads[i], payloads[i])
-                good[i] = True
-
         buffers = [[head, payload] for head, payload in zip(heads, payloads, strict=True)]
-        with self._connection() as conn:
-            lengths = conn.get_into_many([_key_string(k) for k in keys], buffers, on_received=check)
+
+        def fetch(conn: V1Connection) -> tuple[list[int | None], list[bool]]:
+            good = [False] * len(keys)  # afresh on a retry: the buffers are received again
+
+            def check(i: int) -> None:  # as each chunk lands, while the next ones are on their way
+                with contextlib.suppress(CorruptChunk):
+                    verify(keys[i], heads[i], payloads[i])
+                    good[i] = True
+
+            return conn.get_into_many(names, buffers, on_received=check), good
+
+        lengths, good = self._run(fetch)
         fetched: list[Fetched | None] = []
         for head, payload, length, ok in zip(heads, payloads, lengths, good, strict=True):
             if length is None:
@@ -93,12 +114,19 @@ class V1RemoteTier(NetworkTier):
         return fetched
 
     def _store_many(self, items: Iterable[tuple[ChunkKey, bytes, memoryview]]) -> list[bool]:
-        sent = 0
-        with self._connection() as conn:
-            for key, head, payload in items:
-                conn.put(_key_string(key), [head, payload])
-                sent += 1
-        return [True] * sent  # PUT has no reply: sent is all we know
+        pending = iter(items)  # lazy: each header is checksummed when its turn comes
+        sent: list[tuple[str, list[Buffer]]] = []
+
+        def put_all(conn: V1Connection) -> None:
+            # On a retry, what went out on the dead connection may be lost: all of it again, whole.
+            for name, buffers in sent:
+                conn.put(name, buffers)
+            for key, head, payload in pending:
+                sent.append((_key_string(key), [head, payload]))
+                conn.put(*sent[-1])
+
+        self._run(put_all)
+        return [True] * len(sent)  # PUT has no reply: sent is all we know
 
     def _delete_many(self, keys: list[ChunkKey]) -> int:
         return 0  # no DELETE in the protocol (see the module docstring)
@@ -108,31 +136,55 @@ class V1RemoteTier(NetworkTier):
                                   "remote server itself")
 
     def _ping(self) -> None:
-        with self._connection() as conn:
-            if not conn.health():
-                raise ConnectionError(f"{self.name} answered HEALTH with FAIL")
+        if not self._run(lambda conn: conn.health()):
+            raise ConnectionError(f"{self.name} answered HEALTH with FAIL")
 
     def _close_connections(self) -> None:
         with self._idle_lock:
             idle, self._idle = self._idle, []
-        for conn in idle:
+        for conn, _ in idle:
             conn.close()
 
-    @contextmanager
-    def _connection(self) -> Iterator[V1Connection]:
-        """An open connection for one batch; a connection that failed is closed, not kept."""
-        with self._idle_lock:
-            conn = self._idle.pop() if self._idle else None
-        if conn is None:
-            conn = V1Connection(*self._address, timeout_s=self._timeout_s)
+    def _run(self, operation: Callable[[V1Connection], R]) -> R:
+        """`operation` on a pooled connection, or a new one. If a pooled one turns out to have been
+        closed by the server before answering any of it, once more on a new connection (see the
+        module docstring); a new connection that fails is a real failure, never retried."""
+        conn, pooled = self._take()
         try:
-            yield conn
+            replies = conn.replies
+            try:
+                return operation(conn)
+            except V1PeerClosedError as err:
+                if not pooled or conn.replies != replies:
+                    raise
+                logger.debug("%s: a pooled connection was closed by the server (%s); retrying on a "
+                             "new one", self.name, err)
+            conn = self._open()
+            return operation(conn)
         finally:
+            self._give_back(conn)
+
+    def _open(self) -> V1Connection:
+        return V1Connection(*self._address, timeout_s=self._timeout_s)
+
+    def _take(self) -> tuple[V1Connection, bool]:
+        """A live pooled connection (True), or a new one (False)."""
+        while True:
             with self._idle_lock:
-                if conn.closed or len(self._idle) >= IDLE_CONNECTIONS or self._closed.is_set():
-                    conn.close()
-                else:
-                    self._idle.append(conn)
+                conn, idle_since = self._idle.pop() if self._idle else (None, 0.0)
+            if conn is None:
+                return self._open(), False
+            if time.monotonic() - idle_since <= MAX_IDLE_S and not conn.peer_closed():
+                return conn, True
+            conn.close()
+
+    def _give_back(self, conn: V1Connection) -> None:
+        """Pool `conn` for the next batch; a connection that failed is closed, not kept."""
+        with self._idle_lock:
+            if conn.closed or len(self._idle) >= IDLE_CONNECTIONS or self._closed.is_set():
+                conn.close()
+            else:
+                self._idle.append((conn, time.monotonic()))
 
 
 def _key_string(key: ChunkKey) -> str:

@@ -11,12 +11,18 @@ the byte stream can no longer be trusted to be in step; the caller opens a new o
 (bad keys, unusable buffers) raise `ValueError`/`ProtocolError` before anything is sent and leave the
 connection usable. Not thread-safe: one connection per thread.
 
+Servers close idle connections (ours after `--idle-timeout-s`). A pooled connection may have been
+closed that way: `peer_closed()` tells it cheaply before use, and `V1PeerClosedError` (with
+`replies`) tells a caller that an operation failed because the server had closed the connection,
+which it may then retry once on a new one.
+
 What comes back is untrusted bytes (the protocol has no checksum or authentication): check it, e.g.
 with a checksum inside the payload, before use.
 """
 
 from __future__ import annotations
 
+import select
 import socket
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -46,6 +52,12 @@ class V1ConnectionError(ConnectionError):
     """The connection failed or the server broke the protocol; the connection is closed."""
 
 
+class V1PeerClosedError(V1ConnectionError):
+    """The server had closed (or reset) the connection: end of stream, or a broken pipe or reset.
+    Not a timeout, nor a protocol error. If `replies` did not move during the operation, the server
+    answered none of it: typically a connection it closed while it sat idle."""
+
+
 class V1Connection:
     """One TCP connection to a v1 remote server; every operation times out after `timeout_s`."""
 
@@ -58,6 +70,7 @@ class V1Connection:
             raise V1ConnectionError(f"cannot connect to {self.peer}: {err}") from err
         self._sock: socket.socket | None = sock
         self._reply = bytearray(SERVER_HEADER_SIZE)
+        self.replies = 0  # reply headers received so far (see V1PeerClosedError)
 
     # --- requests -------------------------------------------------------------------------------
 
@@ -146,6 +159,23 @@ class V1Connection:
     def closed(self) -> bool:
         return self._sock is None
 
+    def peer_closed(self) -> bool:
+        """Whether this idle connection is unusable (and now closed): a zero-wait poll(). A server
+        sends only replies, and every operation reads its replies in full, so an idle connection
+        that polls readable has hit end of stream (the server closed it), an error, or bytes
+        nobody asked for (the stream is out of step): each one means it cannot be used."""
+        if self._sock is None:
+            return True
+        poller = select.poll()  # not select(): it cannot watch descriptors >= FD_SETSIZE
+        poller.register(self._sock, select.POLLIN | select.POLLPRI)
+        try:
+            ready = bool(poller.poll(0))
+        except OSError:
+            ready = True
+        if ready:
+            self.close()
+        return ready
+
     def close(self) -> None:
         sock, self._sock = self._sock, None
         if sock is not None:
@@ -168,6 +198,10 @@ class V1Connection:
         except V1ConnectionError:
             self.close()
             raise
+        except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError) as err:
+            self.close()
+            raise V1PeerClosedError(f"{what} with {self.peer} failed, the server closed the connection: "
+                                    f"{err!r}") from err
         except (OSError, ProtocolError) as err:
             self.close()
             raise V1ConnectionError(f"{what} with {self.peer} failed, connection closed: {err!r}") from err
@@ -185,6 +219,7 @@ class V1Connection:
 
     def _read_reply(self, sock: socket.socket) -> ServerMetaMessage:
         _recv_exact(sock, memoryview(self._reply), "reply header")
+        self.replies += 1  # counted once received whole: a malformed one closes the connection anyway
         reply = ServerMetaMessage.deserialize(self._reply)
         if reply.code is ServerReturnCode.FAIL and reply.length:
             # The reference never sends a payload with FAIL: the stream is out of step.
@@ -202,7 +237,7 @@ def _writable(buffer: Buffer) -> memoryview:
 def _recv_exact(sock: socket.socket, view: memoryview, what: str) -> None:
     got = recv_exact_into(sock, view)
     if got < len(view):
-        raise V1ConnectionError(f"the server closed the connection after {got} of {len(view)} {what} bytes")
+        raise V1PeerClosedError(f"the server closed the connection after {got} of {len(view)} {what} bytes")
 
 
 def _drain(sock: socket.socket, length: int) -> None:
