@@ -1,22 +1,12 @@
 """A lower tier in a local directory (an NVMe drive): one file per chunk, kept across restarts.
 
 Files. Each chunk is one file holding the object of `chunk_format.py`: its checksummed header,
-zero padding to a 4 KiB block, then the chunk's bytes. It is named by a digest of the key's
-ident and sharded by its first two hex digits:
-`ROOT/ab/ab12...(40 hex).kv`. A digest collision is harmless: reads verify the header against the
-key, so a file can only ever be served for the key it was written for. Other entries of the
-directory: `lock` (the owning daemon's pid, flock'ed while it runs: one daemon per directory) and
-`tmp/` (files being written; whatever is there at start is a leftover and is removed).
-
-Symlinks. No path under the directory is ever followed: whoever can plant one there must not get
-the tier to write, truncate, list or delete anything elsewhere. The tier opens the directory once
-and works relative to that descriptor and to one of `tmp/`; every shard and file is opened with
-O_NOFOLLOW (shards with O_DIRECTORY too). A symlink, or anything of the wrong type, at `lock`,
-`tmp` or a shard refuses the start with an error naming it (so does a `lock` with other hard
-links: it is truncated and written). One at an object's name is foreign:
-never indexed, read, written through or evicted (a get of it is a miss that leaves it there; a
-put renames its file over the link itself, which rename never follows). The directory's own path
-is the operator's to choose, symlinks included.
+zero padding to a 4 KiB block, then the chunk's bytes. Its object name is a digest of the key's
+ident. The directory -- its layout (shards, `lock`, `tmp/`), its no-symlink rule and when its
+descriptors close -- is `disk_directory.py`'s. A digest collision is harmless: reads verify the
+header against the key, so a file can only ever be served for the key it was written for. A
+symlink (or anything but a regular file) at an object's name is foreign: never indexed, read,
+written through or evicted (a get of it is a miss that leaves it there; a put replaces the link).
 
 Writes go to a temp file in `tmp/` (same filesystem) and are renamed into place, so a name never
 shows a half-written file to a running daemon. The whole blocks of a page-aligned payload (the
@@ -37,17 +27,17 @@ capacity is no object of this tier (a put refuses one) and is removed at start, 
 file, say a sparse one, would otherwise evict every real object and then itself.
 
 Concurrency. One lock guards the index, the counters and `_busy` (names with a write or an
-unlink in flight); all file I/O happens outside it. A put skips a name that is indexed or busy,
-and a file is unlinked only after its entry has left the index, so a name is never written and
-unlinked at once. A reader that finds its file gone, or damaged, drops the entry only if it is
-still the one it looked up (same sequence number), so it never drops a newer object's entry. A
-read that races an eviction either misses or reads the unlinked file through its open
-descriptor, whose bytes are still verified. The worst a race can leave is an entry whose file
-is gone, which the next get of that key turns into a miss.
+unlink in flight); all file I/O happens outside it, while the directory's descriptors are
+held. A put skips a name that is indexed or busy, and a file is unlinked only after its entry has
+left the index, so a name is never written and unlinked at once. A reader that finds its file
+gone, or damaged, drops the entry only if it is still the one it looked up (same sequence
+number), so it never drops a newer object's entry. A read that races an eviction either misses
+or reads the unlinked file through its open descriptor, whose bytes are still verified. The
+worst a race can leave is an entry whose file is gone, which the next get of that key turns into
+a miss.
 
-Closing. `close` marks the tier closed: from then on it touches nothing (the directory may be
-another daemon's). Its descriptors, the lock's included, are closed by the last operation still
-in flight, so that none ever uses a descriptor number closed under it and reused for another file.
+Closing. `close` closes the directory: from then on the tier touches no file (puts, removes and
+clears do nothing, gets miss).
 """
 
 from __future__ import annotations
@@ -62,12 +52,10 @@ import logging
 import math
 import mmap
 import os
-import re
-import stat
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -77,18 +65,10 @@ import torch
 from lmcache_mp.storage import chunk_format
 from lmcache_mp.storage.base import ChunkKey, StorageTier, TierStats
 from lmcache_mp.storage.chunk_format import CorruptChunk
+from lmcache_mp.storage.disk_directory import DiskDirectory
 
 logger = logging.getLogger(__name__)
 
-_FILE_NAME = re.compile(r"[0-9a-f]{40}\.kv")
-_SUFFIX = ".kv"
-_LOCK_FILE = "lock"
-_TMP_DIR = "tmp"
-# A directory of the tier (a shard, tmp/): never reached through a symlink.
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-# An object opened for reading: never through a symlink, and O_NONBLOCK so that a FIFO put in its
-# place cannot hang the reader (on a regular file it changes nothing).
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 # The first read of a get: the prefix and, in one syscall, any realistic header (~200 bytes).
 _FIRST_READ = 4096
 _WARN_INTERVAL_S = 10.0
@@ -223,16 +203,16 @@ class DiskTier(StorageTier):
         self._corrupt_warnings = _ThrottledWarning()
         self._read_warnings = _ThrottledWarning()
         self._foreign_warnings = _ThrottledWarning()
-        # The directory, tmp/ and the lock, open until closed and no operation holds them.
-        self._root_fd = self._tmp_fd = self._lock_fd = -1
-        self._closed = False
-        self._holders = 0  # operations in flight that use the descriptors
         try:
-            self._open_directory()
-            self._remove_temp_files()
+            self._dir = DiskDirectory(self._root)
+        except OSError as e:
+            raise ValueError(f"disk tier: cannot use {self._root} as a cache directory "
+                             f"({e.strerror or e}); pass a writable directory in --l2 {_URL_HELP}") from None
+        try:
+            self._dir.remove_temp_files()
             self._reindex()
         except BaseException:
-            self._close_descriptors()
+            self._dir.close()
             raise
         self._readers = ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="lmcache-mp-disk-read")
         self._direct = True  # until the filesystem refuses O_DIRECT
@@ -249,82 +229,6 @@ class DiskTier(StorageTier):
         return cls(Path(unquote(parts.path)), int(size_gb * _GiB))
 
     # -- start --------------------------------------------------------------------------------
-
-    def _open_directory(self) -> None:
-        """Create and probe the directory and its sub-directories, open them and take the lock."""
-        try:
-            os.makedirs(self._root, mode=0o700, exist_ok=True)
-            # The operator's path, symlinks and all; below it, nothing is followed.
-            self._root_fd = os.open(self._root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            self._tmp_fd = self._own_directory(_TMP_DIR)
-            probe = f".probe-{os.getpid()}-{threading.get_ident()}"
-            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                             0o600, dir_fd=self._tmp_fd))
-            os.unlink(probe, dir_fd=self._tmp_fd)
-            for shard in range(256):
-                os.close(self._own_directory(f"{shard:02x}"))
-            self._lock_fd = self._take_lock()
-        except OSError as e:
-            raise ValueError(f"disk tier: cannot use {self._root} as a cache directory "
-                             f"({e.strerror or e}); pass a writable directory in --l2 {_URL_HELP}") from None
-
-    def _own_directory(self, name: str) -> int:
-        """The tier's sub-directory `name`, created if absent, opened without following a symlink:
-        a symlink there is refused (mkdir leaves it, and opening it fails), never followed."""
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(name, 0o700, dir_fd=self._root_fd)
-        try:
-            return os.open(name, _DIR_FLAGS, dir_fd=self._root_fd)
-        except NotADirectoryError:  # what O_DIRECTORY | O_NOFOLLOW says of a symlink, too
-            self._refuse_symlink(name)
-            raise
-
-    def _refuse_symlink(self, name: str) -> None:
-        """Raise the start's error if the tier's own entry `name` is a symlink."""
-        if stat.S_ISLNK(os.lstat(name, dir_fd=self._root_fd).st_mode):
-            raise ValueError(f"disk tier: {os.path.join(self._root, name)} is a symbolic link, and the "
-                             "tier follows none under its directory; remove it, or pass another directory")
-
-    def _take_lock(self) -> int:
-        # O_NOFOLLOW: the lock is truncated and written, so a symlink would have its target (or,
-        # dangling, a new file at its target) written; O_NONBLOCK: a FIFO there cannot hang us.
-        try:
-            fd = os.open(_LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                         0o600, dir_fd=self._root_fd)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                self._refuse_symlink(_LOCK_FILE)
-            raise
-        try:
-            self._check_lock_file(fd)
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise ValueError(f"disk tier: {self._root} is in use by another lmcache-mp daemon "
-                             f"(pid {owner}); give each daemon its own directory") from None
-        except BaseException:
-            os.close(fd)
-            raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        return fd
-
-    def _check_lock_file(self, fd: int) -> None:
-        # A hard link is another way to reach a file outside the directory with our truncate.
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
-            raise ValueError(f"disk tier: {os.path.join(self._root, _LOCK_FILE)} is not a plain file of "
-                             "its own (a FIFO, a device, a hard link to another file?); remove it")
-
-    def _remove_temp_files(self) -> None:
-        # Only after taking the lock: until then they could be another daemon's writes in flight.
-        with os.scandir(self._tmp_fd) as entries:
-            for entry in entries:
-                if entry.is_dir(follow_symlinks=False):
-                    continue  # never one of ours (writes are files); emptying it would walk into it
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.name, dir_fd=self._tmp_fd)  # a symlink goes itself, never its target
 
     def _reindex(self) -> None:
         started = time.monotonic()
@@ -348,62 +252,17 @@ class DiskTier(StorageTier):
                     len(victims), self._capacity / _GiB)
 
     def _scan(self) -> tuple[list[tuple[int, str, int]], list[tuple[str, int]]]:
-        """The regular files named like objects, from stat alone: (mtime_ns, name, size) of those
-        that can be objects, and (name, size) of those larger than the capacity, which cannot."""
+        """The directory's objects, from stat alone: (mtime_ns, name, size) of those that can be
+        objects, and (name, size) of those larger than the capacity, which cannot."""
         found: list[tuple[int, str, int]] = []
         oversized: list[tuple[str, int]] = []
-        for shard in range(256):
-            prefix = f"{shard:02x}"
-            with self._shard(prefix) as shard_fd, os.scandir(shard_fd) as entries:
-                for entry in entries:
-                    # A symlink, a FIFO, a directory: foreign, left alone.
-                    if not (_FILE_NAME.fullmatch(entry.name) and entry.name.startswith(prefix)
-                            and entry.is_file(follow_symlinks=False)):
-                        continue
-                    st = entry.stat(follow_symlinks=False)
-                    name = entry.name[:-len(_SUFFIX)]
-                    # Counted, such a file (the newest, say) would evict every real object first.
-                    if st.st_size > self._capacity:
-                        oversized.append((name, st.st_size))
-                    else:
-                        found.append((st.st_mtime_ns, name, st.st_size))
+        for name, st in self._dir.objects():
+            # Counted, such a file (the newest, say) would evict every real object first.
+            if st.st_size > self._capacity:
+                oversized.append((name, st.st_size))
+            else:
+                found.append((st.st_mtime_ns, name, st.st_size))
         return found, oversized
-
-    # -- descriptors --------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def _descriptors(self) -> Iterator[bool]:
-        """Keeps the descriptors open across the caller's file I/O; yields False once the tier is
-        closed, when the caller must touch nothing (the directory may be another daemon's)."""
-        with self._lock:
-            held = not self._closed
-            self._holders += held
-        try:
-            yield held
-        finally:
-            if held:
-                with self._lock:
-                    self._holders -= 1
-                    last = self._closed and not self._holders
-                if last:
-                    self._close_descriptors()
-
-    def _close_descriptors(self) -> None:
-        """Close the descriptors (the lock's releases the flock); once, by close or its last holder."""
-        for fd in (self._lock_fd, self._tmp_fd, self._root_fd):
-            if fd >= 0:
-                os.close(fd)
-        self._root_fd = self._tmp_fd = self._lock_fd = -1
-
-    @contextlib.contextmanager
-    def _shard(self, name: str) -> Iterator[int]:
-        """The shard directory of object `name` (or of a 2-digit prefix), relative to the root and
-        never through a symlink: one there raises NotADirectoryError."""
-        fd = os.open(name[:2], _DIR_FLAGS, dir_fd=self._root_fd)
-        try:
-            yield fd
-        finally:
-            os.close(fd)
 
     # -- the tier -----------------------------------------------------------------------------
 
@@ -413,7 +272,7 @@ class DiskTier(StorageTier):
             return name in self._index
 
     def put(self, key: ChunkKey, kv_chunk: torch.Tensor, blocking: bool = True) -> None:
-        with self._descriptors() as held:
+        with self._dir.held() as held:
             if held:
                 self._put(object_name(key), key, kv_chunk)
 
@@ -484,30 +343,24 @@ class DiskTier(StorageTier):
                     _write_all(fd, [payload[sliced:]])
             finally:
                 os.close(fd)
-            with self._shard(name) as shard:
-                # Replaces whatever has the name, a symlink included, without following it.
-                os.rename(tmp, name + _SUFFIX, src_dir_fd=self._tmp_fd, dst_dir_fd=shard)
+            self._dir.publish(tmp, name)
         except OSError:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=self._tmp_fd)
+            self._dir.discard_temp(tmp)
             raise
 
     def _create(self, tmp: str, direct: bool) -> tuple[int, bool]:
         """A new file in tmp/ opened for writing, and whether with O_DIRECT: a filesystem that
         refuses it (EINVAL) gets buffered writes, from now on."""
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         if direct:
             try:
-                return os.open(tmp, flags | os.O_DIRECT, 0o600, dir_fd=self._tmp_fd), True
+                return self._dir.create_temp(tmp, direct=True), True
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=self._tmp_fd)
             self._direct = False
             logger.info("disk tier %s: the filesystem refuses direct I/O; writing through the page cache",
                         self._root)
-        return os.open(tmp, flags, 0o600, dir_fd=self._tmp_fd), False
+        return self._dir.create_temp(tmp, direct=False), False
 
     def _end_write(self, name: str, size: int, stored: bool) -> None:
         with self._lock:
@@ -521,7 +374,7 @@ class DiskTier(StorageTier):
                 self._stats.write_errors_total += 1
 
     def get(self, key: ChunkKey, out: torch.Tensor | None = None) -> torch.Tensor | None:
-        with self._descriptors() as held:
+        with self._dir.held() as held:
             if held:
                 return self._get(object_name(key), key, out)
         self._count_miss()
@@ -534,7 +387,7 @@ class DiskTier(StorageTier):
                 self._stats.misses_total += 1
                 return None
         try:
-            fd = self._open_object(name)
+            fd = self._dir.open_object(name)
         except FileNotFoundError:  # removed behind our back
             self._drop(name, entry, unlink=False)
             self._count_miss()
@@ -558,23 +411,6 @@ class DiskTier(StorageTier):
         finally:
             os.close(fd)
         return None
-
-    def _open_object(self, name: str) -> int | None:
-        """`name`'s file opened for reading; None if it or its shard is a symlink or anything
-        else but a regular file (resp. a directory), which is never followed."""
-        try:
-            with self._shard(name) as shard:
-                fd = os.open(name + _SUFFIX, _READ_FLAGS, dir_fd=shard)
-        except NotADirectoryError:  # the shard is a symlink, or not a directory
-            return None
-        except OSError as e:
-            if e.errno == errno.ELOOP:  # the file is a symlink
-                return None
-            raise
-        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO, a device, a directory
-            os.close(fd)
-            return None
-        return fd
 
     def _read(self, fd: int, name: str, entry: tuple[int, int], key: ChunkKey,
               out: torch.Tensor | None) -> torch.Tensor | None:
@@ -640,13 +476,11 @@ class DiskTier(StorageTier):
 
     def _unlink_busy(self, names: list[str]) -> None:
         """Unlink the files of `names` (out of the index and busy with us), then free the names.
-        The caller holds the descriptors. Unlink never follows a symlink, and the shard is opened
-        without following one."""
+        The caller holds the directory's descriptors."""
         try:
             for name in names:
                 try:
-                    with self._shard(name) as shard:
-                        os.unlink(name + _SUFFIX, dir_fd=shard)
+                    self._dir.unlink_object(name)
                 except FileNotFoundError:
                     pass
                 except OSError as e:
@@ -658,7 +492,7 @@ class DiskTier(StorageTier):
 
     def remove(self, key: ChunkKey) -> None:
         name = object_name(key)
-        with self._descriptors() as held:
+        with self._dir.held() as held:
             if not held:
                 return
             with self._lock:
@@ -670,7 +504,7 @@ class DiskTier(StorageTier):
             self._unlink_busy([name])
 
     def clear(self) -> int:
-        with self._descriptors() as held:
+        with self._dir.held() as held:
             if not held:
                 return 0
             with self._lock:
@@ -696,10 +530,4 @@ class DiskTier(StorageTier):
 
     def close(self) -> None:
         self._readers.shutdown(wait=True)
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            last = not self._holders
-        if last:  # else the last operation in flight closes them
-            self._close_descriptors()
+        self._dir.close()
