@@ -12,7 +12,7 @@ protocol never load it): building a handle from a tensor and opening one as a te
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar, Self
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Self
 
 import msgspec
 
@@ -36,12 +36,13 @@ class IPCCacheEngineKey(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """
 
     model_name: str
-    world_size: int
-    worker_id: int | None
+    world_size: Annotated[int, msgspec.Meta(ge=1)]
+    worker_id: Annotated[int, msgspec.Meta(ge=0)] | None
     chunk_hash: bytes = b""
     token_ids: tuple[int, ...] = ()
-    start: int = 0
-    end: int = 0
+    # Checked as they are decoded: a negative token position is refused (BAD_PAYLOAD).
+    start: Annotated[int, msgspec.Meta(ge=0)] = 0
+    end: Annotated[int, msgspec.Meta(ge=0)] = 0
     request_id: str | None = None
 
     def _identity(self) -> tuple:

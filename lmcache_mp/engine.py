@@ -104,6 +104,7 @@ class Engine:
         # Requests with a LOOKUP in promotion -> whether END_SESSION came meanwhile (bounded by
         # the manager's bound on promotions in flight).
         self._deferred: dict[str, bool] = {}
+        self._ending = threading.Lock()  # guards `_deferred`, and orders END_SESSION and leases
         self._lock = threading.Lock()
         try:
             self.registry = Registry(config.attach_socket, config.socket_access, config.chunk_size,
@@ -156,23 +157,25 @@ class Engine:
             # right after the reply (and before any later request, END_SESSION included, is read).
             return ReplyThen(len(hits), lambda: self._lease(request_id, hashes, hits))
         if request_id is not None:
-            with self._lock:
+            with self._ending:
                 self._deferred[request_id] = False
         answer: Future[int] = Future()
 
         def finish(done: Future[Hits]) -> None:
-            ended = False
-            if request_id is not None:
-                with self._lock:
-                    ended = self._deferred.pop(request_id, False)
-            if done.cancelled():  # the daemon is stopping: the server answers SHUTTING_DOWN
-                answer.cancel()
-                return
-            try:
-                # A request ended while its hits were read has no one left to retrieve them.
-                answer.set_result(self._lease(None if ended else request_id, hashes, done.result()))
-            except BaseException as err:
-                answer.set_exception(err)
+            # Under `_ending` from the check to the lease: an END_SESSION between them would
+            # find no leases yet, and these would then be held until their TTL.
+            with self._ending:
+                ended = request_id is not None and self._deferred.pop(request_id, False)
+                if done.cancelled():  # the daemon is stopping: the server answers SHUTTING_DOWN
+                    answer.cancel()
+                    return
+                try:
+                    # A request ended while its hits were read has no one left to retrieve them.
+                    found = self._lease(None if ended else request_id, hashes, done.result())
+                except BaseException as err:
+                    answer.set_exception(err)
+                    return
+            answer.set_result(found)
 
         hits.add_done_callback(finish)
         return answer
@@ -321,11 +324,12 @@ class Engine:
             self.leases.release_chunks(request_id, hashes)
 
     def end_session(self, request_id: str) -> None:
-        self.leases.end(request_id)
-        with self._lock:
-            self._last_chunk.pop(request_id, None)
+        with self._ending:  # ordered against a deferred LOOKUP's lease (see `_lookup`)
             if request_id in self._deferred:
                 self._deferred[request_id] = True
+            self.leases.end(request_id)
+        with self._lock:
+            self._last_chunk.pop(request_id, None)
 
     def clear(self) -> int:
         return self.storage.clear()

@@ -53,6 +53,11 @@ DEFAULT_REQUEST_TIMEOUT_S = 300.0
 # Bounded queues everywhere. A client never blocks on a full queue (or no connection): it
 # drops the request, which times out; the server's ROUTER drops replies to a client past it.
 SOCKET_HWM = 100_000
+# Per connection on the daemon's side: replies waiting for a client whose libzmq stops reading
+# (a frozen or hostile client: a live one's library reads on, whatever its threads do), and
+# requests read ahead of the socket thread. 100,000 replies held ~0.5 KiB each in the daemon
+# per such connection (+47 MiB for one); a pipelining client keeps far fewer in flight.
+SERVER_PEER_HWM = 2_048
 MAX_FRAME_BYTES = 64 * 2**20
 # How long a stopping server keeps trying to deliver its last replies to connected clients.
 CLOSE_LINGER_MS = 2000
@@ -503,8 +508,8 @@ class MessageQueueServer:
         sock = self._context.socket(zmq.ROUTER)
         self._auth = curve.secure(self._context, sock) if curve is not None else None
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, SOCKET_HWM)
-        sock.setsockopt(zmq.RCVHWM, SOCKET_HWM)
+        sock.setsockopt(zmq.SNDHWM, SERVER_PEER_HWM)
+        sock.setsockopt(zmq.RCVHWM, SERVER_PEER_HWM)
         # A reply to a client that went away is dropped silently instead of raising.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         # Control messages are small (KV bytes never travel here): a peer sending a larger

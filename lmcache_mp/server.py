@@ -73,6 +73,7 @@ def prepare_ipc_endpoints(listen: list[str], access: SocketAccess) -> list[Socke
 
 
 _STOPPING = "the daemon is stopping"
+_NAME_LOGGED = 200  # characters of a client's HELLO name that a log line shows
 
 
 class Server:
@@ -318,7 +319,7 @@ class Server:
 
     def _hello(self, client_protocol_version: int, client_name: str) -> HelloReply:
         if client_protocol_version != PROTOCOL_VERSION:
-            logger.warning("client %r speaks protocol %d, this daemon %d", client_name,
+            logger.warning("client %r speaks protocol %d, this daemon %d", client_name[:_NAME_LOGGED],
                            client_protocol_version, PROTOCOL_VERSION)
         return HelloReply(
             protocol_version=PROTOCOL_VERSION,

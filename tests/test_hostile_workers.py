@@ -107,3 +107,16 @@ def test_a_refused_registration_touches_none_of_its_memory(daemon: DaemonProcess
         assert os.fstat(watch).st_blocks == 0  # not one page of the refused file was allocated
     finally:
         os.close(watch)
+
+
+def test_a_view_with_more_elements_than_its_memory_is_refused(daemon: DaemonProcess, register) -> None:
+    """A shape whose element count overflows (a zero stride repeating one element 2^80 times)
+    was answered INTERNAL with a traceback."""
+    layers = handles()
+    for layer in layers:
+        layer.state = SharedMemoryTensor.State(storage_index=0, storage_nbytes=SIZE, dtype="bfloat16",
+                                               shape=(1 << 40, 1 << 40, 1, 64), stride=(0, 0, 64, 1),
+                                               storage_offset=0)
+    error = refusal(register, sealed_memfd(), layers)
+    assert error.code is ErrorCode.INVALID_ARGUMENT and "overruns" in error.message, error
+    assert "Traceback" not in daemon.log()

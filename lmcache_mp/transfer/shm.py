@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import logging
+import math
 import mmap
 import os
 import selectors
@@ -355,7 +356,9 @@ def view_shared(handle: SharedMemoryTensor, storages: list[torch.UntypedStorage]
         raise ValueError(f"invalid view: shape {st.shape}, stride {st.stride}, "
                          f"offset {st.storage_offset}")
     last = st.storage_offset + sum((n - 1) * s for n, s in zip(st.shape, st.stride, strict=True))
-    if (last + 1) * dtype.itemsize > storage.nbytes():
+    # A KV cache's elements are distinct bytes: more of them than the storage holds (a zero
+    # stride repeating one) is no cache, and would overflow torch's element count.
+    if max(last + 1, math.prod(st.shape)) * dtype.itemsize > storage.nbytes():
         raise ValueError(f"a {st.shape} view at offset {st.storage_offset} overruns the "
                          f"{storage.nbytes()}-byte shared storage")
     view = torch.empty(0, dtype=dtype)
