@@ -316,8 +316,20 @@ def test_fresh_engine_after_a_daemon_restart_serves_without_hits(engine1: list[l
     daemon.kill()
     daemon.start()
     rest = [PROMPTS[1], PROMPTS[2], PROMPTS[4]]
-    heads, others = run_engine(engine_spec(tiny_model, daemon, [HEADS, rest], prefix_caching=False),
-                               work_dir / "engine-after-restart.log")
+    barrier = work_dir / "barrier-after-restart"
+    barrier.mkdir()
+    engine = Engine(engine_spec(tiny_model, daemon, [HEADS, rest], prefix_caching=False,
+                                barrier_dir=str(barrier)), work_dir / "engine-after-restart.log")
+    try:
+        heads = engine.round(0)
+        # Round 0's stores land in the daemon after its requests finish: round 1 starts once
+        # they have, or its hits would depend on how busy the machine is.
+        wait_for_status(daemon.url, lambda r: r.objects >= HEAD_CHUNKS, "round 0's chunks stored")
+        (barrier / "go-1").touch()
+        others = engine.round(1)
+        engine.finish()
+    finally:
+        engine.kill()
     assert cached(heads) == [0] * len(HEADS)
     assert cached(others) == [2 * CHUNK, CHUNK, 3 * CHUNK]  # what they share with PROMPTS[0]
     assert tokens(heads) + tokens(others) == [baseline[PROMPTS.index(p)] for p in HEADS + rest]
