@@ -1,7 +1,9 @@
 """Another local user must not get between the daemon and its workers: the daemon never serves
 from a socket directory someone else controls (owned by another user, open to others, or a
-symbolic link), and a worker hands its KV caches' descriptors only to a daemon of its own user
-or root. Real daemons; the other user is `nobody` (the tests run as root)."""
+symbolic link), and a worker hands its KV caches' descriptors only to a daemon of its own user,
+root, or the user that owns the socket's directory when that directory has one of the worker's
+groups and nobody else may write in it (a --socket-group daemon). Real daemons; the other user
+is `nobody` (the tests run as root)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from lmcache_mp.launcher import start_daemon
 from lmcache_mp.transfer.shm import AttachChannel
 
 NOBODY = pwd.getpwnam("nobody").pw_uid
+NOGROUP = pwd.getpwnam("nobody").pw_gid  # not one of this (root) process's groups
 SYSTEM_PYTHON = Path("/usr/bin/python3")  # one `nobody` may run (the venv's may live under /root)
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not SYSTEM_PYTHON.exists(),
@@ -152,11 +155,34 @@ def test_xdg_runtime_directory_of_another_user_is_refused(base: Path) -> None:
 
 @pytest.fixture
 def theirs() -> Iterator[Path]:
-    """A directory of `nobody`'s, as /tmp/lmcache-mp-$UID is when another user made it first."""
+    """A directory of `nobody`'s, as /tmp/lmcache-mp-$UID is when another user made it first
+    (with a group of theirs: a user can only give what it owns a group it is in)."""
     path = Path(tempfile.mkdtemp(prefix="lmc-theirs-", dir="/tmp"))
-    os.chown(path, NOBODY, -1)
+    os.chown(path, NOBODY, NOGROUP)
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+def fake_attach(path: Path) -> subprocess.Popen:
+    """`nobody` listening on `path`, as another user's stand-in for the daemon's attach socket."""
+    fake = subprocess.Popen([str(SYSTEM_PYTHON), "-I", "-c", FAKE_ATTACH, str(path)], user="nobody",
+                            group="nogroup", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert fake.stdout is not None and fake.stderr is not None
+    if fake.stdout.readline() != "listening\n":
+        fake.kill()
+        pytest.fail(fake.communicate(timeout=30)[1])
+    return fake
+
+
+def handed_over(fake: subprocess.Popen) -> str:
+    """What the stand-in received; it exits after one connection."""
+    try:
+        out, err = fake.communicate(timeout=30)
+    finally:
+        if fake.poll() is None:
+            fake.kill()
+            fake.wait()
+    return out + err
 
 
 def test_a_worker_hands_its_descriptors_only_to_its_own_user_or_root(daemon, worker_for,
@@ -165,20 +191,45 @@ def test_a_worker_hands_its_descriptors_only_to_its_own_user_or_root(daemon, wor
     process listening there (it squatted the socket directory first) gets nothing."""
     worker_for(daemon.url)  # registers, or raises: a daemon of our own user is trusted
     path = theirs / "d.sock.attach"
-    fake = subprocess.Popen([str(SYSTEM_PYTHON), "-I", "-c", FAKE_ATTACH, str(path)], user="nobody",
-                            group="nogroup", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    fake = fake_attach(path)
+    kv = os.memfd_create("kv-cache")
     try:
-        assert fake.stdout is not None and fake.stderr is not None
-        assert fake.stdout.readline() == "listening\n", fake.stderr.read()
-        kv = os.memfd_create("kv-cache")
-        try:
-            with pytest.raises(PermissionError, match=f"the attach socket {path} is served by uid {NOBODY}"):
-                AttachChannel.open(str(path), [kv], timeout_s=10)
-        finally:
-            os.close(kv)
-        out, err = fake.communicate(timeout=30)
-        assert out == "received 0 descriptors\n", err
+        with pytest.raises(PermissionError, match=f"the attach socket {path} is served by uid {NOBODY}"):
+            AttachChannel.open(str(path), [kv], timeout_s=10)
     finally:
-        if fake.poll() is None:
-            fake.kill()
-            fake.wait()
+        os.close(kv)
+    assert handed_over(fake) == "received 0 descriptors\n"
+
+
+def test_a_worker_hands_its_descriptors_to_the_user_of_a_directory_of_its_group(theirs: Path) -> None:
+    """Item 17, the worker's side: a --socket-group daemon runs as another user than its workers,
+    in a directory of its own whose group is theirs (mode 0750). A worker trusts the owner of such
+    a directory: only a member of one of the worker's groups can have given it that group."""
+    os.chown(theirs, NOBODY, os.getegid())
+    os.chmod(theirs, 0o750)
+    fake = fake_attach(theirs / "d.sock.attach")
+    kv = os.memfd_create("kv-cache")
+    try:
+        channel = AttachChannel.open(str(theirs / "d.sock.attach"), [kv], timeout_s=10)
+        channel.close()
+    finally:
+        os.close(kv)
+    assert handed_over(fake) == "received 1 descriptors\n"
+
+
+@pytest.mark.parametrize(("mode", "group"), [(0o750, "nogroup"), (0o770, "mine"), (0o757, "mine")],
+                         ids=["a group not the worker's", "writable by the group", "writable by others"])
+def test_a_worker_refuses_the_owner_of_any_other_directory(theirs: Path, mode: int, group: str) -> None:
+    """The owner of the socket directory is trusted only where that directory has one of the
+    worker's groups and nobody but its owner may put a socket in it."""
+    os.chown(theirs, NOBODY, NOGROUP if group == "nogroup" else os.getegid())
+    os.chmod(theirs, mode)
+    path = theirs / "d.sock.attach"
+    fake = fake_attach(path)
+    kv = os.memfd_create("kv-cache")
+    try:
+        with pytest.raises(PermissionError, match=f"the attach socket {path} is served by uid {NOBODY}"):
+            AttachChannel.open(str(path), [kv], timeout_s=10)
+    finally:
+        os.close(kv)
+    assert handed_over(fake) == "received 0 descriptors\n"
