@@ -33,9 +33,10 @@ from lmcache_mp.protocol import ErrorCode, InstanceInfo, KVCacheRegistration, Re
 from lmcache_mp.request_context import PEER
 from lmcache_mp.storage.base import ChunkFormat
 from lmcache_mp.storage.manager import FormatCombo, RankSpec
+from lmcache_mp.transfer.attach import AttachListener
 from lmcache_mp.transfer.context import TransferContext
 from lmcache_mp.transfer.layouts import describe_caches
-from lmcache_mp.transfer.shm import AttachListener, map_storages, prebuild_page_tables, view_shared
+from lmcache_mp.transfer.shm import map_storages, prebuild_page_tables, view_shared
 
 logger = logging.getLogger(__name__)
 

@@ -288,20 +288,30 @@ class Server:
     def _reply(self, identity: bytes, request_id: bytes, request_type: RequestType, start: float, *,
                result: Any = None, error: BaseException | None = None) -> None:
         """Send one handler's result or error (typed: a ServerError keeps its code)."""
-        status = ErrorCode.OK
-        try:
-            if error is not None:
-                raise error
-            body = self.codec.encode_reply(result)
-        except ServerError as err:
-            status = err.code if isinstance(err.code, ErrorCode) else ErrorCode.INTERNAL
-            body = self.codec.encode_error(status, err.message)
-        except Exception as err:
-            logger.error("%s failed:\n%s", request_type.name, "".join(traceback.format_exception(err)))
-            status = ErrorCode.INTERNAL
-            body = self.codec.encode_error(status, f"{request_type.name} failed: {type(err).__name__}: {err}")
+        if error is None:
+            try:
+                status, body = ErrorCode.OK, self.codec.encode_reply(result)
+            except Exception as err:
+                status, body = self._error_reply(request_type, err)
+        else:
+            status, body = self._error_reply(request_type, error)
+            # The error's traceback holds the handler's frames (a registration, a mapping): drop
+            # it now rather than when the cycle collector gets to it (it kept a worker's memfd
+            # open past its unregistration).
+            error.__traceback__ = None
+            error = None
         self._mq.reply(identity, request_id, status, body)
         self.metrics.request_done(request_type, status, time.perf_counter() - start)
+
+    def _error_reply(self, request_type: RequestType, err: BaseException) -> tuple[ErrorCode, bytes]:
+        """The error reply for a handler's exception: a ServerError keeps its code; anything else
+        is a bug, logged with its traceback and answered INTERNAL."""
+        if isinstance(err, ServerError):
+            status = err.code if isinstance(err.code, ErrorCode) else ErrorCode.INTERNAL
+            return status, self.codec.encode_error(status, err.message)
+        logger.error("%s failed:\n%s", request_type.name, "".join(traceback.format_exception(err)))
+        return ErrorCode.INTERNAL, self.codec.encode_error(
+            ErrorCode.INTERNAL, f"{request_type.name} failed: {type(err).__name__}: {err}")
 
     def _send_error(self, identity: bytes, request_id: bytes, code: ErrorCode, message: str,
                     request_type: RequestType | None = None) -> None:

@@ -16,16 +16,25 @@ starts) and, every other time, restarts the daemon (SIGTERM or SIGKILL, then a n
 same socket with the same disk tier, so chunks survive) or freezes it (SIGSTOP past the clients'
 timeouts, then SIGCONT). A thread sends, every half interval, a burst of malformed traffic from
 a raw ZeroMQ socket (garbage frames, unknown types, bad payloads, bad block ids, unknown
-instance ids, an oversized message, a registration whose attach channel never opens). Restarts
-stop for the last --last-daemon-frac of the run, all chaos --settle-s before the end; then the
-clients stop, their leases are released, and the last daemon's RSS, open descriptors and leases
-are compared with a fresh daemon's.
+instance ids, an oversized message, a registration whose attach channel never opens). Hostile
+workers too, each on a schedule of its own (issue 25): every interval a registered worker floods
+CANCEL_TRANSFERS for its own instance past what the daemon keeps per instance (OVERLOADED), and
+every other flood names the clients' instances too (FORBIDDEN); a shrinking worker process
+registers a fresh cache every interval, tries to ftruncate its memfd (the seal must refuse it),
+then serves a round like any client; every other interval, --idle-connections ZeroMQ
+connections and as many raw connections to the attach socket say nothing for a while, during
+which a worker must still register and STATUS be answered. Restarts stop for the last
+--last-daemon-frac of the run, all chaos --settle-s before the end; then the clients stop,
+their leases are released, and the last daemon's RSS, open descriptors and leases are compared
+with a fresh daemon's.
 
 Fails (exit 1) on: any wrong byte served, any request without a reply (a future that did not
-settle within its timeout plus a grace period, or a malformed request the daemon never
-answered), a restart after which no client stored and read back a prompt before the next one,
-a daemon traceback, or resources beyond the tolerances. Prints a report, writes soak.json and
-soak.png (a timeline) to --out.
+settle within its timeout plus a grace period, or a malformed or flooding request the daemon
+never answered), a restart after which no client stored and read back a prompt before the next
+one, a daemon traceback, a client's instance cancelled by another connection, a registered
+cache shrunk, a registration or STATUS not served while idle connections were held, or
+resources beyond the tolerances. Prints a report, writes soak.json and, where matplotlib is
+installed, soak.png (a timeline) to --out; the exit status is the checks' either way.
 """
 
 from __future__ import annotations
@@ -42,11 +51,13 @@ import os
 import random
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -57,13 +68,13 @@ import torch
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.*: the stand-in worker's helpers
-from bench_report import finish
 
+from lmcache_mp.cancellation import DEFAULT_MAX_CANCELLED_PER_INSTANCE
 from lmcache_mp.custom_types import IPCCacheEngineKey, get_customized_encoder
-from lmcache_mp.errors import LMCacheMPError
+from lmcache_mp.errors import LMCacheMPError, ServerError
 from lmcache_mp.launcher import DaemonProcess, daemon_status, start_daemon
-from lmcache_mp.mq import MAX_FRAME_BYTES, REQUEST_ID
-from lmcache_mp.protocol import ErrorCode, KVCacheRegistration, RequestType, StatusReport
+from lmcache_mp.mq import MAX_FRAME_BYTES, REQUEST_ID, MessageQueueClient
+from lmcache_mp.protocol import CANCEL_PAYLOAD, ErrorCode, KVCacheRegistration, RequestType, StatusReport
 from tests.helpers import BLOCK, CHUNK, LAYERS, NUM_BLOCKS, SHAPE, block_hashes, freeze
 from tests.kv_worker import make_caches, pages
 from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp
@@ -131,6 +142,7 @@ class ClientConfig:
     stats_path: str
     pairs_path: str
     log_path: str
+    shrink_every_s: float = 0.0  # > 0: a ShrinkingWorker, a fresh registration this often
 
 
 @dataclass
@@ -147,6 +159,7 @@ class ClientStats:
     wrong_keys: list[str] = field(default_factory=list)  # chunk keys that were served wrong
     wrong_examples: list[str] = field(default_factory=list)
     other_reasons: list[str] = field(default_factory=list)
+    shrink: Counter = field(default_factory=Counter)  # a ShrinkingWorker's ftruncate outcomes
     clean_exit: bool = False
 
 
@@ -189,11 +202,15 @@ class SoakClient:
         self.stats = ClientStats(cfg.index, os.getpid())
         self.failures = _FailureLog()
         logging.getLogger("vllm_adapter").addHandler(self.failures)
-        self.caches = make_caches(SHAPE, DTYPE, LAYERS, seed=None)
         self.pairs = open(cfg.pairs_path, "a", buffering=1)  # noqa: SIM115 (open for the process)
         self.seq = 0
         self.next_snapshot = 0.0
         self.scheduler = self._connect(LMCacheMPSchedulerAdapter)
+        self.new_worker()
+
+    def new_worker(self) -> None:
+        """A worker adapter with fresh caches, registered (the adapter moves them into a memfd)."""
+        self.caches = make_caches(SHAPE, DTYPE, LAYERS, seed=None)
         self.worker = self._connect(LMCacheMPWorkerAdapter)
         with contextlib.suppress(LMCacheMPError, OSError):  # not up yet: ensure_registered retries
             self.worker.register_kv_caches(self.caches, LAYOUT)
@@ -381,13 +398,53 @@ class SoakClient:
         self.stats.ops["END_SESSION"] += 1
 
 
+SHRINK_REFUSED = "ftruncate refused (EPERM)"
+SHRINK_NOT_TRIED = "not tried: the cache is not in the adapter's memfd"
+SHRINK_SUCCEEDED = "ftruncate SUCCEEDED"
+
+
+class ShrinkingWorker(SoakClient):
+    """Issue 25 item 3, repeated: a worker registers its CPU caches (the adapter moves them into a
+    memfd, which the daemon maps), cuts that file short, then serves a round like any client
+    (its STOREs and read-backs checked byte for byte). A shrink under the daemon's mapping and
+    a STORE once killed the daemon with SIGBUS; the adapter seals the memfd against shrinking,
+    so the ftruncate must fail with EPERM. A fresh cache and registration every round."""
+
+    def one_round(self, prompt: int) -> None:
+        if self.stats.shrink:  # not the first round: a new memfd, registered afresh
+            self.worker.shutdown()
+            self.new_worker()
+        self.try_to_shrink()
+        super().one_round(prompt)
+        time.sleep(max(0.0, min(self.cfg.shrink_every_s, self.cfg.end_time - time.time())))
+
+    def try_to_shrink(self) -> None:
+        storage = next(iter(self.caches.values())).untyped_storage()
+        # _share_fd_cpu_ on a storage not shared yet would move it (into torch's own file): no.
+        fd = storage._share_fd_cpu_()[0] if storage.is_shared() else -1
+        if fd < 0 or "memfd:lmcache-mp-kv" not in os.readlink(f"/proc/self/fd/{fd}"):
+            self.stats.shrink[SHRINK_NOT_TRIED] += 1
+            return
+        try:
+            os.ftruncate(fd, 0)
+        except PermissionError:
+            self.stats.shrink[SHRINK_REFUSED] += 1
+            return
+        except OSError as err:
+            self.stats.shrink[f"ftruncate failed otherwise: {err}"] += 1
+            return
+        self.stats.shrink[SHRINK_SUCCEEDED] += 1
+        self.snapshot()
+        os._exit(3)  # its caches are gone (a touch is SIGBUS): the report fails the soak
+
+
 def client_main(cfg: ClientConfig) -> None:
     # Die with the soak, whatever kills it: no orphans.
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     logging.basicConfig(filename=cfg.log_path, level=logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
-    SoakClient(cfg).run()
+    (ShrinkingWorker if cfg.shrink_every_s > 0 else SoakClient)(cfg).run()
 
 
 # ---- malformed traffic ------------------------------------------------------------------------
@@ -491,6 +548,181 @@ class GarbageSender:
             sock.close(linger=0)
 
 
+# ---- hostile workers: cheap attacks, each repeated on a schedule of its own (issue 25) --------
+
+# Ids of 47 characters (see `CancelFlooder.flood`): ~196 KiB of msgpack per CANCEL_TRANSFERS,
+# within the daemon's cap on one request's payload (a bigger one is refused BAD_PAYLOAD unread).
+FLOOD_IDS_PER_REQUEST = 4096
+assert FLOOD_IDS_PER_REQUEST * 50 < CANCEL_PAYLOAD
+# Past what the daemon keeps per instance: the last request finds the instance's record full.
+FLOOD_REQUESTS = DEFAULT_MAX_CANCELLED_PER_INSTANCE // FLOOD_IDS_PER_REQUEST + 1
+FLOOD_VICTIMS = 2  # clients' instances named by every other flood
+IDLE_HOLD_S = 3.0  # at most; half a chaos interval in shorter runs
+
+
+def registered_worker(url: str, model: str, timeout_s: float) -> LMCacheMPWorkerAdapter:
+    """A worker adapter with a small CPU cache registered; raises what made that fail."""
+    worker = LMCacheMPWorkerAdapter(url, None, model, 1, 0, BLOCK, timeout_s=timeout_s,
+                                    connect_timeout_s=timeout_s)
+    try:
+        worker.register_kv_caches(make_caches([4, *SHAPE[1:]], DTYPE, LAYERS, seed=None), LAYOUT)
+    except BaseException:
+        worker.shutdown()
+        raise
+    return worker
+
+
+class CancelFlooder:
+    """Issue 25 item 1: a registered worker floods CANCEL_TRANSFERS. For its own instance the
+    daemon keeps what it is told (a confirmed cancel is a promise it never forgets early), so
+    the record is bounded per instance: past the bound, OVERLOADED, and the clients' cancels
+    still find room. For another connection's instance, FORBIDDEN: anything else would let any
+    client cancel a worker's transfers (its flood once evicted a worker's confirmed cancel)."""
+
+    def __init__(self, url: str, seed: int, timeout_s: float):
+        self.url = url
+        self.rng = random.Random(seed)
+        self.timeout_s = timeout_s
+        self.floods = 0
+        self.answers: Counter = Counter()  # "own instance: OVERLOADED", "a client's instance: FORBIDDEN"...
+        self.unanswered = 0
+        self.failures: list[str] = []  # an answer no correct daemon gives
+
+    def flood(self, clients: list[int]) -> None:
+        try:
+            worker = registered_worker(self.url, "soak-cancel-flood", self.timeout_s)
+        except (LMCacheMPError, OSError) as err:
+            self.answers[f"not registered ({reason_class(str(err))})"] += 1
+            return
+        try:
+            self.floods += 1
+            for n in range(FLOOD_REQUESTS):
+                ids = [f"flood-{self.floods:06d}-{n}-{i:032x}" for i in range(FLOOD_IDS_PER_REQUEST)]
+                self._count("own instance", worker.instance_id, self._cancel(worker, worker.instance_id, ids),
+                            ("answered", "OVERLOADED"))
+            if self.floods % 2 == 0:  # ids shaped like the clients' own request ids
+                for victim in self.rng.sample(clients, min(FLOOD_VICTIMS, len(clients))):
+                    ids = [f"soak-{self.rng.randrange(8)}-{self.rng.randrange(1, 10**5)}" for _ in range(256)]
+                    answer = self._cancel(worker, victim, ids)
+                    self._count("a client's instance", victim, answer, ("FORBIDDEN",))
+        finally:
+            worker.shutdown()
+
+    def _cancel(self, worker: LMCacheMPWorkerAdapter, instance_id: int, ids: list[str]) -> str:
+        try:
+            worker.mq_client.submit(RequestType.CANCEL_TRANSFERS, [instance_id, ids],
+                                    timeout_s=self.timeout_s).result(self.timeout_s)
+        except ServerError as err:
+            return err.code.name
+        except LMCacheMPError:
+            return "no reply"
+        return "answered"
+
+    def _count(self, whose: str, instance_id: int, answer: str, expected: tuple[str, ...]) -> None:
+        if answer not in expected and answer != "no reply" and whose != "own instance":
+            report = try_status(self.url)
+            if report is not None and instance_id not in report.registered_instances:
+                answer += ", the instance gone meanwhile"  # its client was killed: nothing to forbid
+                expected = (answer,)
+        self.answers[f"{whose}: {answer}"] += 1
+        if answer == "no reply":
+            self.unanswered += 1
+        elif answer not in expected and len(self.failures) < 10:
+            self.failures.append(f"CANCEL_TRANSFERS for {whose} {instance_id}: {answer}")
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the other end has closed (a peek that finds the end of the stream)."""
+    sock.setblocking(False)  # a socket with a timeout would wait that long for something to read
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+class IdleConnections:
+    """Connections that never say anything: `count` ZeroMQ DEALERs on the daemon's socket and as
+    many raw Unix connections to its attach socket (HELLO's attach_socket, where a worker hands
+    its memfds over), held a while, then closed. Stalled clients must neither hold the daemon's
+    memory or descriptors once gone (the final checks) nor block anyone while there: meanwhile a
+    worker registers through that same attach socket and STATUS is answered. The daemon may
+    close an idle attach connection first (a deadline of its own): counted, not a failure."""
+
+    def __init__(self, url: str, count: int, timeout_s: float):
+        self.url = url
+        self.count = count
+        self.timeout_s = timeout_s
+        self.rounds = 0
+        self.opened: Counter = Counter()  # "ZeroMQ", "attach", "attach refused at connect"
+        self.closed_by_daemon = 0  # attach connections the daemon had closed when we closed them
+        self.served: Counter = Counter()  # "registration", "STATUS"; "... failed"
+        self.registration_s: list[float] = []  # how long a registration took while they were held
+        self.failures: list[str] = []
+
+    def hold(self, hold_s: float) -> None:
+        """Open them, check that the daemon serves meanwhile, close them after `hold_s`."""
+        hello_client = MessageQueueClient(self.url)
+        try:
+            attach_socket = hello_client.handshake("soak idle connections", self.timeout_s).attach_socket
+        except LMCacheMPError:
+            return  # daemon away (not during a restart: the soak holds them off); nothing to attack
+        finally:
+            hello_client.close()
+        started = time.monotonic()
+        dealers, raws = self._open(attach_socket)
+        self.rounds += 1
+        registration = threading.Thread(target=self._register, name="idle-connections-probe", daemon=True)
+        try:
+            registration.start()
+            self.served["STATUS" if try_status(self.url) is not None else "STATUS failed"] += 1
+            time.sleep(max(0.0, started + hold_s - time.monotonic()))
+            self.closed_by_daemon += sum(closed_by_peer(raw) for raw in raws)
+        finally:
+            for dealer in dealers:
+                dealer.close(linger=0)
+            for raw in raws:
+                raw.close()
+        registration.join(4 * self.timeout_s + 5)  # HELLO, attach, REGISTER, UNREGISTER: each bounded
+        if registration.is_alive():
+            self.served["registration failed"] += 1
+            self.failures.append("a registration made while idle connections were held never finished")
+
+    def _open(self, attach_socket: str) -> tuple[list[zmq.Socket], list[socket.socket]]:
+        dealers, raws = [], []
+        for _ in range(self.count):
+            dealer = zmq.Context.instance().socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.connect(self.url)
+            dealers.append(dealer)
+            raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            raw.settimeout(1.0)
+            try:
+                raw.connect(attach_socket)
+            except OSError:  # a daemon that bounds pending attach connections may refuse more
+                raw.close()
+                self.opened["attach refused at connect"] += 1
+                continue
+            raws.append(raw)
+        self.opened["ZeroMQ"] += len(dealers)
+        self.opened["attach"] += len(raws)
+        return dealers, raws
+
+    def _register(self) -> None:
+        """A worker registering while they are held: HELLO, the attach hand-over, REGISTER."""
+        started = time.monotonic()
+        try:
+            registered_worker(self.url, "soak-idle-probe", self.timeout_s).shutdown()
+        except (LMCacheMPError, OSError) as err:
+            self.served["registration failed"] += 1
+            if len(self.failures) < 10:
+                self.failures.append(f"a registration made while idle connections were held failed: {err}")
+            return
+        self.served["registration"] += 1
+        self.registration_s.append(time.monotonic() - started)
+
+
 # ---- the daemon and its resources -----------------------------------------------------------
 
 
@@ -540,13 +772,16 @@ class Soak:
         self.clients: dict[int, mp.process.BaseProcess] = {}
         self.ctx = mp.get_context("spawn")
         self.garbage = GarbageSender(self.url, self.rng)
+        self.flooder = CancelFlooder(self.url, args.seed + 1, args.timeout_s + args.grace_s)
+        self.idle = IdleConnections(self.url, args.idle_connections, args.timeout_s)
+        self.shrinker: mp.process.BaseProcess | None = None
         self.samples: list[Sample] = []
         self.restarts: list[dict] = []
         self.client_kills: list[float] = []
         self.killed: set[int] = set()
-        self.restarting = threading.Lock()  # held by a restart, and by a burst of malformed requests
+        self.restarting = threading.Lock()  # held by a restart or freeze, and by each attack (`every`)
         self.stopping = threading.Event()
-        self.garbage_error: Exception | None = None
+        self.attack_errors: list[Exception] = []
         self.start = 0.0
         self.end_time = 0.0
 
@@ -558,21 +793,26 @@ class Soak:
         self.daemons.append(start_daemon(self.tmp, *self.daemon_args, url=self.url,
                                          command_prefix=self.prefix))
 
-    def start_client(self, index: int) -> None:
+    def start_client(self, index: int, shrink_every_s: float = 0.0) -> mp.process.BaseProcess:
+        """A client process; with `shrink_every_s`, the shrinking worker (not in `clients`)."""
         a = self.args
+        stem = f"client-{'shrinking' if shrink_every_s else index}"
         cfg = ClientConfig(index, self.url, a.seed * 1000 + index, a.seed, a.prompts, a.prefixes,
                            self.end_time, a.timeout_s, a.grace_s, a.freeze_s,
-                           str(self.tmp / f"client-{index}.json"),
-                           str(self.tmp / f"client-{index}.pairs"), str(self.tmp / f"client-{index}.log"))
-        proc = self.ctx.Process(target=client_main, args=(cfg,), name=f"soak-client-{index}")
+                           str(self.tmp / f"{stem}.json"), str(self.tmp / f"{stem}.pairs"),
+                           str(self.tmp / f"{stem}.log"), shrink_every_s)
+        proc = self.ctx.Process(target=client_main, args=(cfg,), name=f"soak-{stem}")
         proc.start()
-        self.clients[index] = proc
+        if not shrink_every_s:
+            self.clients[index] = proc
+        return proc
 
     def client_stats(self) -> list[dict]:
+        """Every client's, the shrinking worker's included (a worker too, checked alike)."""
         out = []
-        for index in sorted(self.clients):
+        for path in sorted(self.tmp.glob("client-*.json")):
             with contextlib.suppress(OSError, ValueError):
-                out.append(json.loads((self.tmp / f"client-{index}.json").read_text()))
+                out.append(json.loads(path.read_text()))
         return out
 
     def sample(self) -> None:
@@ -622,14 +862,20 @@ class Soak:
 
     def chaos_loop(self) -> None:
         """SIGKILL a client every other event; in between, restart the daemon or freeze it
-        (restarts only before the last daemon's window); malformed traffic comes from a thread
-        of its own meanwhile."""
+        (restarts only before the last daemon's window); malformed traffic and the hostile
+        workers' attacks come from threads of their own meanwhile."""
         a = self.args
         next_chaos = time.time() + a.chaos_interval_s
         chaos_end = self.end_time - a.settle_s
         restarts_end = self.end_time - max(a.settle_s, a.last_daemon_frac * a.duration_s)
-        garbage = threading.Thread(target=self.garbage_loop, args=(chaos_end,), name="garbage")
-        garbage.start()
+        hold_s = min(IDLE_HOLD_S, a.chaos_interval_s / 2)
+        attacks = [
+            self.every("garbage", a.chaos_interval_s / 2, chaos_end,
+                       lambda instances: self.garbage.burst(instances, a.timeout_s + a.grace_s)),
+            self.every("cancel flood", a.chaos_interval_s, chaos_end, self.flooder.flood),
+            self.every("idle connections", 2 * a.chaos_interval_s, chaos_end,
+                       lambda _: self.idle.hold(hold_s)),
+        ]
         tick = 0
         try:
             while time.time() < self.end_time:
@@ -649,21 +895,28 @@ class Soak:
                 next_chaos = time.time() + a.chaos_interval_s
         finally:
             self.stopping.set()
-            garbage.join()
-        if self.garbage_error is not None:
-            raise self.garbage_error
+            for thread in attacks:
+                thread.join()
+        if self.attack_errors:
+            raise self.attack_errors[0]
 
-    def garbage_loop(self, until: float) -> None:
-        """A burst of malformed requests every half chaos interval, never across a restart (the
-        replies to requests in flight die with the daemon)."""
-        a = self.args
-        try:
-            while not self.stopping.wait(a.chaos_interval_s / 2) and time.time() < until:
-                with self.restarting:
-                    report = try_status(self.url)
-                    self.garbage.burst(report.registered_instances if report else [], a.timeout_s + a.grace_s)
-        except Exception as err:  # handed to the main thread, which fails the run with it
-            self.garbage_error = err
+    def every(self, name: str, period_s: float, until: float,
+              attack: Callable[[list[int]], None]) -> threading.Thread:
+        """A thread that runs `attack(the registered instance ids)` every `period_s` until `until`,
+        never across a restart or a freeze (it holds the lock they take: the replies to requests
+        in flight die with a daemon, and a frozen one answers nothing)."""
+        def loop() -> None:
+            try:
+                while not self.stopping.wait(period_s) and time.time() < until:
+                    with self.restarting:
+                        report = try_status(self.url)
+                        attack(report.registered_instances if report else [])
+            except Exception as err:  # handed to the main thread, which fails the run with it
+                self.attack_errors.append(err)
+
+        thread = threading.Thread(target=loop, name=name)
+        thread.start()
+        return thread
 
     def timeouts_while_up(self, stats: list[dict]) -> int:
         """Client timeouts that no restart explains: the request was sent while the daemon was
@@ -686,6 +939,7 @@ class Soak:
         self.end_time = self.start + a.duration_s
         for index in range(a.clients):
             self.start_client(index)
+        self.shrinker = self.start_client(-1, shrink_every_s=a.chaos_interval_s)
         self.chaos_loop()
         hung, crashed = self.stop_clients()
         report = self.wait_idle()
@@ -702,13 +956,16 @@ class Soak:
         Returns (hung, crashed: exited non-zero without being killed by the chaos)."""
         deadline = self.end_time + 2 * (self.args.timeout_s + self.args.grace_s) + 30
         hung = 0
-        for proc in self.clients.values():
+        survivors = [p for i, p in self.clients.items() if i not in self.killed]
+        if self.shrinker is not None:  # a client too, never killed by the chaos
+            survivors.append(self.shrinker)
+        for proc in survivors:
             proc.join(max(0.0, deadline - time.time()))
             if proc.is_alive():
                 hung += 1
                 proc.kill()
                 proc.join(10)
-        crashed = sum(1 for i, p in self.clients.items() if i not in self.killed and p.exitcode != 0)
+        crashed = sum(1 for p in survivors if p.exitcode != 0)
         return hung, crashed - hung  # a hung client was killed here: not counted twice
 
     def wait_idle(self) -> StatusReport | None:
@@ -770,6 +1027,19 @@ class Soak:
                         "unreplied_kinds": dict(self.garbage.unreplied_kinds),
                         "oversized_sent": self.garbage.oversized,
                         "replies": dict(self.garbage.replies)},
+            "attacks": {
+                "cancel_flood": {"floods": self.flooder.floods, "ids_per_request": FLOOD_IDS_PER_REQUEST,
+                                 "answers": dict(self.flooder.answers), "unanswered": self.flooder.unanswered,
+                                 "failures": self.flooder.failures},
+                "shrinking_worker": {"exit_code": self.shrinker.exitcode if self.shrinker else None,
+                                     "outcomes": dict(sum((Counter(s["shrink"]) for s in stats), Counter()))},
+                "idle_connections": {"rounds": self.idle.rounds, "per_round": self.idle.count,
+                                     "opened": dict(self.idle.opened),
+                                     "attach_closed_by_daemon": self.idle.closed_by_daemon,
+                                     "served_meanwhile": dict(self.idle.served),
+                                     "registration_s_max": max(self.idle.registration_s, default=None),
+                                     "failures": self.idle.failures},
+            },
             "restarts": self.recoveries(),
             "daemon_tracebacks": sum(log.count("Traceback") for log in logs),
             "final_daemon_exit_code": final_exit,
@@ -785,13 +1055,25 @@ def checks_of(f: dict) -> dict[str, bool]:
     recovered = [r["recovery_s"] for r in f["restarts"]]
     rss_growth = (end["rss_mib"] or 1e9) - (start["rss_mib"] or 0)
     fd_growth = (end["fds"] or 10**9) - (start["fds"] or 0)
+    flood, shrink, idle = (f["attacks"][k] for k in ("cancel_flood", "shrinking_worker", "idle_connections"))
+    forbidden = sum(n for k, n in flood["answers"].items() if k.startswith("a client's"))
+    shrinks = shrink["outcomes"]
     return {
         f"work was done ({f['ops'].get('STORE ok', 0)} stores, {f['ops'].get('RETRIEVE ok', 0)} retrieves, "
         f"{f['ops'].get('chunks verified', 0)} chunks verified)":
             f["ops"].get("STORE ok", 0) > 0 and f["ops"].get("chunks verified", 0) > 0,
         f"0 wrong bytes served ({f['wrong_bytes']} in {f['wrong_chunks']} chunks)": f["wrong_bytes"] == 0,
-        f"0 requests without a reply ({f['unreplied']} client, {f['garbage']['unreplied']} malformed)":
-            f["unreplied"] == 0 and f["garbage"]["unreplied"] == 0,
+        f"0 requests without a reply ({f['unreplied']} client, {f['garbage']['unreplied']} malformed, "
+        f"{flood['unanswered']} CANCEL_TRANSFERS of the flood)":
+            f["unreplied"] == 0 and f["garbage"]["unreplied"] == 0 and flood["unanswered"] == 0,
+        f"CANCEL_TRANSFERS floods answered as bounded ({flood['floods']} floods; {forbidden} for a client's "
+        f"instance; {len(flood['failures'])} answers other than a count, OVERLOADED or FORBIDDEN)":
+            not flood["failures"],
+        f"every ftruncate of a registered cache refused ({shrinks.get(SHRINK_REFUSED, 0)} of "
+        f"{sum(n for k, n in shrinks.items() if k != SHRINK_NOT_TRIED)}; exit {shrink['exit_code']})":
+            set(shrinks) <= {SHRINK_REFUSED, SHRINK_NOT_TRIED} and shrink["exit_code"] == 0,
+        f"served while idle connections were held ({idle['served_meanwhile']} in {idle['rounds']} rounds)":
+            not idle["failures"] and idle["served_meanwhile"].get("STATUS failed", 0) == 0,
         f"no timeout while the daemon was up ({f['timeouts_while_daemon_up']})":
             f["timeouts_while_daemon_up"] == 0,
         f"no client hung or crashed ({f['clients_hung']} hung, {f['clients_crashed']} crashed)":
@@ -825,6 +1107,17 @@ def print_report(f: dict) -> None:
           f"{g['oversized_sent']} oversized (no reply expected)")
     if g["unreplied_kinds"]:
         print(f"   unanswered: {g['unreplied_kinds']}")
+    flood, shrink, idle = (f["attacks"][k] for k in ("cancel_flood", "shrinking_worker", "idle_connections"))
+    print(f"cancel floods: {flood['floods']} ({flood['ids_per_request']} request ids a CANCEL_TRANSFERS), "
+          f"answers {flood['answers']}")
+    print(f"shrinking worker: {shrink['outcomes']}")
+    reg_s = idle["registration_s_max"]
+    print(f"idle connections: {idle['rounds']} rounds of {idle['per_round']} ZeroMQ + {idle['per_round']} "
+          f"attach (opened {idle['opened']}, {idle['attach_closed_by_daemon']} attach closed by the daemon "
+          f"first); served meanwhile {idle['served_meanwhile']}"
+          + (f", registration within {reg_s:.2f} s" if reg_s is not None else ""))
+    for line in flood["failures"] + idle["failures"]:
+        print("  ", line)
     # down: from the signal until the new daemon answered HELLO (stop: until the old one exited);
     # recovery: from then until a client's first STORE + read-back of a prompt.
     print(f"\n{'restart at s':>12}{'signal':>9}{'exit':>6}{'stop s':>8}{'down s':>8}{'recovery s':>12}")
@@ -875,6 +1168,25 @@ def plot(f: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def write_report(args: argparse.Namespace, checks: dict[str, bool], figures: dict) -> None:
+    """The verdicts; the figures as JSON, always; the chart only where matplotlib is installed
+    (a machine without it still gets the figures, and the exit status of the checks)."""
+    print()
+    for name, ok in checks.items():
+        print(f"{'MET ' if ok else 'MISS'} {name}")
+    written = [args.out / "soak.json", *([args.json] if args.json else [])]
+    for path in written:
+        path.write_text(json.dumps(figures, indent=2))
+    try:
+        import matplotlib  # noqa: F401  (only the chart needs it)
+    except ImportError as err:
+        print(f"\nchart skipped: matplotlib cannot be imported ({err})")
+    else:
+        plot(figures, args.out / "soak.png")
+        written.append(args.out / "soak.png")
+    print(f"\nwrote {', '.join(map(str, written))}")
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -911,8 +1223,11 @@ def main() -> int:
                         help="the adapters' request timeout: a request's future settles within it")
     parser.add_argument("--grace-s", type=float, default=5.0,
                         help="past timeout + grace, a future that has not settled counts as unreplied")
+    parser.add_argument("--idle-connections", type=int, default=16,
+                        help="idle ZeroMQ connections, and as many raw connections to the attach socket, "
+                        "held every other chaos interval")
     parser.add_argument("--out", type=Path, default=Path("bench-out"),
-                        help="where to write soak.json and soak.png")
+                        help="where to write soak.json and soak.png (the chart: with matplotlib only)")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures (JSON) here")
     args = parser.parse_args()
     if args.freeze_s is None:
@@ -925,7 +1240,7 @@ def main() -> int:
     try:
         figures = soak.run()
     finally:
-        for proc in soak.clients.values():
+        for proc in [*soak.clients.values(), *([soak.shrinker] if soak.shrinker else [])]:
             if proc.is_alive():
                 proc.kill()
                 proc.join(10)
@@ -935,9 +1250,7 @@ def main() -> int:
     print_report(figures)
     checks = checks_of(figures)
     figures["checks"] = checks
-    finish(args.out, "soak", checks, figures, lambda path: plot(figures, path))
-    if args.json:
-        args.json.write_text(json.dumps(figures, indent=2))
+    write_report(args, checks, figures)
     if all(checks.values()):
         shutil.rmtree(tmp, ignore_errors=True)
     else:

@@ -20,25 +20,25 @@ import pytest
 
 from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import MessageQueueClient
-from lmcache_mp.transfer.shm import MAX_FDS, MAX_UNCLAIMED, MAX_UNCLAIMED_FDS, TOKEN_BYTES
+from lmcache_mp.transfer.attach import MAX_FDS, MAX_UNCLAIMED, MAX_UNCLAIMED_FDS, TOKEN_BYTES
 from tests.helpers import status
 
-# Runs the daemon with some of shm.py's bounds changed (JSON in argv[1]), so that a deadline
+# Runs the daemon with some of attach.py's bounds changed (JSON in argv[1]), so that a deadline
 # can be reached quickly or put out of reach. The launcher appends its own command line:
 # [python, -m, lmcache_mp.cli, serve, ...], so the daemon's arguments start at argv[5].
 PATCHED_DAEMON = """
 import json, sys
-import lmcache_mp.transfer.shm as shm
+import lmcache_mp.transfer.attach as attach
 for name, value in json.loads(sys.argv[1]).items():
-    assert hasattr(shm, name), name
-    setattr(shm, name, value)
+    assert hasattr(attach, name), name
+    setattr(attach, name, value)
 from lmcache_mp.cli import main
 sys.exit(main(sys.argv[5:]))
 """
 
 
 def start(daemons: Callable[..., DaemonProcess], nofile: int | None = None, **bounds: float) -> DaemonProcess:
-    """A daemon with `nofile` as its descriptor limit (soft and hard) and shm.py's `bounds`."""
+    """A daemon with `nofile` as its descriptor limit (soft and hard) and attach.py's `bounds`."""
     prefix: list[str] = ["prlimit", f"--nofile={nofile}:{nofile}", "--"] if nofile else []
     if bounds:
         prefix += [sys.executable, "-c", PATCHED_DAEMON, json.dumps(bounds)]

@@ -19,7 +19,8 @@ from lmcache_mp.custom_types import IPCCacheEngineKey, SharedMemoryTensor
 from lmcache_mp.errors import ServerError
 from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.protocol import ChunkOutcome, ErrorCode, KVCacheRegistration, RequestType
-from lmcache_mp.transfer.shm import AttachChannel, share_cpu_tensors
+from lmcache_mp.transfer.attach import AttachChannel
+from lmcache_mp.transfer.shm import share_cpu_tensors
 from tests.helpers import BLOCK, CHUNK, LAYERS, NUM_BLOCKS, block_hashes, lookup, run_worker, status
 from tests.kv_worker import make_caches, pages, wait_done
 from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp

@@ -5,6 +5,7 @@ real daemon; the clients speak the protocol by hand where they must do what no a
 from __future__ import annotations
 
 import struct
+import time
 from pathlib import Path
 
 import msgspec
@@ -90,3 +91,28 @@ def test_a_huge_hello_name_is_refused_and_a_long_one_logged_short(daemon: Daemon
         client.close()
     warned = [line for line in daemon.log().splitlines() if "speaks protocol 1" in line]
     assert len(warned) == 1 and len(warned[0]) < 400, warned
+
+
+def kv_memory_held(pid: int) -> int:
+    """Mappings of workers' KV memfds in the daemon."""
+    return sum("memfd:lmcache-mp-kv" in line for line in Path(f"/proc/{pid}/maps").read_text().splitlines())
+
+
+@pytest.mark.daemon_args(*DAEMON_ARGS)
+def test_a_refused_request_about_a_worker_keeps_nothing_of_it(daemon: DaemonProcess, worker_for) -> None:
+    """A FORBIDDEN answer (another connection naming a worker's instance) kept that worker's
+    cache mapped in the daemon after it unregistered: the error's traceback held the
+    registration in a reference cycle, freed only whenever the cycle collector ran."""
+    victim, other = worker_for(daemon.url, seed=1), worker_for(daemon.url, seed=2)
+    for request_type, payload in ((RequestType.CANCEL_TRANSFERS, [victim.instance_id, ["r"]]),
+                                  (RequestType.UNREGISTER_KV_CACHE, [victim.instance_id])):
+        assert refusal(other.mq_client, request_type, payload).code is ErrorCode.FORBIDDEN
+    assert kv_memory_held(daemon.proc.pid) > 0
+    victim.shutdown()
+    other.shutdown()
+    wait_for_status(daemon.url, lambda r: not r.registered_instances, "both workers gone")
+    # Unmapped as the registration's last reference goes, a moment after STATUS stops listing it.
+    deadline = time.monotonic() + 5
+    while kv_memory_held(daemon.proc.pid):
+        assert time.monotonic() < deadline, "a worker's cache is still mapped after it unregistered"
+        time.sleep(0.01)

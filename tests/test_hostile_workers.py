@@ -17,7 +17,7 @@ from lmcache_mp.errors import ServerError
 from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import ErrorCode, KVCacheRegistration, RequestType
-from lmcache_mp.transfer.shm import AttachChannel
+from lmcache_mp.transfer.attach import AttachChannel
 from tests.helpers import status
 
 SIZE = 256 << 20  # sparse: nothing is allocated unless someone touches it

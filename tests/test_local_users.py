@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from lmcache_mp.launcher import start_daemon
-from lmcache_mp.transfer.shm import AttachChannel
+from lmcache_mp.transfer.attach import AttachChannel
 
 NOBODY = pwd.getpwnam("nobody").pw_uid
 NOGROUP = pwd.getpwnam("nobody").pw_gid  # not one of this (root) process's groups

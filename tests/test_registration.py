@@ -21,7 +21,8 @@ from lmcache_mp.errors import KVExportError, LMCacheMPError, ServerError
 from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import ErrorCode, KVCacheRegistration, RequestType
-from lmcache_mp.transfer.shm import AttachChannel, share_cpu_tensors
+from lmcache_mp.transfer.attach import AttachChannel
+from lmcache_mp.transfer.shm import share_cpu_tensors
 from tests.helpers import BLOCK, CHUNK, LAYERS, NUM_BLOCKS, block_hashes, status
 from tests.kv_worker import make_caches, pages, wait_done
 from vllm_adapter import LMCacheMPWorkerAdapter, LoadStoreOp

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from lmcache_mp.errors import ServerError
 from lmcache_mp.mq import MessageQueueClient, MessagingFuture
 from lmcache_mp.protocol import PERMANENT_ERRORS, ErrorCode, RequestType
-from lmcache_mp.transfer.shm import AttachChannel
+from lmcache_mp.transfer.attach import AttachChannel
 
 logger = logging.getLogger(__name__)
 

@@ -51,7 +51,7 @@ from lmcache_mp.protocol import (
     RequestType,
     RetrieveResult,
 )
-from lmcache_mp.transfer.shm import AttachChannel
+from lmcache_mp.transfer.attach import AttachChannel
 from vllm_adapter.fences import Fences, Target
 from vllm_adapter.store_retry import (
     MAX_HELD_STORES,
