@@ -41,6 +41,14 @@ def lookup(scheduler: LMCacheMPSchedulerAdapter, request_id: str, **kw) -> int:
     return hit
 
 
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    """Until `condition()` holds, asked every 10 ms up to a deadline."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not {what} within {timeout_s} s"
+        time.sleep(0.01)
+
+
 def wait_for_status(url: str, reached: Callable[[StatusReport], bool], what: str,
                     timeout_s: float = 60) -> StatusReport:
     """The first STATUS for which `reached` holds, asked until a deadline: what a worker sent

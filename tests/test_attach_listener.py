@@ -13,7 +13,6 @@ import os
 import socket
 import struct
 import sys
-import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -21,7 +20,7 @@ import pytest
 from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.transfer.attach import MAX_FDS, MAX_UNCLAIMED, MAX_UNCLAIMED_FDS, TOKEN_BYTES
-from tests.helpers import status
+from tests.helpers import status, wait_for
 
 # Runs the daemon with some of attach.py's bounds changed (JSON in argv[1]), so that a deadline
 # can be reached quickly or put out of reach. The launcher appends its own command line:
@@ -105,13 +104,6 @@ def held_by(daemon: DaemonProcess, fd: int) -> int:
             continue
         count += (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
     return count
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not {what} within {timeout_s} s"
-        time.sleep(0.01)
 
 
 @pytest.fixture
@@ -220,6 +212,14 @@ def test_an_unclaimed_hand_over_is_closed_after_its_deadline(daemons, worker_for
     assert worker._channel is not None and worker._channel.is_open()
 
 
+def connect_idle(path: str, count: int) -> list[socket.socket]:
+    """Connections to the attach socket that send nothing."""
+    idle = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(count)]
+    for sock in idle:
+        sock.connect(path)
+    return idle
+
+
 def test_idle_connections_do_not_delay_a_registration(daemons, worker_for, short_tmp,
                                                       held: list[socket.socket]) -> None:
     """Item 7: hand-overs were read one at a time, waiting up to 2 s for each: four idle
@@ -227,11 +227,7 @@ def test_idle_connections_do_not_delay_a_registration(daemons, worker_for, short
     worker registers while every idle connection is still waiting (their deadline put out of
     reach here, so that only the order of events counts, not the time they take)."""
     daemon = start(daemons, HANDOVER_DEADLINE_S=600.0)
-    path = attach_path(daemon)
-    for _ in range(8):
-        idle = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        idle.connect(path)
-        held.append(idle)
+    held.extend(connect_idle(attach_path(daemon), 8))
     worker_for(daemon.url)
     assert len(status(daemon.url).registered_instances) == 1
     assert not any(closed_by_daemon(idle) for idle in held), "an idle connection was served first"
@@ -239,11 +235,7 @@ def test_idle_connections_do_not_delay_a_registration(daemons, worker_for, short
 
 def test_idle_connections_are_closed_after_a_short_deadline(daemons, held: list[socket.socket]) -> None:
     daemon = start(daemons, HANDOVER_DEADLINE_S=0.5)
-    path = attach_path(daemon)
-    for _ in range(8):
-        idle = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        idle.connect(path)
-        held.append(idle)
+    held.extend(connect_idle(attach_path(daemon), 8))
     wait_for(lambda: all(closed_by_daemon(idle) for idle in held), "every idle connection closed")
     assert daemon.proc.poll() is None
 

@@ -13,13 +13,12 @@ import socket
 import stat
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from lmcache_mp.launcher import DaemonProcess
+from tests.helpers import wait_for
 
 ALLOW_TCP = "--allow-unauthenticated-tcp"
 ALLOW_TCP_ENV = "LMCACHE_MP_ALLOW_UNAUTHENTICATED_TCP"
@@ -90,13 +89,6 @@ def time_wait_on(port: int) -> bool:
         if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "06":  # 06: TIME_WAIT
             return True
     return False
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not {what} within {timeout_s} s"
-        time.sleep(0.01)
 
 
 def read_to_end(conn: socket.socket) -> bytes:
