@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import resource
 import signal
 import statistics
 import sys
@@ -118,6 +119,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"lmcache-mp serve: cannot start: {err}", file=sys.stderr)
         return 2
     configure_logging(cfg.log_level, cfg.log_format)
+    _raise_descriptor_limit()
     # Here, once the settings are good: `ping` and `status` need neither the server nor
     # prometheus_client.
     from lmcache_mp.daemon import Daemon
@@ -166,6 +168,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     daemon.stop()
     logger.info("stopped")
     return 0
+
+
+def _raise_descriptor_limit() -> None:
+    """Take the hard limit of open descriptors as the soft one: every client connection costs
+    the daemon one, and libzmq aborts the process when an accept finds none left (the attach
+    socket keeps a reserve below the limit; ZeroMQ's sockets cannot)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        logger.info("open descriptor limit raised from %d to %d", soft, hard)
 
 
 def _why(err: Exception) -> str:

@@ -14,6 +14,7 @@ import socket
 import struct
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -254,3 +255,12 @@ def test_a_hand_over_that_arrives_in_pieces_is_put_together(daemons, kv: int,
     sock.sendall(message[7:])
     assert acknowledged(sock)
     assert held_by(daemon, kv) == 2
+
+
+def test_the_daemon_takes_its_hard_descriptor_limit(daemons) -> None:
+    """Every client connection costs a descriptor, and libzmq aborts when an accept finds none:
+    the daemon raises its soft limit to the hard one as it starts."""
+    daemon = daemons("--l1-size-gb", "0.05", command_prefix=["prlimit", "--nofile=256:4096", "--"])
+    limits = Path(f"/proc/{daemon.proc.pid}/limits").read_text()
+    line = next(line for line in limits.splitlines() if line.startswith("Max open files"))
+    assert line.split()[3:5] == ["4096", "4096"], line
