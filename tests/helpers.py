@@ -11,6 +11,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
+from lmcache_mp.errors import ServerError
 from lmcache_mp.launcher import daemon_status
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import RequestType, StatusReport
@@ -40,6 +43,13 @@ def lookup(scheduler: LMCacheMPSchedulerAdapter, request_id: str, **kw) -> int:
         time.sleep(0.001)
     scheduler.cleanup_lookup_result(request_id)
     return hit
+
+
+def refusal(client: MessageQueueClient, request_type: RequestType, payload: list) -> ServerError:
+    """The typed error the daemon answers this request with (a hang would be a timeout)."""
+    with pytest.raises(ServerError) as refused:
+        client.submit(request_type, payload).result(10)
+    return refused.value
 
 
 def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:

@@ -34,7 +34,7 @@ from lmcache_mp.protocol import (
     StatusReport,
 )
 from lmcache_mp.storage.disk import DiskTier
-from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes, lookup, status
+from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes, lookup, refusal, status
 from tests.kv_worker import make_caches
 from tests.test_stores_and_leases import chunk_hashes
 from tests.test_tiers import count_lookup, store
@@ -113,12 +113,6 @@ def gated(short_tmp: Path) -> Iterator[Callable[..., GatedDaemon]]:
             gate.daemon.stop(signal.SIGKILL)
 
 
-def _refusal(client: MessageQueueClient, request_type: RequestType, payload: list) -> ServerError:
-    with pytest.raises(ServerError) as refused:
-        client.submit(request_type, payload).result(10)  # a hang would be RequestTimeoutError
-    return refused.value
-
-
 def test_daemon_modules_load_no_torch() -> None:
     code = ("import sys\n"
             "import lmcache_mp.cli, lmcache_mp.daemon, lmcache_mp.server, lmcache_mp.observability\n"
@@ -149,7 +143,7 @@ def test_hello_ping_status_are_answered_before_torch_and_the_rest_is_refused_sta
         early = client.submit(RequestType.STATUS, []).result(10)
         assert early.phase == PHASE_STARTING and not early.pool_ready and early.pool_bytes == 0
         for request_type, payload in _REFUSED.items():
-            refused = _refusal(client, request_type, payload)
+            refused = refusal(client, request_type, payload)
             assert refused.code is ErrorCode.STARTING and "starting" in refused.message, request_type
         assert status(gate.daemon.url).phase == PHASE_STARTING  # still: the gate holds torch
 
@@ -157,7 +151,7 @@ def test_hello_ping_status_are_answered_before_torch_and_the_rest_is_refused_sta
         serving = gate.wait_serving()
         assert serving.pool_bytes > 0 and client.handshake("tests").phase == PHASE_SERVING
         assert client.submit(RequestType.LOOKUP, _REFUSED[RequestType.LOOKUP]).result(10) == 0
-        unknown = _refusal(client, RequestType.STORE, _REFUSED[RequestType.STORE])
+        unknown = refusal(client, RequestType.STORE, _REFUSED[RequestType.STORE])
         assert unknown.code is ErrorCode.UNKNOWN_INSTANCE  # the engine's answer now
     finally:
         client.close()

@@ -5,7 +5,6 @@ real daemon; the clients speak the protocol by hand where they must do what no a
 from __future__ import annotations
 
 import struct
-import time
 from pathlib import Path
 
 import msgspec
@@ -13,11 +12,10 @@ import pytest
 import zmq
 
 from lmcache_mp.custom_types import IPCCacheEngineKey
-from lmcache_mp.errors import ServerError
 from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import Codec, MessageQueueClient
 from lmcache_mp.protocol import ErrorCode, RequestType
-from tests.helpers import CHUNK, status, wait_for_status
+from tests.helpers import CHUNK, refusal, status, wait_for, wait_for_status
 
 DAEMON_ARGS = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05")
 
@@ -27,12 +25,6 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise AssertionError("no VmRSS")
-
-
-def refusal(client: MessageQueueClient, request_type: RequestType, payload: list) -> ServerError:
-    with pytest.raises(ServerError) as refused:
-        client.submit(request_type, payload).result(10)
-    return refused.value
 
 
 @pytest.mark.daemon_args(*DAEMON_ARGS)
@@ -112,7 +104,4 @@ def test_a_refused_request_about_a_worker_keeps_nothing_of_it(daemon: DaemonProc
     other.shutdown()
     wait_for_status(daemon.url, lambda r: not r.registered_instances, "both workers gone")
     # Unmapped as the registration's last reference goes, a moment after STATUS stops listing it.
-    deadline = time.monotonic() + 5
-    while kv_memory_held(daemon.proc.pid):
-        assert time.monotonic() < deadline, "a worker's cache is still mapped after it unregistered"
-        time.sleep(0.01)
+    wait_for(lambda: not kv_memory_held(daemon.proc.pid), "the workers' caches unmapped", timeout_s=5)

@@ -22,7 +22,7 @@ from lmcache_mp.errors import ServerError
 from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import MessageQueueClient, MessagingFuture
 from lmcache_mp.protocol import ChunkOutcome, ErrorCode, RequestType, RetrieveResult
-from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes, freeze, status, wait_for_status
+from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes, freeze, refusal, status, wait_for_status
 from tests.kv_worker import make_caches
 from tests.test_fault_paths import lease
 from tests.test_tiers import count_lookup, store
@@ -173,12 +173,6 @@ def cancel(client: MessageQueueClient, instance_id: int, request_ids: list[str])
     return client.submit(RequestType.CANCEL_TRANSFERS, [instance_id, request_ids]).result(10)
 
 
-def refusal(client: MessageQueueClient, request_type: RequestType, payload: list) -> ErrorCode:
-    with pytest.raises(ServerError) as refused:
-        client.submit(request_type, payload).result(10)
-    return refused.value.code
-
-
 def test_only_its_own_connection_cancels_or_unregisters_an_instance(stored) -> None:
     """Issue 25 item 1: another client can neither cancel a worker's transfers (a flood of its
     cancels once evicted the worker's confirmed one) nor unregister it."""
@@ -186,8 +180,8 @@ def test_only_its_own_connection_cancels_or_unregisters_an_instance(stored) -> N
     other = MessageQueueClient(daemon.url)
     try:
         iid = worker.instance_id
-        assert refusal(other, RequestType.CANCEL_TRANSFERS, [iid, ["r"]]) is ErrorCode.FORBIDDEN
-        assert refusal(other, RequestType.UNREGISTER_KV_CACHE, [iid]) is ErrorCode.FORBIDDEN
+        assert refusal(other, RequestType.CANCEL_TRANSFERS, [iid, ["r"]]).code is ErrorCode.FORBIDDEN
+        assert refusal(other, RequestType.UNREGISTER_KV_CACHE, [iid]).code is ErrorCode.FORBIDDEN
         assert status(daemon.url).registered_instances == [iid]
         assert status(daemon.url).cancelled_transfers == 0
         # An instance not registered has nothing left to start: a CANCEL for it records nothing.
@@ -211,11 +205,11 @@ def test_a_full_cancelled_record_refuses_new_cancels_and_forgets_none(daemons: C
         client, iid = worker.mq_client, worker.instance_id
         # One request is capped by bytes before it is decoded (item 8)...
         flood = [f"cmpl-{i:032x}-0" for i in range(70_000)]
-        assert refusal(client, RequestType.CANCEL_TRANSFERS, [iid, flood]) is ErrorCode.BAD_PAYLOAD
+        assert refusal(client, RequestType.CANCEL_TRANSFERS, [iid, flood]).code is ErrorCode.BAD_PAYLOAD
         # ...and the record per instance: full, it refuses new pairs and keeps the old ones.
         for start in range(0, PER_INSTANCE, 4096):
             assert cancel(client, iid, flood[start:min(start + 4096, PER_INSTANCE)]) == 0
-        assert refusal(client, RequestType.CANCEL_TRANSFERS, [iid, ["one-more"]]) is ErrorCode.OVERLOADED
+        assert refusal(client, RequestType.CANCEL_TRANSFERS, [iid, ["one-more"]]).code is ErrorCode.OVERLOADED
         assert cancel(client, iid, flood[:2]) == 0  # sent again: nothing new to keep
         assert status(daemon.url).cancelled_transfers == PER_INSTANCE
         # Kept for twice the queue deadline plus a second (no operation sent before a CANCEL can
