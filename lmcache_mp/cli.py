@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 import msgspec
 
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("lmcache_mp")
 _SIGNAL_CHECK_S = 0.5
+EXIT_FAILED = 3  # `serve`: the daemon met a FatalError while serving (2: it could not start)
 T = TypeVar("T")
 
 
@@ -162,12 +163,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
             daemon.stop()
             return 2
         while not signalled.wait(_SIGNAL_CHECK_S):
-            pass
+            if daemon.server.failure is not None:
+                _exit_failed(daemon)
     logger.info("shutting down")
     sd_notify.notify("STOPPING=1")
     daemon.stop()
     logger.info("stopped")
     return 0
+
+
+def _exit_failed(daemon: Daemon) -> NoReturn:
+    """The daemon cannot serve on (Server.failure, logged CRITICAL when met): answer what can still
+    be answered, then exit EXIT_FAILED for its supervisor to restart it (systemd: Restart=on-failure).
+    Not `daemon.stop()` nor Python's own exit: both join every worker thread, and one may be blocked
+    for good in a CUDA wait, which nothing can interrupt; and the engine's close unpins the pool
+    through a CUDA context that may be broken. Nothing is left that a restart does not clean up: it
+    removes stale sockets, and the kernel and the driver release the claims' locks and the pinned
+    memory."""
+    sd_notify.notify("STOPPING=1")
+    daemon.server.stop(join=False)
+    logger.info("exiting with status %d", EXIT_FAILED)
+    logging.shutdown()  # flushes every log handler: the lines are out before the process is gone
+    os._exit(EXIT_FAILED)
 
 
 def _raise_descriptor_limit() -> None:

@@ -408,8 +408,9 @@ class ServerConfig:
         DEFAULT_LEASE_TTL_S, "seconds a LOOKUP keeps its hits leased for the RETRIEVE that follows, "
         "if the client never retrieves or ends the session", check=_positive)
     max_workers: int = setting(
-        DEFAULT_MAX_WORKERS, "threads that run copies and registrations; a RETRIEVE of several "
-        "chunks is split over the idle ones", check=_positive)
+        DEFAULT_MAX_WORKERS, "threads that run STOREs and registrations, and as many again for "
+        "RETRIEVEs (a load never queues behind a store); a RETRIEVE of several chunks is split "
+        "over the idle ones", check=_positive)
     max_queued_requests: int = setting(
         DEFAULT_MAX_QUEUED_REQUESTS, "requests waiting for a worker thread before new ones are "
         "refused with OVERLOADED", check=_positive)

@@ -5,19 +5,16 @@ msgpack extension types whose payloads are themselves msgspec-encoded structs:
 nothing on any socket is ever pickled.
 
 Handles here are plain data and this module imports no torch (so `lmcache-mp ping` and the
-protocol never load it): building a handle from a tensor and opening one as a tensor live in
-`transfer/cuda.py` and `transfer/shm.py`, which the seed's `CudaIPCWrapper(tensor)` and
-`to_tensor()` call on demand.
+protocol never load it) and nothing of `transfer/`: building handles from tensors and opening them
+as tensors live in `transfer/cuda.py` (`export_cuda_tensors`, `import_cuda_tensors`: the seed's
+`CudaIPCWrapper(tensor)` and `to_tensor()`) and `transfer/shm.py`, which import this module.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Self
+from typing import Annotated, Any, ClassVar, Self
 
 import msgspec
-
-if TYPE_CHECKING:
-    import torch
 
 # Extension type codes on the wire. Never reorder or reuse a number.
 EXT_CUDA_IPC_WRAPPER = 1
@@ -122,6 +119,9 @@ class TensorHandle:
 
 class _CudaIPCState(msgspec.Struct, array_like=True, frozen=True):
     device_uuid: str
+    # torch's `UntypedStorage._share_cuda_()` tuple for the storage the view is of. Every view of
+    # one storage carries the same tuple (the storage is shared once), which is how the daemon
+    # knows to open it once.
     storage_handle: tuple[bytes | int | bool | None, ...]
     dtype: str
     shape: tuple[int, ...]
@@ -130,26 +130,12 @@ class _CudaIPCState(msgspec.Struct, array_like=True, frozen=True):
 
 
 class CudaIPCWrapper(TensorHandle):
-    """A CUDA tensor shared by IPC handle. The device-specific calls live in transfer/cuda.py,
-    imported only when a tensor is exported or opened."""
+    """A view of a CUDA storage shared by IPC handle: plain data. `transfer.cuda.export_cuda_tensors`
+    makes them from tensors and `transfer.cuda.import_cuda_tensors` opens them."""
 
     EXT_CODE = EXT_CUDA_IPC_WRAPPER
     State = _CudaIPCState
     state: _CudaIPCState
-
-    def __init__(self, tensor: torch.Tensor | None = None, *, state: _CudaIPCState | None = None):
-        if state is None:
-            if tensor is None:
-                raise ValueError("CudaIPCWrapper needs a tensor or a state")
-            from lmcache_mp.transfer.cuda import export_cuda_tensor
-
-            state = export_cuda_tensor(tensor).state
-        super().__init__(state=state)
-
-    def to_tensor(self) -> torch.Tensor:
-        from lmcache_mp.transfer.cuda import import_cuda_tensor
-
-        return import_cuda_tensor(self)
 
 
 class _SharedMemoryState(msgspec.Struct, array_like=True, frozen=True):

@@ -23,7 +23,7 @@ import torch
 from lmcache_mp.cancellation import Pair, TransferFence
 from lmcache_mp.config import ServerConfig
 from lmcache_mp.custom_types import IPCCacheEngineKey, KVCache
-from lmcache_mp.errors import ServerError
+from lmcache_mp.errors import FatalError, ServerError
 from lmcache_mp.keys import ChunkMapper, OpChunks, check_keys_for, check_same_model, invalid
 from lmcache_mp.leases import LeaseTable
 from lmcache_mp.observability import Metrics
@@ -42,7 +42,7 @@ from lmcache_mp.storage.manager import Hits, StorageManager
 from lmcache_mp.storage.pool import MemoryPool, PoolObject, ReserveFailure
 from lmcache_mp.storage.tiers import open_tier, redact_url
 from lmcache_mp.transfer import cuda
-from lmcache_mp.transfer.context import Copies, TransferContext
+from lmcache_mp.transfer.context import Copies, Lane, TransferContext
 from lmcache_mp.transfer.threads import CopyThreads
 
 _OUTCOMES = {ReserveFailure.ALREADY_PRESENT: ChunkOutcome.ALREADY_PRESENT,
@@ -64,11 +64,12 @@ def _store_cancelled() -> ServerError:
 
 
 @contextmanager
-def _operation(context: TransferContext, block_ids: list[int], event_handle: bytes) -> Iterator[Copies]:
+def _operation(context: TransferContext, block_ids: list[int], event_handle: bytes,
+               lane: Lane) -> Iterator[Copies]:
     """An operation's copies (see `TransferContext.operation`), with its failures typed. The reply
     is the completion signal: every copy is done when this exits."""
     try:
-        with context.operation(block_ids, event_handle) as copies:
+        with context.operation(block_ids, event_handle, lane) as copies:
             yield copies
     except ValueError as err:
         raise invalid(str(err)) from None
@@ -155,7 +156,7 @@ class Engine:
         if isinstance(hits, list):
             # The hits are pinned already: nothing can evict them before the lease is recorded,
             # right after the reply (and before any later request, END_SESSION included, is read).
-            return ReplyThen(len(hits), lambda: self._lease(request_id, hashes, hits))
+            return ReplyThen(len(hits), lambda: self._lease(request_id, hashes, hits, world_size))
         if request_id is not None:
             with self._ending:
                 self._deferred[request_id] = False
@@ -171,7 +172,7 @@ class Engine:
                     return
                 try:
                     # A request ended while its hits were read has no one left to retrieve them.
-                    found = self._lease(None if ended else request_id, hashes, done.result())
+                    found = self._lease(None if ended else request_id, hashes, done.result(), world_size)
                 except BaseException as err:
                     answer.set_exception(err)
                     return
@@ -180,12 +181,18 @@ class Engine:
         hits.add_done_callback(finish)
         return answer
 
-    def _lease(self, request_id: str | None, hashes: list[bytes], hits: Hits) -> int:
+    def _lease(self, request_id: str | None, hashes: list[bytes], hits: Hits, world_size: int) -> int:
         objects = [o for chunk in hits for o in chunk]
         self.metrics.looked_up(len(hashes), len(hits))
         if request_id is None:
             self.storage.unpin(objects)  # nobody to retrieve them: count, but lease nothing
         elif hits:  # a miss opens no session: END_SESSION would find nothing to release
+            # A replicated cache's ranks share each chunk (one object for them all, pinned once by
+            # the lookup): every rank's RETRIEVE spends a pin of its own, so each gets one.
+            shares = world_size // len(hits[0])
+            if shares > 1:
+                self.storage.pool.repin(objects * (shares - 1))
+                objects *= shares
             self.leases.add(request_id, objects)
             self._remember(request_id, hashes[len(hits) - 1])
         return len(hits)
@@ -221,15 +228,20 @@ class Engine:
         slots = self.storage.reserve(instance.fmt, chunks.hashes, context.chunk_nbytes, parent)
         fresh = [slot for slot in slots if isinstance(slot, PoolObject)]
         try:
-            with (self.copy_threads.seat(), self.storage.copying(),
-                  _operation(context, block_ids, event_handle) as copies):
-                for i, slot in enumerate(slots):
-                    if pairs and self.fence.cancelled(pairs):
-                        raise _store_cancelled()
-                    if isinstance(slot, PoolObject):
-                        copies.gather(i, context.chunk_view(slot.data))
+            # Nothing fresh (every chunk present already, or no room): no copy, and no wait for
+            # the worker's event, which holds the store lane while its forward pass runs.
+            if fresh:
+                with (self.copy_threads.seat(), self.storage.copying(),
+                      _operation(context, block_ids, event_handle, Lane.STORE) as copies):
+                    for i, slot in enumerate(slots):
+                        if pairs and self.fence.cancelled(pairs):
+                            raise _store_cancelled()
+                        if isinstance(slot, PoolObject):
+                            copies.gather(i, context.chunk_view(slot.data))
             if pairs and self.fence.cancelled(pairs):
                 raise _store_cancelled()
+        except FatalError:
+            raise  # copies may still be writing into `fresh`: never hand them out (the daemon exits)
         except BaseException:
             self.storage.abort(fresh)
             raise
@@ -281,7 +293,7 @@ class Engine:
 
         try:
             with (self.copy_threads.seat(), self.storage.copying(),
-                  _operation(context, block_ids, event_handle) as copies):
+                  _operation(context, block_ids, event_handle, Lane.LOAD) as copies):
                 # Split over free copy threads: the request waits for these copies, and one
                 # thread does not use all the memory bandwidth (transfer/threads.py).
                 self.copy_threads.run(len(objects), copy, split=copies.splittable)
@@ -374,6 +386,9 @@ class Engine:
             "pool_writing_objects": stats.num_writing,
             "pool_evictions_total": stats.evictions,
             "pool_ready_bytes": stats.ready_bytes,
+            "pool_pinned_bytes": stats.pinned_bytes,
+            # 1 once pinning failed: the rest of the pool is used unpinned (slower copies to GPUs)
+            "pool_pin_failed": int(bool(stats.pin_error)),
             "lease_sessions": sessions,
             "leases": leases,
             "lease_sessions_expired_total": self.leases.expired_total,
@@ -396,6 +411,8 @@ class Engine:
             "pool_used_bytes": gauges["pool_used_bytes"],
             "pool_ready_bytes": gauges["pool_ready_bytes"],
             "pool_ready": gauges["pool_ready_bytes"] >= gauges["pool_capacity_bytes"],
+            "pool_pinned_bytes": gauges["pool_pinned_bytes"],
+            "pool_pin_error": self.storage.pool.stats().pin_error,
             "objects": gauges["pool_objects"],
             "registered_instances": self.registry.instance_ids(),
             "instances": self.registry.describe(),

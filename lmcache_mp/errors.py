@@ -35,6 +35,13 @@ class ProtocolMismatchError(LMCacheMPError):
     """The daemon speaks another protocol version than this client."""
 
 
+class FatalError(Exception):
+    """The daemon cannot serve on: a device's copies failed with a CUDA error (sticky: every later
+    copy on that device fails too) or never completed. The server answers the request that met it,
+    refuses every later one, and the daemon exits non-zero, for its supervisor to restart it (a new
+    process has a new CUDA context). Never sent to a client as such."""
+
+
 class KVExportError(LMCacheMPError):
     """A worker's KV caches cannot be shared with the daemon (an allocation CUDA IPC cannot export,
     a dtype the daemon does not know, shared memory that cannot be had): KV offload stays off."""

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,15 +41,16 @@ class DaemonProcess:
 
 def start_daemon(tmp_dir: Path, *args: str, url: str | None = None, ready_timeout: float = 30.0,
                  command_prefix: Sequence[str] = (), serving: bool = True, pool_ready: bool = True,
-                 curve: ClientCurve | None = None) -> DaemonProcess:
+                 curve: ClientCurve | None = None, env: Mapping[str, str] | None = None) -> DaemonProcess:
     """Start `lmcache-mp serve --listen URL ARGS...` (under `command_prefix`, e.g. a namespace
     wrapper, when given) and wait until it answers HELLO; with `serving`, until its engine is built
     (before that, everything but HELLO, PING, GET_CHUNK_SIZE and STATUS gets STARTING); with
     `pool_ready`, until its pool's memory is all prepared too (it serves before that, but a STORE
-    may find NO_SPACE). `curve`: the keys to ask with, for a daemon that requires CURVE."""
+    may find NO_SPACE). `curve`: the keys to ask with, for a daemon that requires CURVE. `env`: variables
+    set for the daemon on top of this process's (e.g. its own CUDA_VISIBLE_DEVICES)."""
     url = url or f"ipc://{tmp_dir / 'daemon.sock'}"
     log_path = tmp_dir / f"daemon-{time.monotonic_ns()}.log"
-    env = dict(os.environ, LMCACHE_MP_RUNTIME_DIR=str(tmp_dir))
+    env = dict(os.environ, **(env or {}), LMCACHE_MP_RUNTIME_DIR=str(tmp_dir))
     started_at = time.monotonic()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(

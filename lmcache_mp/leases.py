@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import cast
@@ -60,11 +60,28 @@ class LeaseTable:
             self._unpin_all(old)
 
     def release(self, request_id: str | None, keys: Iterable[Hashable]) -> int:
-        """Drop this request's pins on `keys`; returns how many pins were released."""
+        """Drop one of this request's pins per occurrence of a key in `keys` (a RETRIEVE's chunks:
+        the ranks of a replicated cache read one chunk, and each holds a pin on it); returns how
+        many pins were released."""
         if request_id is None:
             return 0
-        wanted = set(keys)
-        return self._release_where(request_id, lambda key: key in wanted)
+        wanted = Counter(keys)
+        with self._lock:
+            session = self._sessions.get(request_id)
+            if session is None:
+                return 0
+            released, kept = [], []
+            for obj in session.pins:
+                if wanted[obj.key] > 0:
+                    wanted[obj.key] -= 1
+                    released.append(obj)
+                else:
+                    kept.append(obj)
+            session.pins = kept
+            if not kept:
+                del self._sessions[request_id]
+        self._pool.unpin(released)
+        return len(released)
 
     def release_chunks(self, request_id: str, chunk_hashes: Iterable[bytes]) -> int:
         """Drop this request's pins on these chunks, on every rank and chunk format (the held

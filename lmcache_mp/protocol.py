@@ -118,11 +118,22 @@ class KVCacheRegistration(msgspec.Struct, gc=False):
     # Token handed to the attach socket together with the shared-memory descriptors.
     # Empty for CUDA registrations, whose handles carry everything.
     attach_token: bytes = b""
+    # vLLM's block size in tokens: what one block id covers. A backend may split each block into
+    # kernel blocks (the caches' block dimension then counts `ratio` times as many, of
+    # block_size / ratio tokens); the daemon groups them back, or refuses caches it cannot.
+    # 0 (clients that predate the field): the caches' own block size.
+    block_size: int = 0
+    # Every rank of the world holds the same bytes (MLA's latent cache under tensor parallelism
+    # alone): each chunk is stored once for all ranks, and a one-rank engine of the model reads
+    # it too. Only for MLA layouts (refused otherwise).
+    replicated: bool = False
 
 
 class RegisterReply(msgspec.Struct, gc=False):
     layout: str
     num_layers: int
+    # In the blocks a block id names (kernel blocks grouped): a worker whose block size is not
+    # `block_size` (a daemon that predates `KVCacheRegistration.block_size`) must not use it.
     num_blocks: int
     block_size: int
     chunk_bytes: int
@@ -180,6 +191,10 @@ class StatusReport(msgspec.Struct, gc=False):
     # beyond what is ready until `pool_ready`.
     pool_ready_bytes: int = 0
     pool_ready: bool = False
+    # Where CUDA is present the pool is page-locked for DMA as it is prepared; if that fails, the
+    # rest is used unpinned (copies stay correct, slower) and `pool_pin_error` says why.
+    pool_pinned_bytes: int = 0
+    pool_pin_error: str = ""
     objects: int = 0
     registered_instances: list[int] = []
     instances: list[InstanceInfo] = []
@@ -203,6 +218,9 @@ class HandlerKind(enum.Enum):
 
     INLINE = enum.auto()  # on the socket thread: bookkeeping only, never blocks
     WORKER = enum.auto()  # on the bounded worker pool: copies, mappings, whole-pool sweeps
+    # On a worker pool of its own, the load lane: vLLM's forward pass waits for a load, which must
+    # never queue behind a long prefill's STORE or a REGISTER that maps a whole cache.
+    LOAD = enum.auto()
     # On the socket thread, like INLINE, but the handler may return a Future instead of a
     # value: the reply goes out when it completes (a LOOKUP that reads from a lower tier).
     # It may also return a `ReplyThen`.
@@ -269,7 +287,7 @@ PROTOCOL: dict[RequestType, RequestSpec] = {
     RequestType.STORE: RequestSpec((Keys, int, list[int], bytes), StoreResult, HandlerKind.WORKER,
                                       KEYS_PAYLOAD),
     RequestType.RETRIEVE: RequestSpec((Keys, int, list[int], bytes), RetrieveResult,
-                                         HandlerKind.WORKER, KEYS_PAYLOAD),
+                                         HandlerKind.LOAD, KEYS_PAYLOAD),
     # END_SESSION(request id): release everything the request still holds.
     RequestType.END_SESSION: RequestSpec((str,), None, HandlerKind.INLINE),
     # RELEASE_LEASES(keys without worker id, as for LOOKUP, request id set; a token key names

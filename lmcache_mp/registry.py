@@ -35,6 +35,7 @@ from lmcache_mp.storage.base import ChunkFormat
 from lmcache_mp.storage.manager import FormatCombo, RankSpec
 from lmcache_mp.transfer.attach import AttachListener
 from lmcache_mp.transfer.context import TransferContext
+from lmcache_mp.transfer.cuda import import_cuda_tensors
 from lmcache_mp.transfer.layouts import describe_caches
 from lmcache_mp.transfer.shm import map_storages, prebuild_page_tables, view_shared
 
@@ -50,7 +51,7 @@ class Instance:
     instance_id: int
     registration: KVCacheRegistration
     context: TransferContext
-    fmt: ChunkFormat
+    fmt: ChunkFormat  # one for every rank of a replicated registration (`KVCacheRegistration.replicated`)
     owner: bytes  # the connection that registered it (request_context.PEER)
 
     @property
@@ -106,13 +107,15 @@ class Registry:
         try:
             rank_of(reg.world_size, reg.worker_id)  # refuses ranks that do not fit a kv_rank
             layers, mapped = self._open_layers(kv_caches, reg)
-            geometry = describe_caches(layers, reg.layout)
+            layers, geometry = describe_caches(layers, reg.layout, reg.block_size)
+            fmt = geometry.chunk_format(reg.model_name, reg.world_size, reg.worker_id, self.chunk_size,
+                                        reg.replicated)
             context = TransferContext(layers, geometry, self.chunk_size)
         except ValueError as err:
             raise invalid(f"cannot register instance {instance_id}: {err}") from None
         except torch.OutOfMemoryError:
             raise invalid(f"cannot register instance {instance_id}: no room on its device for the "
-                          "daemon's one-chunk staging buffer; lower --chunk-size or leave vLLM more "
+                          "daemon's two one-chunk staging buffers; lower --chunk-size or leave vLLM more "
                           "headroom (--gpu-memory-utilization)") from None
         try:
             # Refused here rather than at every STORE: a chunk the pool can't allocate in one
@@ -122,7 +125,6 @@ class Registry:
             raise invalid(f"cannot register instance {instance_id}: a chunk of this cache takes "
                           f"{context.chunk_nbytes} bytes, too large for the pool: {err}; raise "
                           "--l1-size-gb or lower --chunk-size") from None
-        fmt = geometry.chunk_format(reg.model_name, reg.world_size, reg.worker_id, self.chunk_size)
         instance = Instance(instance_id, reg, context, fmt, PEER.get())
         with self._lock:
             self._check_unused_locked(instance_id)
@@ -137,9 +139,10 @@ class Registry:
             if reg.attach_token:
                 self._tokens[reg.attach_token] = instance_id
         prebuild_page_tables(mapped)  # only now: a refused registration touches none of its memory
-        logger.info("registered instance %d: %s rank %d/%d, %s %s, %d layers x %d blocks of %d tokens",
+        logger.info("registered instance %d: %s rank %d/%d, %s %s, %d layers x %d blocks of %d tokens%s",
                     instance_id, reg.model_name, reg.worker_id, reg.world_size, geometry.layout.name,
-                    geometry.dtype, geometry.num_layers, geometry.num_blocks, geometry.block_size)
+                    geometry.dtype, geometry.num_layers, geometry.num_blocks, geometry.block_size,
+                    ", the same on every rank (stored once)" if reg.replicated else "")
         return RegisterReply(geometry.layout.name, geometry.num_layers, geometry.num_blocks,
                              geometry.block_size, context.chunk_nbytes)
 
@@ -173,7 +176,7 @@ class Registry:
         if handles and all(isinstance(h, CudaIPCWrapper) for h in handles):
             if reg.attach_token:
                 self.attach.claim(reg.attach_token)  # liveness only: it carries no descriptors
-            return [h.to_tensor() for h in handles], []  # type: ignore[attr-defined]
+            return import_cuda_tensors(handles), []  # type: ignore[arg-type]
         kinds = sorted({type(h).__name__ for h in handles}) or ["nothing"]
         raise ValueError(f"expected one handle per layer, all of one kind; got {', '.join(kinds)}")
 
@@ -243,7 +246,9 @@ class Registry:
         (layout, dtype, geometry: `_cache_kind`) registered on every rank of the world; usually
         exactly one. Empty when some rank has no cache: nothing could be retrieved into every
         rank. The ranks of one engine share a kind, so mixing kinds across ranks would find
-        chunks no engine can load, and trying every mix grew as formats ** ranks.
+        chunks no engine can load, and trying every mix grew as formats ** ranks. Ranks that
+        share a format (replicated caches: one chunk serves them all) are in a combo once, so a
+        LOOKUP pins and promotes each such chunk once.
         Read without the lock when known: a LOOKUP racing a registration change may see the
         registrations just before it, as it would have a moment earlier."""
         combos = self._combos.get((model, world_size))
@@ -258,7 +263,8 @@ class Registry:
                     spec = same_format[0].rank_spec
                     by_kind.setdefault(_cache_kind(spec.fmt), []).append(spec)
             combos = self._combos[model, world_size] = [
-                tuple(specs) for specs in by_kind.values() if len(specs) == world_size]
+                tuple({spec.fmt.fingerprint: spec for spec in specs}.values())
+                for specs in by_kind.values() if len(specs) == world_size]
         return combos
 
     def instance_ids(self) -> list[int]:

@@ -3,10 +3,14 @@
 Where a handler runs is declared next to its schema in the protocol table
 (`protocol.HandlerKind`): cheap requests (PING, HELLO, END_SESSION, ...) are answered on the
 socket thread; requests that copy KV or map memory run on a bounded worker pool, so PING
-stays fast while a STORE runs; a deferred handler (LOOKUP) runs on the socket thread and
-may hand back a Future, whose result is sent when it completes. A socket-thread handler may
-also answer at once and leave bookkeeping for right after the reply (`protocol.ReplyThen`).
-Whatever happens, each request gets one reply: a result or an error.
+stays fast while a STORE runs, and RETRIEVEs on a pool of their own (the load lane), so that a
+load, which vLLM's forward pass waits for, never queues behind STOREs or registrations; a
+deferred handler (LOOKUP) runs on the socket thread and may hand back a Future, whose result is
+sent when it completes. A socket-thread handler may also answer at once and leave bookkeeping
+for right after the reply (`protocol.ReplyThen`).
+Whatever happens, each request gets one reply: a result or an error. A handler that meets a
+`FatalError` (the device's copies failed or hang) gets its error reply too; the server then refuses
+every request and sets `failure`, for the daemon to exit and be restarted.
 
 The server binds and answers before the daemon's engine exists: PING, HELLO, GET_CHUNK_SIZE and
 STATUS from the first moment, every other request STARTING until `serve_engine` installs the
@@ -27,7 +31,7 @@ import msgspec
 
 from lmcache_mp import __version__
 from lmcache_mp.config import ServerConfig, SocketAccess, SocketClaim, claim_socket_path, ipc_path
-from lmcache_mp.errors import ServerError
+from lmcache_mp.errors import FatalError, ServerError
 from lmcache_mp.mq import REQUEST_ID, Codec, MessageQueueServer
 from lmcache_mp.observability import Metrics
 from lmcache_mp.protocol import (
@@ -94,6 +98,9 @@ class Server:
             RequestType.STATUS: self._status,
         }
         self._pool = ThreadPoolExecutor(config.max_workers, thread_name_prefix="lmcache-mp-worker")
+        self._loads = ThreadPoolExecutor(config.max_workers, thread_name_prefix="lmcache-mp-load")
+        # Why the daemon cannot serve on (a FatalError's message), once one was met; None until then.
+        self.failure: str | None = None
         self._queued = 0  # worker requests queued or running
         self._deferred = 0  # deferred handlers' Futures not completed yet
         self._queued_lock = threading.Lock()
@@ -119,13 +126,16 @@ class Server:
         self._handlers = self._handlers | handlers
         self.phase = PHASE_SERVING
 
-    def stop(self) -> None:
+    def stop(self, *, join: bool = True) -> None:
         """Refuse new requests, answer the queued ones SHUTTING_DOWN, let the running ones
-        finish and send their replies (up to DRAIN_TIMEOUT_S), then close the message queue."""
+        finish and send their replies (up to DRAIN_TIMEOUT_S), then close the message queue.
+        `join=False`: return without waiting for the worker threads to end (after a FatalError,
+        one may be blocked for good)."""
         with self._queued_lock:
             self._stopping = True
         # Cancelled queued requests are answered by their futures' callbacks (_refuse_unstarted).
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._pool, self._loads):
+            pool.shutdown(wait=False, cancel_futures=True)
         with self._drained:
             drained = self._drained.wait_for(lambda: self._queued == 0 and self._deferred == 0,
                                              DRAIN_TIMEOUT_S)
@@ -134,7 +144,9 @@ class Server:
             logger.warning("%d requests still running after %.0f s; their replies are dropped",
                            running, DRAIN_TIMEOUT_S)
         self._mq.stop()
-        self._pool.shutdown(wait=True)
+        if join:
+            for pool in (self._pool, self._loads):
+                pool.shutdown(wait=True)
         for url in self.endpoints:
             path = ipc_path(url)
             if path is not None:
@@ -185,7 +197,8 @@ class Server:
             return
         self._arrivals += 1  # only the socket thread counts: the order requests were read in
         arrival = self._arrivals
-        if PROTOCOL[request_type].kind is not HandlerKind.WORKER:
+        kind = PROTOCOL[request_type].kind
+        if kind not in (HandlerKind.WORKER, HandlerKind.LOAD):
             self._run(identity, request_id, request_type, handler, args, arrival)
             return
         with self._queued_lock:
@@ -200,9 +213,12 @@ class Server:
                        else f"{self.config.max_queued_requests} requests already queued")
             self._send_error(identity, request_id, refusal, message, request_type)
             return
+        # The seats of the copy threads (transfer/threads.py) never make a request wait: only
+        # these pools' queues do, so a load queues only behind other loads.
+        pool = self._loads if kind is HandlerKind.LOAD else self._pool
         try:
-            queued = self._pool.submit(self._run_queued, identity, request_id, request_type, handler,
-                                       args, arrival, time.monotonic() + self.config.queue_deadline_s)
+            queued = pool.submit(self._run_queued, identity, request_id, request_type, handler,
+                                 args, arrival, time.monotonic() + self.config.queue_deadline_s)
         except RuntimeError:  # stop() shut the pool down since the check above
             self._refuse_unstarted(identity, request_id, request_type)
             return
@@ -250,6 +266,11 @@ class Server:
         arrival_token, peer_token = ARRIVAL.set(arrival), PEER.set(identity)
         try:
             result = handler(*args)
+        except FatalError as err:
+            self._fail(err)
+            self._reply(identity, request_id, request_type, start,
+                        error=ServerError(ErrorCode.INTERNAL, f"{err}; the daemon exits to be restarted"))
+            return
         except Exception as err:
             self._reply(identity, request_id, request_type, start, error=err)
             return
@@ -270,6 +291,17 @@ class Server:
                 logger.exception("%s: the bookkeeping after its reply failed", request_type.name)
             return
         self._reply(identity, request_id, request_type, start, result=result)
+
+    def _fail(self, err: FatalError) -> None:
+        """The daemon cannot serve on: refuse every request from now on (SHUTTING_DOWN, as when
+        stopping) and say why in `failure`, which the daemon's main thread watches to exit."""
+        with self._queued_lock:
+            first = self.failure is None
+            if first:
+                self.failure = str(err)
+                self._stopping = True
+        if first:  # one line, whichever of the requests running meets it first
+            logger.critical("%s; the daemon exits for its supervisor to restart it", err)
 
     def _reply_when_done(self, identity: bytes, request_id: bytes, request_type: RequestType,
                          start: float, done: Future) -> None:

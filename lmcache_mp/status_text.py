@@ -11,6 +11,11 @@ def render_status(url: str, s: StatusReport) -> str:
     hit_rate = f"{s.lookup_hits_total / s.lookup_chunks_total:.1%}" if s.lookup_chunks_total else "-"
     used = s.pool_used_bytes / s.pool_bytes if s.pool_bytes else 0.0
     prepared = "ready" if s.pool_ready else f"{_size(s.pool_ready_bytes)} prepared so far"
+    if s.pool_pin_error:  # the operator should know why copies to GPUs are slower than they could be
+        prepared += (f"; pinned only {_size(s.pool_pinned_bytes)} ({s.pool_pin_error}): copies to and "
+                     "from GPUs beyond that are staged and slower")
+    elif s.pool_pinned_bytes:
+        prepared += ", pinned"
     lines = [
         f"lmcache-mp {s.server_version} at {url} (protocol {s.protocol_version}), "
         f"up {_duration(s.uptime_s)}, chunk size {s.chunk_size} tokens, {s.phase}",

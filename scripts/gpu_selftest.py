@@ -1,27 +1,35 @@
 #!/usr/bin/env python
-"""Self-test of the data path on a GPU (or on CPU): the real daemon and a worker, no vLLM.
+"""Self-test of the data path on a GPU (or on CPU): the real daemon and workers, no vLLM.
 
     .venv/bin/python scripts/gpu_selftest.py [--device cuda|cpu] [--quick] [--out FILE]
                                              [--pin-gib 8,32]
 
-Two processes: `lmcache-mp serve` and this script as the worker. For each KV layout vLLM 0.32
-uses on a GPU (FLASH_ATTN and FLASHINFER: `[num_blocks, kv_heads, block_size, 2*head_size]`
-per layer; MLA: `[num_blocks, block_size, latent_dim]`) the worker allocates one cache tensor
-per layer on `--device`, registers them through `LMCacheMPWorkerAdapter`, and runs rounds of:
-  STORE     the pages of one request (`--chunks` chunks) written into scattered blocks, stored;
-  LOOKUP    through `LMCacheMPSchedulerAdapter`, which must hit every chunk (and lease it);
-  RETRIEVE  into other scattered blocks, then compared bit for bit with what was written.
-The first round checks ordering. On CUDA the worker writes the pages on a side stream behind
-a long-running kernel and STOREs at once with an interprocess event recorded after the write:
-only a daemon that waits on the event stores the written bytes. Likewise it clears the
-retrieve's blocks behind a long kernel and RETRIEVEs at once with an event: only a daemon that
-waits writes its bytes after the clearing. On CPU writes are synchronous and no event is sent.
-The other rounds are timed (submit to reported finished) and give STORE and RETRIEVE GB/s,
-next to a same-run baseline moving the same bytes: on CUDA a pinned-host <-> device `copy_`,
-on CPU a plain `copy_` between two tensors (the shared-memory path's analogue). Each round
-checks the path it measured: the daemon's STATUS counts one new object per stored chunk, the
-lookup hits every chunk, the retrieve spends its leases. On CUDA it also times pinning
-(`cudaHostRegister`) fresh mmaps of `--pin-gib` GiB, skipping sizes the host cannot hold.
+The daemon (`lmcache-mp serve`, started with `CUDA_VISIBLE_DEVICES=GPU-<uuid>` on CUDA, so that
+it finds the workers' device by UUID, not by ordinal) and this script as its workers. Caches are
+allocated as vLLM 0.32 allocates them on a GPU (`tests/vllm_caches.py`, checked there against
+vLLM's own functions): one int8 buffer for every layer, and per layer a 4-D logical `[blocks,
+heads, block_size, C]` view of it at its own storage offset, in the physical layout vLLM resolves.
+
+Cases, each registered through `LMCacheMPWorkerAdapter` under the backend name vLLM sends:
+  FLASH_ATTN/LBNHC   the H100 default: non-contiguous per-layer views (Llama-3-8B: 32 layers x 8 KV heads)
+  FLASH_ATTN/LBHNC   contiguous per-layer views
+  TRITON_MLA         4-D `[blocks, 1, block_size, 576]` (a DeepSeek latent)
+  80L-2KV            80 layers x 2 KV heads (Llama-3-70B at TP=4): many layers, small pages
+  FLASHINFER/split   vLLM blocks of 32 tokens split into kernel blocks of 16
+Each case runs rounds of STORE (one request's chunks from scattered blocks), LOOKUP (through
+`LMCacheMPSchedulerAdapter`, every chunk must hit) and RETRIEVE into other scattered blocks, every
+byte compared. The first round checks ordering and skips: on CUDA the worker writes the pages
+behind a long kernel on a side stream and STOREs at once with an interprocess event recorded after
+the write (only a daemon that waits on the event stores the written bytes), then clears the
+retrieve's blocks behind such a kernel and RETRIEVEs at once (only a daemon that waits writes after
+the clearing); its RETRIEVE has -1 ids, whose blocks must stay as they were. The other rounds are
+timed against a same-run baseline moving the same bytes: a pinned-host <-> device `copy_` on CUDA,
+a plain `copy_` on CPU.
+Then, at once: two TP ranks storing and retrieving together (each with its own event), and two KV
+groups of one worker sharing one event (review F11: one event handle opened by concurrent
+requests). Then a worker killed mid-STORE (behind a long kernel on CUDA: the daemon waits on a dead
+process's event): the daemon drops it and serves on, or exits for its supervisor (review F12); either
+is reported. On CUDA it also times pinning (`cudaHostRegister`) fresh mmaps of `--pin-gib` GiB.
 
 Prints a table, writes the figures as JSON to `--out`; exits 1 if any check failed.
 """
@@ -29,19 +37,13 @@ Prints a table, writes the figures as JSON to `--out`; exits 1 if any check fail
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
-import hashlib
 import json
-import mmap
 import os
-import random
-import statistics
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,402 +51,168 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 # This checkout's code, in this process and in the daemon it starts, installed or not.
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
 
-from lmcache_mp.config import available_memory_bytes  # noqa: E402
+from selftest_device import CpuDevice, CudaDevice, Device, pin_timings  # noqa: E402
+from selftest_rounds import MODEL, Case, CaseReport, Worker, run_case, run_together  # noqa: E402
+from vllm_caches import allocate_like_vllm  # noqa: E402
+
 from lmcache_mp.launcher import DaemonProcess, daemon_status, start_daemon  # noqa: E402
 from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp  # noqa: E402
 
-MODEL = "gpu-selftest"
-# Layout in the report -> the attention backend name the worker registers with (what vLLM sends).
-LAYOUTS = {"FLASH_ATTN": "FLASH_ATTN", "FLASHINFER": "FLASHINFER", "MLA": "TRITON_MLA"}
-POLL_S = 0.0002  # between get_finished polls while a request is timed
-WAIT_S = 60.0  # the longest a request may take before the run fails
-# The pin test leaves this much of the host's available memory untouched.
-PIN_HEADROOM_BYTES = 4 << 30
+KILL_WAIT_S = 240.0  # beyond the daemon's bound on a copy's completion wait
 
 
 @dataclass(frozen=True)
 class Geometry:
-    layers: int
-    kv_heads: int
-    head_size: int
-    latent_dim: int  # MLA: kv_lora_rank + rope dim
+    """What every case shares: vLLM's block size, the daemon's chunk, a request's chunks."""
+
     block_size: int
     chunk_size: int
     chunks: int  # chunks per request
-    rounds: int  # timed rounds per layout, after the ordering round
-    dtype: torch.dtype = torch.bfloat16
-
-    @property
-    def blocks_per_chunk(self) -> int:
-        return self.chunk_size // self.block_size
-
-    @property
-    def blocks_per_request(self) -> int:
-        return self.chunks * self.blocks_per_chunk
-
-    def page_shape(self, layout: str) -> tuple[int, ...]:
-        """One block of one layer, the block dimension removed."""
-        if layout == "MLA":
-            return (self.block_size, self.latent_dim)
-        return (self.kv_heads, self.block_size, 2 * self.head_size)
-
-    def request_bytes(self, layout: str) -> int:
-        page = torch.Size(self.page_shape(layout)).numel() * self.dtype.itemsize
-        return self.layers * self.blocks_per_request * page
+    rounds: int  # timed rounds per case, after the ordering round
 
 
-# A Llama-3-8B-like model (32 layers, 8 KV heads of 128) and a DeepSeek-like MLA latent (512 + 64),
-# vLLM's GPU block size 16, 256-token chunks: 32 MiB per chunk, 8 chunks (256 MiB) per request.
-FULL = Geometry(layers=32, kv_heads=8, head_size=128, latent_dim=576, block_size=16, chunk_size=256,
-                chunks=8, rounds=5)
-QUICK = Geometry(layers=4, kv_heads=2, head_size=64, latent_dim=96, block_size=16, chunk_size=64,
-                 chunks=2, rounds=3)
+FULL = Geometry(block_size=16, chunk_size=256, chunks=8, rounds=5)
+QUICK = Geometry(block_size=16, chunk_size=64, chunks=2, rounds=3)
 
 
-# ---- the device: every CUDA-specific line lives in CudaDevice ---------------------------------
+def cases(quick: bool) -> list[Case]:
+    """Full: real models' geometries (32 MiB chunks for Llama-3-8B); quick: tiny ones."""
+    layers, heads, head, latent = (4, 2, 64, 96) if quick else (32, 8, 128, 576)
+    return [
+        Case("FLASH_ATTN/LBNHC", "FLASH_ATTN", "LBNHC", layers, heads, head),
+        Case("FLASH_ATTN/LBHNC", "FLASH_ATTN", "LBHNC", layers, heads, head),
+        Case("TRITON_MLA", "TRITON_MLA", "LBNHC", layers, 1, latent, mla=True),
+        Case("80L-2KV", "FLASH_ATTN", "LBNHC", 80, 2, 16 if quick else 128),
+        Case("FLASHINFER/split", "FLASHINFER", "LBNHC", layers, heads, head,
+             kernel_block_size=8 if quick else 16),
+    ]
 
 
-class CpuDevice:
-    """Synchronous writes, no streams and no events: the reply of a request means it is done."""
-
-    name = "cpu"
-    torch_device = torch.device("cpu")
-    ordering_checked = False  # nothing runs behind the worker's back to order against
-
-    def description(self) -> str:
-        return f"CPU, torch {torch.__version__}"
-
-    def behind_long_kernel(self) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
-
-    def record_event(self) -> torch.cuda.Event | None:
-        return None
-
-    def synchronize(self) -> None:
-        pass
-
-    def copy_baseline(self, nbytes: int, repeats: int) -> tuple[float, float]:
-        """GB/s of `copy_` between two tensors of `nbytes`, each way: what the shared-memory path
-        does at best, one contiguous memcpy."""
-        a = torch.ones(nbytes, dtype=torch.uint8)
-        b = torch.empty_like(a)
-        return _copy_gbps(b, a, self, repeats), _copy_gbps(a, b, self, repeats)
-
-    def pin_seconds(self, nbytes: int) -> float:
-        raise RuntimeError("pinning host memory needs CUDA")
-
-    def release_cached_memory(self) -> None:
-        pass
+def case_block_size(case: Case, geo: Geometry) -> int:
+    """The split case's vLLM blocks are twice its kernel blocks; every other case uses the geometry's."""
+    return 2 * case.kernel_block_size if case.kernel_block_size else geo.block_size
 
 
-class CudaDevice:
-    name = "cuda"
-    ordering_checked = True
-
-    def __init__(self, delay_cycles: int):
-        self.torch_device = torch.device("cuda", torch.cuda.current_device())
-        self._side = torch.cuda.Stream(self.torch_device)
-        self._delay_cycles = delay_cycles
-
-    def description(self) -> str:
-        props = torch.cuda.get_device_properties(self.torch_device)
-        return f"{props.name}, {props.total_memory / 2**30:.0f} GiB, torch {torch.__version__}"
-
-    @contextlib.contextmanager
-    def behind_long_kernel(self) -> Iterator[None]:
-        """Run the block's work on the side stream behind a kernel that spins `delay_cycles`
-        (after what the current stream queued so far, e.g. the pages to write)."""
-        self._side.wait_stream(torch.cuda.current_stream(self.torch_device))
-        with torch.cuda.stream(self._side):
-            torch.cuda._sleep(self._delay_cycles)
-            yield
-
-    def record_event(self) -> torch.cuda.Event:
-        """An interprocess event after everything queued on the side stream: what the daemon waits on."""
-        event = torch.cuda.Event(interprocess=True)
-        event.record(self._side)
-        return event
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize(self.torch_device)
-
-    def release_cached_memory(self) -> None:
-        torch.cuda.empty_cache()
-
-    def copy_baseline(self, nbytes: int, repeats: int) -> tuple[float, float]:
-        """GB/s of `copy_` device -> pinned host (what a STORE moves) and back (a RETRIEVE)."""
-        device = torch.ones(nbytes, dtype=torch.uint8, device=self.torch_device)
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        return _copy_gbps(host, device, self, repeats), _copy_gbps(device, host, self, repeats)
-
-    def pin_seconds(self, nbytes: int) -> float:
-        """Seconds `cudaHostRegister` takes to pin a fresh anonymous mmap of `nbytes` (untouched:
-        pinning faults every page in), as the daemon pins its pool in pieces."""
-        cudart = torch.cuda.cudart()
-        area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        anchor = ctypes.c_char.from_buffer(area)
-        address = ctypes.addressof(anchor)
-        try:
-            start = time.perf_counter()
-            error = cudart.cudaHostRegister(address, nbytes, 0)
-            elapsed = time.perf_counter() - start
-            if int(error) != 0:
-                raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: {error}")
-            cudart.cudaHostUnregister(address)
-            return elapsed
-        finally:
-            del anchor  # the mmap cannot close while a ctypes object holds its buffer
-            area.close()
-
-
-Device = CpuDevice | CudaDevice
-
-
-def _copy_gbps(dst: torch.Tensor, src: torch.Tensor, device: Device, repeats: int) -> float:
-    dst.copy_(src, non_blocking=True)  # warm-up
-    device.synchronize()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        device.synchronize()
-        times.append(time.perf_counter() - start)
-    return src.nbytes / statistics.median(times) / 1e9
-
-
-# ---- one layout -------------------------------------------------------------------------------
-
-
-@dataclass
-class LayoutReport:
-    layout: str
-    backend: str
-    cache_shape: list[int]
-    request_bytes: int
-    rounds: int = 0
-    chunks_expected: int = 0
-    chunks_stored: int = 0  # new objects in the daemon's pool, by STATUS
-    chunks_hit: int = 0  # chunks the lookups found
-    chunks_retrieved: int = 0  # chunks of retrieves that reported success and compared equal
-    bit_exact: bool = True
-    ordering_checked: bool = False
-    ordering_store_s: float = 0.0
-    ordering_retrieve_s: float = 0.0
-    store_gbps: float = 0.0
-    retrieve_gbps: float = 0.0
-    baseline_store_gbps: float = 0.0
-    baseline_retrieve_gbps: float = 0.0
-    failures: list[str] = field(default_factory=list)
-
-    @property
-    def store_vs_baseline(self) -> float:
-        return self.store_gbps / self.baseline_store_gbps if self.baseline_store_gbps else 0.0
-
-    @property
-    def retrieve_vs_baseline(self) -> float:
-        return self.retrieve_gbps / self.baseline_retrieve_gbps if self.baseline_retrieve_gbps else 0.0
-
-    def as_json(self) -> dict[str, Any]:
-        return {**asdict(self), "store_vs_baseline": self.store_vs_baseline,
-                "retrieve_vs_baseline": self.retrieve_vs_baseline}
-
-
-class LayoutRun:
-    """One registered worker with caches in one layout, and the rounds run through it."""
-
-    def __init__(self, layout: str, geo: Geometry, device: Device, url: str,
-                 scheduler: LMCacheMPSchedulerAdapter, seed: int):
-        self.layout, self.geo, self.device, self.url, self.scheduler = layout, geo, device, url, scheduler
-        n = geo.blocks_per_request
-        num_blocks = 2 * n + 8  # a few never used, so that neither request's blocks are 0..n-1
-        shape = (num_blocks, *geo.page_shape(layout))
-        # One tensor per layer, as vLLM allocates them on a GPU.
-        self.caches = {f"model.layers.{i}.attn": torch.zeros(shape, dtype=geo.dtype,
-                                                             device=device.torch_device)
-                       for i in range(geo.layers)}
-        rng = random.Random(seed)
-        picked = rng.sample(range(num_blocks), 2 * n)  # scattered, not ascending: like vLLM's
-        self.src_ids, self.dst_ids = picked[:n], picked[n:]
-        self.src_index = torch.tensor(self.src_ids, device=device.torch_device)
-        self.dst_index = torch.tensor(self.dst_ids, device=device.torch_device)
-        self.report = LayoutReport(layout, LAYOUTS[layout], list(shape), geo.request_bytes(layout))
-        self.worker = LMCacheMPWorkerAdapter(url, None, MODEL, 1, 0, geo.block_size)
-
-    def run(self, baseline: tuple[float, float]) -> LayoutReport:
-        report = self.report
-        report.baseline_store_gbps, report.baseline_retrieve_gbps = baseline
-        try:
-            self.worker.register_kv_caches(self.caches, layout=LAYOUTS[self.layout])
-            report.ordering_checked = self.device.ordering_checked
-            report.ordering_store_s, report.ordering_retrieve_s = self._round(0, behind_kernel=True)
-            timed = [self._round(r, behind_kernel=False) for r in range(1, self.geo.rounds + 1)]
-        finally:
-            self.worker.shutdown()
-        report.rounds = self.geo.rounds + 1
-        report.store_gbps = report.request_bytes / statistics.median(t[0] for t in timed) / 1e9
-        report.retrieve_gbps = report.request_bytes / statistics.median(t[1] for t in timed) / 1e9
-        return report
-
-    def _round(self, number: int, behind_kernel: bool) -> tuple[float, float]:
-        """Store fresh pages, look them up, retrieve them elsewhere, compare; (store s, retrieve s)."""
-        request_id = f"{self.layout}-{number}"
-        hashes = [hashlib.sha256(f"{self.layout}/{number}/{b}".encode()).digest()
-                  for b in range(self.geo.blocks_per_request)]
-        pages = self._random_pages()
-        objects_before = daemon_status(self.url).objects
-        store_op = LoadStoreOp(self.src_ids, block_hashes=hashes)
-        store_s = self._store(request_id, store_op, pages, behind_kernel)
-        self._check_stored(objects_before)
-        self._lookup(request_id, hashes)
-        retrieve_s = self._retrieve(request_id, LoadStoreOp(self.dst_ids, block_hashes=hashes), behind_kernel)
-        self._check_retrieved(request_id, pages)
-        return store_s, retrieve_s
-
-    def _random_pages(self) -> torch.Tensor:
-        """[layers, blocks of a request, *page] of random bytes (any bit pattern of the dtype)."""
-        pages = torch.empty((self.geo.layers, self.geo.blocks_per_request, *self.geo.page_shape(self.layout)),
-                            dtype=self.geo.dtype, device=self.device.torch_device)
-        pages.view(torch.uint8).random_(0, 256)
-        return pages
-
-    def _write(self, index: torch.Tensor, pages: torch.Tensor) -> None:
-        for layer, cache in enumerate(self.caches.values()):
-            cache.index_copy_(0, index, pages[layer])
-
-    def _read(self, index: torch.Tensor) -> torch.Tensor:
-        return torch.stack([cache.index_select(0, index) for cache in self.caches.values()])
-
-    def _store(self, request_id: str, op: LoadStoreOp, pages: torch.Tensor, behind_kernel: bool) -> float:
-        """Write the pages into the source blocks and STORE them; seconds from submit to finished.
-        Behind the kernel, the write is still queued when the STORE goes out."""
-        if behind_kernel:
-            with self.device.behind_long_kernel():
-                self._write(self.src_index, pages)
-                event = self.device.record_event()
-        else:
-            self._write(self.src_index, pages)
-            self.device.synchronize()
-            event = self.device.record_event()
-        start = time.perf_counter()
-        self.worker.batched_submit_store_requests([request_id], [op], event)
-        self._wait(lambda: request_id in self.worker.get_finished({request_id})[0], f"store {request_id}")
-        return time.perf_counter() - start  # `event` lived until here: past the daemon's reply
-
-    def _retrieve(self, request_id: str, op: LoadStoreOp, behind_kernel: bool) -> float:
-        """RETRIEVE into the destination blocks; seconds from submit to finished. They hold
-        stale bytes first; behind the kernel, they are cleared after the RETRIEVE went out (the
-        daemon must write only after that)."""
-        self._fill(self.dst_index, 0xFF)
-        self.device.synchronize()
-        if behind_kernel:
-            with self.device.behind_long_kernel():
-                self._fill(self.dst_index, 0)
-                event = self.device.record_event()
-        else:
-            event = self.device.record_event()
-        start = time.perf_counter()
-        self.worker.batched_submit_retrieve_requests([request_id], [op], event)
-        self._wait(lambda: request_id in self.worker.get_finished(set())[1], f"retrieve {request_id}")
-        elapsed = time.perf_counter() - start
-        self.device.synchronize()
-        return elapsed
-
-    def _fill(self, index: torch.Tensor, byte: int) -> None:
-        for cache in self.caches.values():
-            cache.view(torch.uint8).view(cache.shape[0], -1).index_fill_(0, index, byte)
-
-    def _lookup(self, request_id: str, hashes: list[bytes]) -> None:
-        self.scheduler.maybe_submit_lookup_request(request_id, block_hashes=hashes)
-        self._wait(lambda: self.scheduler.check_lookup_result(request_id) is not None, f"lookup {request_id}")
-        hit = self.scheduler.check_lookup_result(request_id) or 0
-        self.scheduler.cleanup_lookup_result(request_id)
-        self.report.chunks_hit += hit // self.geo.chunk_size
-        expected = self.geo.chunks * self.geo.chunk_size
-        if hit != expected:
-            self._fail(f"{request_id}: the lookup hit {hit} tokens of {expected}")
-
-    def _check_stored(self, objects_before: int) -> None:
-        stored = daemon_status(self.url).objects - objects_before
-        self.report.chunks_expected += self.geo.chunks
-        self.report.chunks_stored += stored
-        if stored != self.geo.chunks:
-            self._fail(f"the daemon's pool gained {stored} objects for a store of {self.geo.chunks} chunks")
-
-    def _check_retrieved(self, request_id: str, pages: torch.Tensor) -> None:
-        failed = self.worker.take_failed_retrieves()
-        if request_id in failed:
-            self._fail(f"{request_id}: the retrieve failed")
-            return
-        leases = daemon_status(self.url).leases
-        if leases:
-            self._fail(f"{request_id}: {leases} leases left after the retrieve (it should spend them)")
-        got = self._read(self.dst_index)
-        if not torch.equal(got.view(torch.uint8), pages.view(torch.uint8)):
-            self.report.bit_exact = False
-            wrong = (got.view(torch.uint8) != pages.view(torch.uint8)).sum().item()
-            self._fail(f"{request_id}: {wrong} of {pages.nbytes} retrieved bytes differ from those written")
-            return
-        self.report.chunks_retrieved += self.geo.chunks
-
-    def _wait(self, done: Callable[[], bool], what: str) -> None:
-        deadline = time.monotonic() + WAIT_S
-        while not done():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.layout}: {what} not finished in {WAIT_S:g} s")
-            time.sleep(POLL_S)
-
-    def _fail(self, message: str) -> None:
-        self.report.failures.append(f"{self.layout}: {message}")
-
-
-# ---- the run ----------------------------------------------------------------------------------
-
-
-def pool_gb(geo: Geometry) -> float:
+def pool_gb(geo: Geometry, all_cases: list[Case]) -> float:
     """A pool that holds every chunk of the run (no eviction to blur the counts), with room."""
-    total = sum(geo.request_bytes(layout) for layout in LAYOUTS) * (geo.rounds + 1)
+    total = sum(c.chunk_bytes(geo.chunk_size) for c in all_cases) * geo.chunks * (geo.rounds + 8)
     return round(total * 1.25 / 2**30 + 0.05, 3)
 
 
-def pin_timings(device: Device, sizes_gib: list[int]) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
-    for gib in sizes_gib:
-        nbytes = gib << 30
-        if device.name != "cuda":
-            rows.append({"gib": gib, "skipped": "needs CUDA"})
-        elif nbytes + PIN_HEADROOM_BYTES > (available := available_memory_bytes() or 0):
-            rows.append({"gib": gib, "skipped": f"the host has {available / 2**30:.0f} GiB "
-                                                f"available, {gib + PIN_HEADROOM_BYTES // 2**30} needed"})
-        else:
-            seconds = device.pin_seconds(nbytes)
-            rows.append({"gib": gib, "seconds": seconds, "gbps": nbytes / seconds / 1e9})
-    return rows
+def new_worker(url: str, case: Case, geo: Geometry, device: Device, seed: int, *, model: str = MODEL,
+               world_size: int = 1, rank: int = 0) -> Worker:
+    block_size = case_block_size(case, geo)
+    num_blocks = 2 * geo.chunks * (geo.chunk_size // block_size) + 8  # a few never used
+    _, caches = allocate_like_vllm(case.layers, num_blocks, case.kv_heads, block_size, case.head_size,
+                                   torch.bfloat16, case.physical, case.mla, case.kernel_block_size,
+                                   device=device.torch_device)
+    adapter = LMCacheMPWorkerAdapter(url, None, model, world_size, rank, block_size)
+    return Worker(case, caches, block_size, geo.chunk_size, geo.chunks, device, adapter, seed)
 
 
-def run_layouts(geo: Geometry, device: Device, daemon: DaemonProcess) -> list[LayoutReport]:
-    scheduler = LMCacheMPSchedulerAdapter(daemon.url, None, MODEL, 1, 0, geo.block_size)
+def run_cases(geo: Geometry, device: Device, daemon: DaemonProcess, quick: bool) -> list[CaseReport]:
     reports = []
-    try:
-        for seed, layout in enumerate(LAYOUTS):
-            baseline = device.copy_baseline(geo.request_bytes(layout), geo.rounds)
-            reports.append(LayoutRun(layout, geo, device, daemon.url, scheduler, seed).run(baseline))
-            device.release_cached_memory()  # the caches are gone: the next layout gets the room
-    finally:
-        scheduler.shutdown()
+    for seed, case in enumerate(cases(quick)):
+        scheduler = LMCacheMPSchedulerAdapter(daemon.url, None, MODEL, 1, 0, case_block_size(case, geo))
+        worker = new_worker(daemon.url, case, geo, device, seed)
+        try:
+            baseline = device.copy_baseline(worker.request_bytes, geo.rounds)
+            reports.append(run_case(worker, scheduler, daemon.url, geo.rounds, baseline))
+        finally:
+            worker.close()
+            scheduler.shutdown()
+            device.release_cached_memory()  # the caches are gone: the next case gets the room
     return reports
 
 
-def print_table(reports: list[LayoutReport], pins: list[dict[str, Any]]) -> None:
-    print(f"\n{'layout':<12}{'MiB/req':>9}{'STORE GB/s':>12}{'copy GB/s':>11}{'ratio':>7}"
+def run_concurrent(geo: Geometry, device: Device, daemon: DaemonProcess, quick: bool) -> list[CaseReport]:
+    """Two TP ranks at once (own events), then two KV groups of one worker sharing one event."""
+    case = cases(quick)[0]
+    reports = []
+    scenarios = (("2 ranks", [MODEL + "-tp2"] * 2, 2, False),
+                 ("2 groups, 1 event", [MODEL + "#g0", MODEL + "#g1"], 1, True))
+    for name, models, world_size, shared_event in scenarios:
+        workers = [new_worker(daemon.url, replace(case, name=f"{name} #{i}"), geo, device, 100 + i,
+                              model=model, world_size=world_size, rank=i if world_size > 1 else 0)
+                   for i, model in enumerate(models)]
+        schedulers = [LMCacheMPSchedulerAdapter(daemon.url, None, model, world_size, 0, geo.block_size)
+                      for model in dict.fromkeys(models)]
+        try:
+            reports.extend(run_together(workers, schedulers, daemon.url, shared_event))
+        finally:
+            for worker in workers:
+                worker.close()
+            for scheduler in schedulers:
+                scheduler.shutdown()
+            device.release_cached_memory()
+    return reports
+
+
+def kill_worker_mid_store(geo: Geometry, device: Device, daemon: DaemonProcess, quick: bool,
+                          delay_cycles: int) -> dict[str, Any]:
+    """A worker process registers, STOREs its request behind a long kernel (CUDA) and is killed
+    while the daemon copies or waits; then the daemon must either serve on, with the worker's
+    registration dropped and a fresh round bit-exact, or have exited non-zero for its supervisor."""
+    before = len(daemon_status(daemon.url).registered_instances)
+    command = [sys.executable, __file__, "--device", device.name, "--delay-cycles", str(delay_cycles),
+               *(["--quick"] if quick else []), "--child-store", daemon.url]
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    line = child.stdout.readline().strip()
+    running = daemon_status(daemon.url).transfers_running if daemon.proc.poll() is None else 0
+    child.kill()
+    child.wait()
+    result: dict[str, Any] = {"child_said": line, "copying_when_killed": running > 0}
+    deadline = time.monotonic() + KILL_WAIT_S
+    while time.monotonic() < deadline and daemon.proc.poll() is None:
+        status = daemon_status(daemon.url)
+        if len(status.registered_instances) == before and status.transfers_running == 0:
+            break
+        time.sleep(0.2)
+    if daemon.proc.poll() is not None:
+        result.update(outcome="daemon exited", exit_code=daemon.proc.returncode,
+                      ok=daemon.proc.returncode != 0 and "CRITICAL" in daemon.log())
+        return result
+    status = daemon_status(daemon.url)
+    dropped = len(status.registered_instances) == before and status.transfers_running == 0
+    scheduler = LMCacheMPSchedulerAdapter(daemon.url, None, MODEL + "-after", 1, 0, geo.block_size)
+    worker = new_worker(daemon.url, cases(quick)[0], geo, device, 7, model=MODEL + "-after")
+    try:
+        after = run_case(worker, scheduler, daemon.url, 0, (0.0, 0.0))
+    finally:
+        worker.close()
+        scheduler.shutdown()
+    result.update(outcome="daemon served on", dropped=dropped, round_after=not after.failures,
+                  ok=dropped and not after.failures)
+    return result
+
+
+def child_store(url: str, device: Device, geo: Geometry, quick: bool) -> None:
+    """The worker that is killed: register, write behind a long kernel, STORE, say so, wait."""
+    worker = new_worker(url, cases(quick)[3], geo, device, 9, model=MODEL + "-killed")
+    worker.register()
+    hashes = worker.hashes("killed")
+    with device.behind_long_kernel():
+        worker.write(worker.random_pages())
+        event = device.record_event()
+    op = LoadStoreOp(worker.src_ids, block_hashes=hashes)
+    worker.adapter.batched_submit_store_requests(["killed"], [op], event)
+    print("stored", flush=True)
+    time.sleep(3600)
+
+
+def print_table(reports: list[CaseReport], kill: dict[str, Any], pins: list[dict[str, Any]]) -> None:
+    print(f"\n{'case':<22}{'MiB/req':>9}{'STORE GB/s':>12}{'copy GB/s':>11}{'ratio':>7}"
           f"{'RETRIEVE GB/s':>15}{'copy GB/s':>11}{'ratio':>7}  bit-exact")
     for r in reports:
-        print(f"{r.layout:<12}{r.request_bytes / 2**20:>9.1f}"
+        print(f"{r.name:<22}{r.request_bytes / 2**20:>9.1f}"
               f"{r.store_gbps:>12.2f}{r.baseline_store_gbps:>11.2f}{r.store_vs_baseline:>7.0%}"
               f"{r.retrieve_gbps:>15.2f}{r.baseline_retrieve_gbps:>11.2f}"
               f"{r.retrieve_vs_baseline:>7.0%}  {r.bit_exact}")
+    print(f"worker killed mid-STORE: {kill}")
     for pin in pins:
         if "seconds" in pin:
             print(f"pin {pin['gib']} GiB (cudaHostRegister): {pin['seconds']:.2f} s, {pin['gbps']:.1f} GB/s")
@@ -462,28 +230,34 @@ def main() -> int:
                         help="GiB to time pinning, comma-separated ('' for none; CUDA only)")
     parser.add_argument("--delay-cycles", type=int, default=1_000_000_000,
                         help="GPU cycles the long kernel spins before the ordering round's writes")
+    parser.add_argument("--child-store", metavar="URL", help=argparse.SUPPRESS)  # the killed worker
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device")
     geo = QUICK if args.quick else FULL
     device: Device = CudaDevice(args.delay_cycles) if args.device == "cuda" else CpuDevice()
+    if args.child_store:
+        child_store(args.child_store, device, geo, args.quick)
+        return 0
     print(f"{device.description()}; {'quick' if args.quick else 'full'} geometry {geo}", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="lmc-gpu-", dir="/tmp"))  # short: Unix socket paths are limited
-    daemon = start_daemon(tmp, "--l1-size-gb", str(pool_gb(geo)), "--chunk-size", str(geo.chunk_size),
-                          ready_timeout=300)
+    daemon = start_daemon(tmp, "--l1-size-gb", str(pool_gb(geo, cases(args.quick))), "--chunk-size",
+                          str(geo.chunk_size), ready_timeout=300, env=device.daemon_env())
     try:
-        reports = run_layouts(geo, device, daemon)
+        reports = run_cases(geo, device, daemon, args.quick) + run_concurrent(geo, device, daemon, args.quick)
+        kill = kill_worker_mid_store(geo, device, daemon, args.quick, args.delay_cycles)
     finally:
         daemon.stop(timeout=30)
     failures = [f for r in reports for f in r.failures]
+    if not kill["ok"]:
+        failures.append(f"worker killed mid-STORE: {kill}")
     if "Traceback" in daemon.log():
         failures.append(f"the daemon logged a traceback (see {daemon.log_path})")
     pins = pin_timings(device, [int(s) for s in args.pin_gib.split(",") if s.strip()])
-    print_table(reports, pins)
+    print_table(reports, kill, pins)
     figures = {"device": device.name, "device_description": device.description(), "quick": args.quick,
-               "geometry": {**asdict(geo), "dtype": str(geo.dtype).removeprefix("torch.")},
-               "layouts": {r.layout: r.as_json() for r in reports}, "pin": pins,
-               "ok": not failures, "failures": failures}
+               "geometry": asdict(geo), "cases": {r.name: r.as_json() for r in reports},
+               "killed_worker": kill, "pin": pins, "ok": not failures, "failures": failures}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(figures, indent=2))

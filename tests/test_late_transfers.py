@@ -245,13 +245,18 @@ def keys_of(hashes: list[bytes], request_id: str) -> list[IPCCacheEngineKey]:
     return [IPCCacheEngineKey("m", 1, 0, chunk_hash=h, request_id=request_id) for h in hashes]
 
 
-def queued_behind(worker: LMCacheMPWorkerAdapter, hashes: list[bytes]) -> MessagingFuture:
-    """A RETRIEVE of all `hashes` (stored already) into the second half of the cache: it keeps
-    the daemon's one worker thread copying for tens of ms, so what is sent right after it
-    waits in the queue, not started."""
-    target = list(range(BIG_BLOCKS // 2, BIG_BLOCKS))
-    keys = keys_of(hashes, "busy")
-    return worker.mq_client.submit(RequestType.RETRIEVE, [keys, worker.instance_id, target, b""])
+def queued_behind(worker: LMCacheMPWorkerAdapter,
+                  hashes: list[bytes]) -> tuple[MessagingFuture, MessagingFuture]:
+    """A RETRIEVE of all `hashes` (stored already) into the second half of the cache, and a STORE
+    of as many other chunks from the first half: they keep the daemon's one worker thread of each
+    lane (RETRIEVEs have their own: server.py) copying for tens of ms, so what is sent right after
+    them waits in the queue, not started."""
+    client, iid, half = worker.mq_client, worker.instance_id, BIG_BLOCKS // 2
+    target = list(range(half, BIG_BLOCKS))
+    load = client.submit(RequestType.RETRIEVE, [keys_of(hashes, "busy"), iid, target, b""])
+    others = block_hashes(list(range(10**7, 10**7 + half * BLOCK)))[CHUNK // BLOCK - 1::CHUNK // BLOCK]
+    store = client.submit(RequestType.STORE, [keys_of(others, "busy"), iid, list(range(half)), b""])
+    return load, store
 
 
 def test_cancel_refuses_what_was_sent_before_it_and_nothing_after(big_worker) -> None:
@@ -266,13 +271,14 @@ def test_cancel_refuses_what_was_sent_before_it_and_nothing_after(big_worker) ->
     fresh = block_hashes(list(range(10**6, 10**6 + CHUNK)))[bpc - 1::bpc]  # not stored yet
     assert lease(client, hashes[:1], "r") == 1 and status(daemon.url).leases == 1
 
-    busy = queued_behind(worker, hashes)
+    busy_load, busy_store = queued_behind(worker, hashes)
     load = client.submit(RequestType.RETRIEVE, [keys_of(hashes[:1], "r"), iid, one_chunk, b""])
     save = client.submit(RequestType.STORE, [keys_of(fresh, "r"), iid, list(range(bpc)), b""])
     started = time.monotonic()
     assert cancel(client, iid, ["r", "never-seen"]) == 0  # nothing of them copying: answered at once
     assert time.monotonic() - started < 1
-    assert busy.result(10).ok
+    assert busy_load.result(10).ok
+    assert busy_store.result(10).outcomes == [ChunkOutcome.STORED] * len(hashes)
     result: RetrieveResult = load.result(10)
     assert not result.ok and result.reason == "cancelled"
     assert save.wait(10)

@@ -1,16 +1,22 @@
-"""The daemon's CPU memory pool: visibility, pins, LRU eviction, slabs shared by size classes."""
+"""The daemon's CPU memory pool: visibility, pins, LRU eviction, slabs shared by size classes, and its
+memory's preparation (prepared pieces only; a pinning failure falls back to unpinned memory)."""
 
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 
+import msgspec
 import pytest
+import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from lmcache_mp.protocol import StatusReport
+from lmcache_mp.status_text import render_status
 from lmcache_mp.storage.pool import (
     ALIGN,
     MemoryPool,
@@ -22,6 +28,7 @@ from lmcache_mp.storage.pool import (
 
 KiB = 1024
 MiB = 1024 * KiB
+GiB = 1024 * MiB
 
 
 def reserve_ready(pool: MemoryPool, keys: list, nbytes: int) -> list[PoolObject]:
@@ -863,3 +870,63 @@ def test_close_stops_preparing_between_pieces() -> None:
     assert not closer.is_alive()
     assert len(pins.pinned) == 2 and pool.stats().ready_bytes == 2 * MiB  # no piece after the stop
     assert len(pins.unpinned) == 2
+
+
+class PinsUntil:
+    """A `pin` hook that pins the first `good` pieces, then fails as cudaHostRegister does where
+    page-locking is not allowed (RLIMIT_MEMLOCK, a container policy, gVisor):
+    `torch.cuda.check_error` raises torch.cuda.CudaError, a RuntimeError."""
+
+    def __init__(self, good: int) -> None:
+        self.good = good
+        self.calls = 0
+        self.pinned: list[tuple[int, int]] = []
+        self.unpinned: list[int] = []
+
+    def __call__(self, address: int, nbytes: int):
+        self.calls += 1
+        if len(self.pinned) == self.good:
+            # Built without __init__, which asks the CUDA runtime (absent here) for the message.
+            err = torch.cuda.CudaError.__new__(torch.cuda.CudaError)
+            RuntimeError.__init__(err, "out of memory")
+            raise err
+        self.pinned.append((address, nbytes))
+        return lambda: self.unpinned.append(address)
+
+
+@pytest.mark.parametrize(("good", "background"), [(0, True), (2, False)],
+                         ids=["first-piece-background", "third-piece"])
+def test_a_pinning_failure_leaves_the_rest_of_the_pool_unpinned_but_usable(
+        good: int, background: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """Review F9: pinning failed at the first piece, preparation stopped, and the pool never had any
+    capacity (every STORE NO_SPACE). Now the rest is prepared unpinned: the whole capacity serves,
+    it says how much is pinned and why no more (STATUS shows both), and pinning is not tried again."""
+    slab, capacity = 192 * KiB, 4 * MiB  # 21 slabs; pieces of about 1 MiB
+    pins = PinsUntil(good)
+    with caplog.at_level(logging.WARNING, logger="lmcache_mp.storage.pool_memory"):
+        pool = MemoryPool(capacity, pin=pins, slab_bytes=slab, background=background, piece_bytes=MiB)
+        try:
+            wait_for(lambda: pool.stats().ready_bytes == capacity)
+            stats = pool.stats()
+            pinned = sum(nbytes for _, nbytes in pins.pinned)
+            assert stats.pinned_bytes == pinned and (pinned > 0) == (good > 0)
+            assert stats.pin_error == "CudaError: out of memory"
+            assert pins.calls == good + 1  # not once per remaining piece
+            assert len(reserve_ready(pool, list(range(21)), slab)) == 21  # every slab, no eviction
+        finally:
+            pool.close()
+    assert sorted(pins.unpinned) == sorted(address for address, _ in pins.pinned)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "out of memory" in warnings[0] and "copies stay correct, staged and slower" in warnings[0]
+
+
+def test_status_says_how_much_of_the_pool_is_pinned() -> None:
+    base = StatusReport("0.1.0", 1, 1.5, 256, ["ipc:///x"], pool_bytes=4 * GiB, pool_ready_bytes=4 * GiB,
+                        pool_ready=True)
+    assert "ready\n" in render_status("ipc:///x", base)  # no CUDA: nothing said about pinning
+    pinned = msgspec.structs.replace(base, pool_pinned_bytes=4 * GiB)
+    assert "ready, pinned\n" in render_status("ipc:///x", pinned)
+    failed = msgspec.structs.replace(base, pool_pinned_bytes=GiB, pool_pin_error="CudaError: out of memory")
+    text = render_status("ipc:///x", failed)
+    assert "ready; pinned only 1.0 GiB (CudaError: out of memory)" in text and "slower" in text

@@ -134,7 +134,8 @@ def test_permanent_refusal_is_not_retried(daemons, caplog: pytest.LogCaptureFixt
     port = free_port()
     daemon = daemons(*DAEMON_ARGS, "--metrics-port", str(port))
     worker = LMCacheMPWorkerAdapter(daemon.url, None, "m", 1, 0, BLOCK, reregister_interval_s=0.1)
-    dtype, layout = ((torch.bfloat16, "NO_SUCH_BACKEND") if case == "refused"
+    # "refused": an MLA backend's name on caches of two heads (MLA has one), which the daemon can't read.
+    dtype, layout = ((torch.bfloat16, "TRITON_MLA") if case == "refused"
                      else (torch.float8_e4m3fnuz, "CPU_ATTN"))
     try:
         with caplog.at_level(logging.WARNING, logger=ADAPTER_LOG):
@@ -159,7 +160,7 @@ def test_permanent_refusal_is_not_retried(daemons, caplog: pytest.LogCaptureFixt
         assert register_requests(port) == (1 if case == "refused" else 0)
         errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
         assert len(errors) == 1
-        assert ("NO_SUCH_BACKEND" if case == "refused" else "float8_e4m3fnuz") in errors[0].getMessage()
+        assert ("TRITON_MLA" if case == "refused" else "float8_e4m3fnuz") in errors[0].getMessage()
         # Skipped stores are no failures; a retrieve (nothing could be loaded) is reported failed.
         assert not any("store for request" in r.getMessage() for r in caplog.records)
         assert set(worker.take_failed_retrieves()) == {f"r{i}" for i in range(step)}

@@ -20,7 +20,9 @@ from types import ModuleType
 import pytest
 import torch
 
+from lmcache_mp.custom_types import IPCCacheEngineKey
 from lmcache_mp.launcher import DaemonProcess
+from lmcache_mp.protocol import RequestType
 from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes, freeze, lookup
 from tests.kv_worker import make_caches
 from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp
@@ -103,8 +105,8 @@ def test_soak_45_s_of_chaos_serves_no_wrong_byte_and_leaks_nothing(tmp_path: Pat
 # finished and vLLM had handed its blocks to another request: the late STORE cached that
 # request's KV under the old keys, for every client. The soak's daemon freezes produced it.
 
-# One worker thread: requests run in the order sent, so a request answered after the thaw means
-# that every one sent before it has run.
+# One worker thread: STOREs run in the order sent, so a STORE answered after the thaw means that
+# every one sent before it has run (RETRIEVEs run on a lane of their own: server.py).
 LATE_DAEMON = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05", "--max-workers", "1")
 
 
@@ -130,9 +132,12 @@ def _worker(daemon: DaemonProcess) -> LMCacheMPWorkerAdapter:
     return worker
 
 
-def _after_the_thaw(worker: LMCacheMPWorkerAdapter, hashes: list[bytes]) -> None:
-    """Returns once the daemon has run everything this worker sent before (see LATE_DAEMON)."""
-    worker.retrieve_now(["barrier"], [LoadStoreOp([6, 7], block_hashes=hashes)], timeout_s=10)
+def _after_the_thaw(worker: LMCacheMPWorkerAdapter) -> None:
+    """Returns once the daemon has run every STORE this worker sent before (see LATE_DAEMON): a
+    STORE of another chunk, queued behind them."""
+    other = block_hashes(list(range(10**6, 10**6 + CHUNK)))[CHUNK // BLOCK - 1::CHUNK // BLOCK]
+    keys = [IPCCacheEngineKey("m", 1, 0, chunk_hash=h) for h in other]
+    worker.mq_client.submit(RequestType.STORE, [keys, worker.instance_id, [6, 7], b""]).result(10)
 
 
 def _fill(worker: LMCacheMPWorkerAdapter, blocks: list[int], value: float) -> None:
@@ -160,7 +165,7 @@ def test_a_store_the_client_gave_up_on_does_not_cache_reused_blocks(daemon: Daem
         if not reported:  # held until the daemon has cancelled or finished it: then they go
             _wait(lambda: "s" in worker.get_finished({"s"})[0])
             _fill(worker, [0, 1], 9.0)
-        _after_the_thaw(worker, hashes)
+        _after_the_thaw(worker)
         if lookup(scheduler, "q", block_hashes=hashes):  # cached after all: it must be what was sent
             worker.submit_retrieve_request("q", LoadStoreOp([2, 3], block_hashes=hashes), None)
             _wait(lambda: "q" in worker.get_finished(set())[1])

@@ -7,11 +7,21 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from lmcache_mp.transfer.context import Copies, TransferContext, consecutive_runs, kept_runs
+from lmcache_mp.errors import FatalError
+from lmcache_mp.transfer.context import (
+    Copies,
+    Lane,
+    TransferContext,
+    consecutive_runs,
+    kept_runs,
+    non_overlapping,
+)
+from lmcache_mp.transfer.cuda import wait_bounded
 from lmcache_mp.transfer.layouts import describe_caches
 from lmcache_mp.transfer.threads import CopyThreads
 
@@ -30,14 +40,16 @@ def _caches(layout: str, shape: tuple[int, ...], seed: int,
 
 LAYOUTS = {
     "FLASH_ATTN": (NUM_BLOCKS, 2, 16, 2 * 8),  # [blocks, kv heads, block size, 2*head size]
-    "MLA": (NUM_BLOCKS, 16, 24),  # [blocks, block size, latent dim]
+    "MLA": (NUM_BLOCKS, 16, 24),  # [blocks, block size, latent dim]: vLLM before 0.32
+    "TRITON_MLA": (NUM_BLOCKS, 1, 16, 24),  # vLLM 0.32: [blocks, 1 latent head, block size, latent dim]
     "FLASH_ATTN/KV_PLANES": (2, NUM_BLOCKS, 16, 2, 8),  # block dim 1
 }
 
 
 def _context(layers: list[torch.Tensor], layout: str, staged: bool) -> TransferContext:
     name = "FLASH_ATTN" if layout.startswith("FLASH_ATTN") else layout
-    return TransferContext(layers, describe_caches(layers, name), CHUNK_TOKENS, staged=staged)
+    layers, geometry = describe_caches(layers, name)
+    return TransferContext(layers, geometry, CHUNK_TOKENS, staged=staged)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -48,17 +60,17 @@ def test_staged_copies_equal_direct_copies(layout: str) -> None:
     results = {}
     for staged in (False, True):
         ctx = _context(source, layout, staged)
-        assert ctx.staging_nbytes == (ctx.chunk_nbytes if staged else 0)  # the bound: one chunk
+        assert ctx.staging_nbytes == (2 * ctx.chunk_nbytes if staged else 0)  # the bound: a chunk a lane
         store_ids = [3, 7, 1, 10, 0, 2, 4, 5]  # two chunks
         objects = [torch.empty(ctx.chunk_nbytes, dtype=torch.uint8) for _ in range(2)]
-        with ctx.operation(store_ids, b"") as copies:
+        with ctx.operation(store_ids, b"", Lane.STORE) as copies:
             for i, obj in enumerate(objects):
                 copies.gather(i, ctx.chunk_view(obj))
         target = _caches(layout, LAYOUTS[layout], seed=2)
         before = [t.clone() for t in target]
         tctx = _context(target, layout, staged)
         retrieve_ids = [-1, 6, -1, 8, 9, -1, 11, -1]  # two runs in chunk 0, two in chunk 1
-        with tctx.operation(retrieve_ids, b"") as copies:
+        with tctx.operation(retrieve_ids, b"", Lane.LOAD) as copies:
             for i, obj in enumerate(objects):
                 copies.scatter(tctx.chunk_view(obj), i)
         results[staged] = (objects, target)
@@ -79,14 +91,14 @@ def test_operations_reuse_the_one_staging_buffer() -> None:
     buffer is reused, never shared by two chunks at once)."""
     layers = _caches("MLA", LAYOUTS["MLA"], seed=3)
     ctx = _context(layers, "MLA", staged=True)
-    staging = ctx._staging
+    staging = ctx._lanes[Lane.STORE].staging
     seen = []
     for ids in ([0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]):
         obj = torch.empty(ctx.chunk_nbytes, dtype=torch.uint8)
-        with ctx.operation(ids, b"") as copies:
+        with ctx.operation(ids, b"", Lane.STORE) as copies:
             copies.gather(0, ctx.chunk_view(obj))
         seen.append(obj)
-        assert ctx._staging is staging
+        assert ctx._lanes[Lane.STORE].staging is staging
     for n, obj in enumerate(seen):
         view = ctx.chunk_view(obj)
         for layer, cache in enumerate(layers):
@@ -97,7 +109,7 @@ def test_an_event_handle_for_a_cpu_cache_is_refused() -> None:
     layers = _caches("MLA", LAYOUTS["MLA"], seed=4)
     ctx = _context(layers, "MLA", staged=False)
     with pytest.raises(ValueError, match="event handle was sent for a CPU cache"), \
-            ctx.operation([0, 1, 2, 3], b"\x01" * 64):
+            ctx.operation([0, 1, 2, 3], b"\x01" * 64, Lane.STORE):
         pass
 
 
@@ -108,14 +120,14 @@ def test_one_copy_writes_a_run_of_pages_of_every_layer(layout: str) -> None:
     stored = _caches(layout, LAYOUTS[layout], seed=8)
     ctx = _context(stored, layout, staged=False)
     obj = torch.empty(ctx.chunk_nbytes, dtype=torch.uint8)
-    with ctx.operation([9, 2, 5, 7], b"") as copies:
+    with ctx.operation([9, 2, 5, 7], b"", Lane.STORE) as copies:
         copies.gather(0, ctx.chunk_view(obj))
     results = []
     for one_allocation in (False, True):
         target = _caches(layout, LAYOUTS[layout], seed=9, one_allocation=one_allocation)
         tctx = _context(target, layout, staged=False)
         assert (tctx._all_layers is not None) == one_allocation
-        with tctx.operation([4, 5, -1, 6], b"") as copies:  # a run of two pages, a skip, one page
+        with tctx.operation([4, 5, -1, 6], b"", Lane.LOAD) as copies:  # a run of two pages, a skip, one page
             copies.scatter(tctx.chunk_view(obj), 0)
         results.append(target)
     for one, many in zip(*results, strict=True):
@@ -127,6 +139,83 @@ def test_one_copy_writes_a_run_of_pages_of_every_layer(layout: str) -> None:
             expected = {4: src.select(block_dim, 9), 5: src.select(block_dim, 2),
                         6: src.select(block_dim, 7)}.get(block, old.select(block_dim, block))
             assert torch.equal(got.select(block_dim, block), expected), block
+
+
+# vLLM 0.32's physical orders of the logical [L, B, H, N, C] axes (vllm/v1/kv_cache_layout.py): LBNHC is
+# the default on GPU; in BLNHC and BHLNC the layers are interleaved within each block.
+VLLM_LAYOUTS = {"LBNHC": (0, 1, 3, 2, 4), "LBHNC": (0, 1, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4),
+                "BHLNC": (1, 2, 0, 3, 4)}
+
+
+def _vllm_views(order: tuple[int, ...], seed: int) -> list[torch.Tensor]:
+    """Three layers' bf16 `[blocks, heads, block size, C]` views of one int8 buffer, at a storage
+    offset, in `order`: what vLLM 0.32 registers on a GPU (`allocate_kv_cache` makes the buffer,
+    `create_kv_cache_views` the per-layer `as_strided` views, then `.view(dtype)`)."""
+    shape = (3, NUM_BLOCKS, 2, 16, 2 * 8 * 2)  # C in bytes: 2*head size of bf16
+    strides, step = [0] * 5, 1
+    for dim in reversed(order):
+        strides[dim], step = step, step * shape[dim]
+    raw = torch.zeros(64 + step, dtype=torch.int8)
+    gen = torch.Generator().manual_seed(seed)
+    raw.view(torch.bfloat16).copy_(torch.randn(raw.numel() // 2, generator=gen))
+    every_layer = torch.as_strided(raw, shape, strides, storage_offset=64)
+    return [every_layer[layer].view(torch.bfloat16) for layer in range(3)]
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
+@pytest.mark.parametrize("order", sorted(VLLM_LAYOUTS))
+def test_layers_of_one_vllm_buffer_are_copied_in_one_call_per_chunk(order: str, staged: bool) -> None:
+    """vLLM 0.32's per-layer views of one buffer, non-contiguous, layers outermost or interleaved
+    within each block: one `[layers, blocks, ...]` view serves every layer, and STORE and RETRIEVE
+    (with skipped blocks) move exactly the pages a view per layer would."""
+    source = _vllm_views(VLLM_LAYOUTS[order], seed=10)
+    ctx = _context(source, "FLASH_ATTN", staged)
+    assert ctx._all_layers is not None
+    store_ids = [3, 7, 1, 10, 0, 2, 4, 5]
+    objects = [torch.empty(ctx.chunk_nbytes, dtype=torch.uint8) for _ in range(2)]
+    with ctx.operation(store_ids, b"", Lane.STORE) as copies:
+        for i, obj in enumerate(objects):
+            copies.gather(i, ctx.chunk_view(obj))
+    for i, obj in enumerate(objects):
+        expected = torch.stack([layer[store_ids[4 * i:4 * i + 4]] for layer in source])
+        assert torch.equal(ctx.chunk_view(obj), expected), i
+    target = _vllm_views(VLLM_LAYOUTS[order], seed=11)
+    before = [layer.clone() for layer in target]
+    tctx = _context(target, "FLASH_ATTN", staged)
+    retrieve_ids = [-1, 6, -1, 8, 9, 11, -1, 2]
+    with tctx.operation(retrieve_ids, b"", Lane.LOAD) as copies:
+        for i, obj in enumerate(objects):
+            copies.scatter(tctx.chunk_view(obj), i)
+    for got, old, src in zip(target, before, source, strict=True):
+        for block in range(NUM_BLOCKS):
+            want = src[store_ids[retrieve_ids.index(block)]] if block in retrieve_ids else old[block]
+            assert torch.equal(got[block], want), block
+
+
+@pytest.mark.parametrize(("shape", "strides", "expected"), [
+    ((3, 4, 5), (20, 5, 1), True),  # contiguous
+    ((3, 4, 5), (5, 15, 1), True),  # layers interleaved within each block
+    ((3, 4, 5), (4, 5, 1), False),  # each layer starts inside the previous one's first block
+    ((3, 1, 5), (5, 0, 1), True),  # a dimension of size 1 names one element whatever its stride
+    ((3, 4, 5), (20, 0, 1), False),  # a broadcast dimension
+])
+def test_non_overlapping(shape: tuple[int, ...], strides: tuple[int, ...], expected: bool) -> None:
+    assert non_overlapping(shape, strides) is expected
+
+
+def test_layers_that_overlap_are_copied_one_by_one() -> None:
+    """Views of one buffer at a constant distance shorter than a page (not something vLLM makes)
+    are never written as one view: each layer keeps its own copies."""
+    blocks, tokens, latent = LAYOUTS["MLA"]  # the layers one token row apart
+    raw = torch.randn(2 * latent + blocks * tokens * latent).to(torch.bfloat16)
+    layers = [torch.as_strided(raw, (blocks, tokens, latent), (tokens * latent, latent, 1), layer * latent)
+              for layer in range(3)]
+    ctx = _context(layers, "MLA", staged=False)
+    assert ctx._all_layers is None
+    obj = torch.empty(ctx.chunk_nbytes, dtype=torch.uint8)
+    with ctx.operation([5, 0, 9, 2], b"", Lane.STORE) as copies:
+        copies.gather(0, ctx.chunk_view(obj))
+    assert torch.equal(ctx.chunk_view(obj), torch.stack([layer[[5, 0, 9, 2]] for layer in layers]))
 
 
 @pytest.mark.parametrize(("ids", "start", "end", "runs"), [
@@ -192,7 +281,7 @@ def test_a_split_retrieve_is_byte_exact_and_skips_minus_one_blocks() -> None:
     source = _caches(layout, LAYOUTS[layout], seed=5)
     ctx = _context(source, layout, staged=False)
     objects = [torch.empty(ctx.chunk_nbytes, dtype=torch.uint8) for _ in range(3)]
-    with ctx.operation(list(range(12)), b"") as copies:
+    with ctx.operation(list(range(12)), b"", Lane.STORE) as copies:
         for i, obj in enumerate(objects):
             copies.gather(i, ctx.chunk_view(obj))
     retrieve_ids = [-1, 6, 8, 9, 11, -1, 0, 2, 4, 5, -1, 1]
@@ -202,7 +291,7 @@ def test_a_split_retrieve_is_byte_exact_and_skips_minus_one_blocks() -> None:
         tctx = _context(target, layout, staged=False)
         threads = CopyThreads(2)
         try:
-            with threads.seat(), tctx.operation(retrieve_ids, b"") as copies:
+            with threads.seat(), tctx.operation(retrieve_ids, b"", Lane.LOAD) as copies:
                 assert copies.splittable
                 record = Recorder(scatter(tctx, copies, objects), meet=2 if split else 1)
                 threads.run(len(objects), record, split=split)
@@ -226,7 +315,7 @@ def test_a_split_retrieve_is_byte_exact_and_skips_minus_one_blocks() -> None:
 
 def test_a_staged_context_is_never_split() -> None:
     layers = _caches("MLA", LAYOUTS["MLA"], seed=7)
-    with _context(layers, "MLA", staged=True).operation([0, 1, 2, 3], b"") as copies:
+    with _context(layers, "MLA", staged=True).operation([0, 1, 2, 3], b"", Lane.LOAD) as copies:
         assert not copies.splittable  # its one staging buffer serves one chunk at a time
 
 
@@ -289,3 +378,71 @@ def test_a_helpers_error_reaches_the_request() -> None:
         assert len(record.by_thread) == 2
     finally:
         threads.close()
+
+
+# ---- lanes: a load never waits for a store -------------------------------------------------------
+
+
+def test_a_load_runs_while_a_store_holds_the_same_context() -> None:
+    """On a staged context (a GPU's caches), a RETRIEVE's copies run while a STORE's operation is
+    open on another thread: each has its own staging buffer, stream and lock."""
+    layers = _caches("MLA", LAYOUTS["MLA"], seed=12)
+    ctx = _context(layers, "MLA", staged=True)
+    obj = torch.empty(ctx.chunk_nbytes, dtype=torch.uint8)
+    with ctx.operation([0, 1, 2, 3], b"", Lane.STORE) as copies:
+        copies.gather(0, ctx.chunk_view(obj))
+    storing, release, loaded = threading.Event(), threading.Event(), threading.Event()
+
+    def store() -> None:
+        with ctx.operation([4, 5, 6, 7], b"", Lane.STORE) as copies:
+            copies.gather(0, ctx.chunk_view(torch.empty_like(obj)))
+            storing.set()
+            release.wait(60)
+
+    def load() -> None:
+        with ctx.operation([8, 9, -1, 11], b"", Lane.LOAD) as copies:
+            copies.scatter(ctx.chunk_view(obj), 0)
+        loaded.set()
+
+    storer = threading.Thread(target=store)
+    storer.start()
+    loader = threading.Thread(target=load)
+    try:
+        assert storing.wait(30)
+        loader.start()
+        assert loaded.wait(30), "the load waited for the store"
+        assert storer.is_alive()  # the store's operation was open all along
+    finally:
+        release.set()
+        storer.join(30)
+        if loader.ident is not None:
+            loader.join(30)
+    for layer in layers:
+        assert torch.equal(layer[8:10], layer[0:2]) and torch.equal(layer[11], layer[3])
+
+
+# ---- the bounded completion wait of a GPU's copies --------------------------------------------------
+
+
+def test_a_completion_wait_returns_what_the_wait_did() -> None:
+    def failing() -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with ThreadPoolExecutor(1) as waiter:
+        wait_bounded(waiter, lambda: None, 30, "the copies")
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            wait_bounded(waiter, failing, 30, "the copies")
+
+
+def test_a_completion_wait_past_its_deadline_is_fatal() -> None:
+    """A wait that never returns (copies behind a dead worker's event) ends in a FatalError once
+    its deadline has passed, the waiting thread left behind (the daemon exits)."""
+    release = threading.Event()
+    with ThreadPoolExecutor(1) as waiter:
+        try:
+            started = time.monotonic()
+            with pytest.raises(FatalError, match="the copies on cuda:0 did not complete within"):
+                wait_bounded(waiter, release.wait, 0.2, "the copies on cuda:0")
+            assert time.monotonic() - started >= 0.2
+        finally:
+            release.set()

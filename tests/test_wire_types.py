@@ -1,15 +1,22 @@
 """Issue 11: the wire types are plain data. Neither they nor the CLI load torch; tensor handles
-keep their extension codes and bytes; the CUDA-specific parts are testable without a GPU."""
+keep their extension codes and bytes; the CUDA-specific parts are testable without a GPU.
+
+Issue 26: the wire types import nothing of `transfer/` (no cycle with `transfer/cuda.py`, where
+exporting and opening CUDA handles live); a CUDA handle is checked before anything is opened, and
+one the daemon cannot open is refused once, naming the cause, never retried."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
+import time
 
 import msgspec
 import pytest
 import torch
 
+import vllm_adapter.multi_process_adapter as worker_adapter
 from lmcache_mp.custom_types import (
     EXT_CUDA_IPC_WRAPPER,
     CudaIPCWrapper,
@@ -18,9 +25,20 @@ from lmcache_mp.custom_types import (
     get_customized_decoder,
     get_customized_encoder,
 )
+from lmcache_mp.errors import ServerError
 from lmcache_mp.launcher import DaemonProcess
-from lmcache_mp.transfer.cuda import index_of_uuid
+from lmcache_mp.mq import MessageQueueClient
+from lmcache_mp.protocol import ErrorCode, KVCacheRegistration, RequestType
+from lmcache_mp.transfer.cuda import (
+    IPC_REQUIREMENTS,
+    export_cuda_tensors,
+    import_cuda_tensors,
+    index_of_uuid,
+)
+from tests.helpers import BLOCK, status
 from tests.test_foundation import CUDA, HASH_KEY, SHM, TOKEN_KEY
+from tests.test_registration import ADAPTER_LOG, free_port, register_requests
+from vllm_adapter import LMCacheMPWorkerAdapter
 
 CUDA_STATE = CUDA.state  # the same handles test_foundation.py round-trips
 
@@ -54,11 +72,12 @@ def test_cli_talks_to_the_daemon_without_torch(daemon: DaemonProcess, command: l
 def test_wire_modules_load_no_torch() -> None:
     out = _python("import sys\n"
                   "import lmcache_mp.custom_types, lmcache_mp.protocol, lmcache_mp.mq\n"
-                  "print('torch' in sys.modules)\n")
-    assert out.returncode == 0 and out.stdout.strip() == "False", out.stdout + out.stderr
-    # transfer/cuda.py imported first, in a fresh interpreter: no import cycle with custom_types.
-    out = _python("import lmcache_mp.transfer.cuda as c; print(c.export_cuda_tensor.__name__)")
-    assert out.returncode == 0 and out.stdout.strip() == "export_cuda_tensor", out.stderr
+                  "print('torch' in sys.modules, sorted(m for m in sys.modules if 'transfer' in m))\n")
+    assert out.returncode == 0 and out.stdout.strip() == "False []", out.stdout + out.stderr
+    # transfer/cuda.py imported first, in a fresh interpreter: it imports custom_types, which
+    # imports nothing back (no cycle).
+    out = _python("import lmcache_mp.transfer.cuda as c; print(c.export_cuda_tensors.__name__)")
+    assert out.returncode == 0 and out.stdout.strip() == "export_cuda_tensors", out.stderr
 
 
 def test_handle_and_key_encodings_are_pinned() -> None:
@@ -79,14 +98,83 @@ def test_cuda_handle_from_a_state_round_trips_without_a_gpu() -> None:
     enc, dec = get_customized_encoder(), get_customized_decoder(list[CudaIPCWrapper])
     [back] = dec.decode(enc.encode([handle]))
     assert back == handle and back.state == CUDA_STATE and back is not handle
-    # The seed's entry points reach transfer/cuda.py: a CPU tensor is refused there, and a
-    # handle naming a device this process cannot see fails naming its UUID.
-    with pytest.raises(ValueError, match="needs a CUDA tensor"):
-        CudaIPCWrapper(torch.zeros(4))
-    with pytest.raises(ValueError, match="needs a tensor or a state"):
-        CudaIPCWrapper()
-    with pytest.raises(ValueError, match="GPU-uuid"):
-        back.to_tensor()
+    # A handle naming a device this process cannot see fails naming its UUID, and what CUDA IPC
+    # needs of the deployment.
+    with pytest.raises(ValueError, match="GPU-uuid") as info:
+        import_cuda_tensors([back])
+    assert IPC_REQUIREMENTS in str(info.value)
+
+
+MALFORMED = "malformed CUDA storage handle"
+
+
+def _cuda_handle(**changes: object) -> CudaIPCWrapper:
+    return CudaIPCWrapper(state=msgspec.structs.replace(CUDA_STATE, **changes))
+
+
+@pytest.mark.parametrize(("handle", "message"), [
+    (_cuda_handle(storage_handle=CUDA_STATE.storage_handle[:7]), MALFORMED),
+    (_cuda_handle(storage_handle=(0, None, 0, 0, b"ref", 0, b"evt", False)), MALFORMED),
+    (_cuda_handle(storage_handle=(0, b"h", True, 0, b"ref", 0, b"evt", False)), MALFORMED),
+    (_cuda_handle(storage_handle=(0, b"h", 1024, 0, b"ref", 0, b"evt", 1)), MALFORMED),
+    (_cuda_handle(storage_handle=(0, b"h", 0, 0, b"ref", 0, b"evt", False)), "no storage"),
+    (_cuda_handle(storage_handle=(0, b"h", 1024, -8, b"ref", 0, b"evt", False)), "no storage"),
+    (_cuda_handle(shape=(32, 32), stride=(32, 1)), "overruns the 1024-byte storage"),  # 2 KiB of float16
+    (_cuda_handle(storage_offset=505), "overruns"),  # 16 elements from element 505: past element 511
+    (_cuda_handle(stride=(4, -1)), "invalid view"),
+    (_cuda_handle(shape=(1 << 40, 1 << 40), stride=(0, 0)), "overruns"),
+    (_cuda_handle(dtype="complex64"), "dtype"),
+], ids=["short", "no-memory-handle", "bool-size", "int-sync", "empty", "negative-offset", "too-big",
+        "offset-past-end", "negative-stride", "repeated-element", "unknown-dtype"])
+def test_a_malformed_cuda_handle_is_refused_before_anything_is_opened(handle: CudaIPCWrapper,
+                                                                      message: str) -> None:
+    """The client's handle is checked as a shared-memory one is (the same view check), before CUDA is
+    asked to open anything: a mistake in it is the client's, so the message says what, not the
+    deployment hint that an import failure gets."""
+    good = _cuda_handle()
+    with pytest.raises(ValueError, match=message) as info:
+        import_cuda_tensors([good, handle])
+    assert IPC_REQUIREMENTS not in str(info.value)
+
+
+def test_a_cuda_registration_the_daemon_cannot_open_is_refused_once(daemons, monkeypatch: pytest.MonkeyPatch,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """A daemon that can't open a worker's CUDA handles (here: it sees no GPU; in containers: no shared
+    PID namespace) refuses the REGISTER as INVALID_ARGUMENT, naming what CUDA IPC needs, and the
+    worker does not try again (before: torch's error was INTERNAL, retried with backoff forever,
+    each retry exporting every layer again). The worker's export is replaced (no GPU here to export
+    from) by what it sends: one handle per layer, all of one storage."""
+    port = free_port()
+    daemon = daemons("--l1-size-gb", "0.05", "--metrics-port", str(port))
+    layers = [_cuda_handle(storage_offset=16 * layer) for layer in range(4)]
+    raw = MessageQueueClient(daemon.url, request_timeout_s=30)
+    try:
+        with pytest.raises(ServerError) as info:
+            raw.submit(RequestType.REGISTER_KV_CACHE,
+                       [1, layers, KVCacheRegistration("m", 1, 0, "FLASH_ATTN")]).result(30)
+        assert info.value.code is ErrorCode.INVALID_ARGUMENT
+        assert "GPU-uuid" in info.value.message and IPC_REQUIREMENTS in info.value.message
+    finally:
+        raw.close()
+    monkeypatch.setattr(worker_adapter, "export_kv_caches", lambda kv_caches: (list(layers), []))
+    worker = LMCacheMPWorkerAdapter(daemon.url, None, "m", 1, 0, BLOCK, reregister_interval_s=0.1)
+    try:
+        with caplog.at_level(logging.WARNING, logger=ADAPTER_LOG):
+            with pytest.raises(ServerError) as info:
+                worker.register_kv_caches({f"layer.{i}": torch.zeros(1) for i in range(4)}, "FLASH_ATTN")
+            assert info.value.code is ErrorCode.INVALID_ARGUMENT
+            deadline = time.monotonic() + 2  # several retry intervals, had it retried
+            while time.monotonic() < deadline:
+                assert not worker.ensure_registered()
+                time.sleep(0.05)
+        assert register_requests(port) == 2  # the raw one and the worker's one
+        errors = [r for r in caplog.records if r.name == ADAPTER_LOG and r.levelno >= logging.WARNING]
+        assert len(errors) == 1 and errors[0].levelno == logging.ERROR
+        assert IPC_REQUIREMENTS in errors[0].getMessage()
+        assert status(daemon.url).registered_instances == []
+        assert "Traceback" not in daemon.log()
+    finally:
+        worker.shutdown()
 
 
 @pytest.mark.parametrize("payload", [
@@ -114,16 +202,27 @@ def test_device_uuid_maps_to_this_processes_ordinal() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_handle_opens_in_another_process() -> None:
-    base = torch.zeros(4, 8, device="cuda")
-    payload = get_customized_encoder().encode(CudaIPCWrapper(base[1:3]))  # storage offset 8
+def test_cuda_views_of_one_buffer_are_shared_and_opened_once() -> None:
+    """As vLLM 0.32 allocates: one int8 buffer, a bfloat16 view per layer at its own offset. The
+    buffer is exported once (one storage handle for both views) and opened once in the other
+    process, whose views write where the worker's are."""
+    buffer = torch.zeros(4096, dtype=torch.int8, device="cuda")
+    layers = [buffer[i * 2048:(i + 1) * 2048].view(torch.bfloat16).view(8, 128) for i in range(2)]
+    handles = export_cuda_tensors(layers)
+    assert handles[0].state.storage_handle == handles[1].state.storage_handle
+    assert [h.state.storage_offset for h in handles] == [0, 1024]
+    payload = get_customized_encoder().encode(handles)
     code = ("import sys, torch\n"
-            "from lmcache_mp.custom_types import CudaIPCWrapper, get_customized_decoder\n"
-            "view = get_customized_decoder(CudaIPCWrapper).decode(bytes.fromhex(sys.argv[1])).to_tensor()\n"
-            "assert view.shape == (2, 8), view.shape\n"
-            "view.fill_(7)\n"
+            "from lmcache_mp.custom_types import KVCache, get_customized_decoder\n"
+            "from lmcache_mp.transfer.cuda import import_cuda_tensors\n"
+            "handles = get_customized_decoder(KVCache).decode(bytes.fromhex(sys.argv[1]))\n"
+            "views = import_cuda_tensors(handles)\n"
+            "assert [v.shape for v in views] == [(8, 128)] * 2, views\n"
+            "assert views[0].untyped_storage().data_ptr() == views[1].untyped_storage().data_ptr()\n"
+            "views[0].fill_(1)\n"
+            "views[1].fill_(2)\n"
             "torch.cuda.synchronize()\n")
     out = _python(code, payload.hex(), timeout=120)
     assert out.returncode == 0, out.stderr
     torch.cuda.synchronize()
-    assert base[1:3].eq(7).all() and base[0].eq(0).all() and base[3].eq(0).all()
+    assert layers[0].eq(1).all() and layers[1].eq(2).all()

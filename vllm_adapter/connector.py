@@ -93,7 +93,8 @@ def _route_logs_to_vllm() -> None:
 
 def check_parallel_config(parallel: ParallelConfig) -> None:
     """Tensor and pipeline parallelism are supported: each of the world's ranks (TP x PP, the
-    daemon's world size) stores and loads its own share of every chunk. Context parallelism is
+    daemon's world size) stores and loads its own share of every chunk (one chunk for all ranks
+    where they hold the same bytes: `replicated_kv`). Context parallelism is
     refused: it splits a block's tokens across ranks while the cache keeps its shape (an MLA
     latent cache looks the same with and without DCP), so a chunk stored under one split would
     be read back under another as wrong KV."""
@@ -101,6 +102,20 @@ def check_parallel_config(parallel: ParallelConfig) -> None:
     if dcp > 1 or pcp > 1:
         raise ValueError(f"LMCacheMPDaemonConnector does not support context parallelism "
                          f"(decode_context_parallel_size={dcp}, prefill_context_parallel_size={pcp})")
+
+
+def replicated_kv(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> bool:
+    """Whether every rank of the world holds the same KV bytes, so that one stored chunk serves
+    them all, and an engine of the model on one rank: MLA's latent cache, which vLLM computes
+    whole on every tensor-parallel rank (`kv_tp_replicas` counts the ranks holding one copy),
+    with no other parallelism. Pipeline stages hold other layers; decode context parallelism
+    (refused anyway) splits a block's tokens across ranks, and vLLM then counts no replicas.
+    vLLM's own offloading connector draws the same line."""
+    parallel = vllm_config.parallel_config
+    return bool(vllm_config.model_config.use_mla
+                and kv_cache_config.kv_tp_replicas == parallel.tensor_parallel_size
+                and parallel.world_size == parallel.tensor_parallel_size
+                and parallel.decode_context_parallel_size == 1)
 
 
 class LMCacheMPDaemonConnector(KVConnectorBase_V1, SupportsHMA):
@@ -124,9 +139,11 @@ class LMCacheMPDaemonConnector(KVConnectorBase_V1, SupportsHMA):
             logger.warning("LMCacheMPDaemonConnector (%s): %s; serving without the cache", role.name, err)
             return
         block_size = kv_cache_config.hash_block_size
+        replicated = replicated_kv(vllm_config, kv_cache_config)
         logger.info("LMCacheMPDaemonConnector (%s) from %s: daemon %s, model %s, block size %d, "
-                    "rank %d of world size %d, %d KV cache group(s)%s", role.name, __file__, settings.url,
-                    model_name, block_size, parallel.rank, parallel.world_size, len(groups),
+                    "rank %d of world size %d%s, %d KV cache group(s)%s", role.name, __file__, settings.url,
+                    model_name, block_size, parallel.rank, parallel.world_size,
+                    " (KV the same on every rank: stored once)" if replicated else "", len(groups),
                     "".join(f"; group {g.index}: {len(g.layer_names)} layers, "
                             f"{'full' if g.sliding_window is None else f'window {g.sliding_window}'}"
                             for g in groups if len(groups) > 1))
@@ -135,7 +152,7 @@ class LMCacheMPDaemonConnector(KVConnectorBase_V1, SupportsHMA):
                                             block_size, groups)
         else:
             self._worker = WorkerSide(settings, vllm_config, model_name, parallel.world_size,
-                                      parallel.rank, block_size, groups)
+                                      parallel.rank, block_size, groups, replicated)
 
     @property
     def requires_kv_delivery(self) -> bool:

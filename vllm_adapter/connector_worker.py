@@ -55,7 +55,9 @@ class WorkerSide:
     """One worker's caches and transfers; called only from vLLM's model-runner thread."""
 
     def __init__(self, settings: ConnectorSettings, vllm_config: VllmConfig, model_name: str,
-                 world_size: int, rank: int, block_size: int, groups: list[KVGroup] | None = None):
+                 world_size: int, rank: int, block_size: int, groups: list[KVGroup] | None = None,
+                 replicated: bool = False):
+        """`replicated`: every rank holds the same KV bytes (`connector.replicated_kv`)."""
         groups = groups or [KVGroup(0, (), None, model_name)]
         self._vllm_config = vllm_config
         self._timeout_s = settings.timeout_s
@@ -69,7 +71,7 @@ class WorkerSide:
             return LMCacheMPWorkerAdapter(settings.url, None, group.namespace, world_size, rank, block_size,
                                           timeout_s=settings.timeout_s, connect_timeout_s=CONNECT_TIMEOUT_S,
                                           reregister_interval_s=settings.reconnect_interval_s,
-                                          curve=settings.curve)
+                                          curve=settings.curve, replicated=replicated)
 
         self._link = BackgroundConnect(lambda: WorkerGroups(groups, connect_groups(groups, connect)),
                                        settings.reconnect_interval_s, f"worker {rank} at {settings.url}")
@@ -107,19 +109,23 @@ class WorkerSide:
         return adapter
 
     def begin_step(self, meta: LMCacheMPConnectorMetadata) -> None:
-        """Runs first in each step, before vLLM prepares the step's inputs.
+        """Runs first in each step's connector work (vLLM's `handle_preemptions`). With the V1
+        model runner (vLLM's CPU one) that is before vLLM prepares the step's inputs; with the V2
+        runner, the default on GPU, it is in `pre_forward`, after the inputs are prepared and
+        right before the forward pass.
 
         vLLM frees a preempted request's blocks at once and may hand them to another request
         in this very step: its stores must finish reading them first. If the daemon went away,
         this is when the (non-blocking) check for its return goes out, so that by the stores
         after the forward pass the worker is registered again.
 
-        And the step's loads go out now. A sync load copies while vLLM prepares the step's
-        inputs (~3 ms on a CPU), and the forward pass waits only for what is left of it
-        (`start_load_kv`). In a step without sync loads vLLM calls `start_load_kv` only after
-        the forward pass: an async load sent there would be reported a step later than one sent
-        here, which copies during the forward pass and is reported at its end (the blocks it
-        writes belong to a request that this step does not compute)."""
+        And the step's loads go out now. Under the V1 runner a sync load copies while vLLM
+        prepares the step's inputs (~3 ms on a CPU), and the forward pass waits only for what is
+        left of it (`start_load_kv`); under V2 the forward pass waits for all of it. In a step
+        without sync loads vLLM calls `start_load_kv` only after the forward pass: an async load
+        sent there would be reported a step later than one sent here, which copies during the
+        forward pass and is reported at its end (the blocks it writes belong to a request that
+        this step does not compute)."""
         adapter = self._adapter()
         if adapter is not None:
             if meta.preempted:

@@ -30,8 +30,9 @@ NULL_BLOCK_ID = 0
 
 
 class UnsupportedKVGroups(ValueError):
-    """The model has KV cache state the connector cannot store faithfully (e.g. Mamba state):
-    the connector serves it no hits and stores nothing, rather than restore KV without it."""
+    """The model has KV cache state the connector cannot store faithfully (e.g. Mamba state, or
+    blocks vLLM zeros unordered against the connector's copies): the connector serves it no hits
+    and stores nothing, rather than restore KV without it or wrong."""
 
 
 @dataclass(frozen=True)
@@ -48,10 +49,16 @@ class KVGroup:
 
 
 def kv_groups(kv_cache_config: KVCacheConfig, model_name: str) -> list[KVGroup]:
-    """The groups of this KV cache config, checked. Raises UnsupportedKVGroups for a hybrid model
-    the connector cannot store (Mamba state; groups whose blocks the block hashes do not match),
-    ValueError for a plain model whose block size the block hashes do not match."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+    """The groups of this KV cache config, checked. Raises UnsupportedKVGroups for a model the
+    connector cannot serve (Mamba state; KV cache blocks that vLLM zeros; states of several
+    tokens; a hybrid model's groups whose blocks the block hashes do not match), ValueError for a
+    plain model whose block size the block hashes do not match."""
+    from vllm.v1.kv_cache_interface import (
+        AttentionSpec,
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
 
     groups = kv_cache_config.kv_cache_groups
     if len(groups) > 1:
@@ -63,6 +70,23 @@ def kv_groups(kv_cache_config: KVCacheConfig, model_name: str) -> list[KVGroup]:
                 raise UnsupportedKVGroups(
                     f"KV cache group {index} ({type(spec).__name__}) is neither full nor sliding-window "
                     "attention: LMCacheMPDaemonConnector cannot store its state with the KV")
+    if kv_cache_config.needs_kv_cache_zeroing:
+        # vLLM then zeros each step's new blocks on its stream, unordered against the daemon's
+        # copies: the V1 runner after `handle_preemptions`, where sync loads go out (the zeroing
+        # could wipe loaded KV), the V2 runner before it, while a preempted request's store may
+        # still read its freed blocks (it could store zeros). Only Mamba state (refused above for
+        # hybrid models) and caches of mixed precision need it.
+        raise UnsupportedKVGroups("vLLM zeros new KV cache blocks for this model (mixed-precision "
+                                  "KV caches or Mamba state), which LMCacheMPDaemonConnector cannot "
+                                  "order against its loads and stores")
+    for index, group in enumerate(groups):
+        # A block id's tokens must be the cache's token dimension (or whole kernel blocks of it)
+        # for the daemon to find a block's pages: not so where a state compresses several tokens.
+        spec = group.kv_cache_spec
+        if isinstance(spec, AttentionSpec) and spec.tokens_per_state != 1:
+            raise UnsupportedKVGroups(f"KV cache group {index} stores one state per "
+                                      f"{spec.tokens_per_state} tokens: LMCacheMPDaemonConnector "
+                                      "reads one per token")
     block_sizes = {group.kv_cache_spec.block_size for group in groups}
     if block_sizes != {kv_cache_config.hash_block_size}:
         # A hybrid model runs without the cache rather than not at all; a plain one is refused,

@@ -353,17 +353,19 @@ class LMCacheMPWorkerAdapter:
                  connect_timeout_s: float | None = None,
                  reregister_interval_s: float = REREGISTER_INTERVAL_S, instance_id: int | None = None,
                  store_retry_s: float | None = None, max_held_stores: int = MAX_HELD_STORES,
-                 curve: ClientCurve | None = None):
+                 curve: ClientCurve | None = None, replicated: bool = False):
         """`instance_id`: the id to register under (default: a random one, `new_instance_id`).
         `store_retry_s`: how long a store that did not land (or went unsent while the daemon
         was away) is tried again (default `timeout_s`); `max_held_stores`: how many such
         stores are held at most. `curve`: the keys to authenticate with, for a daemon that
-        requires CURVE."""
+        requires CURVE. `replicated`: every rank of the world holds the same KV bytes (MLA
+        under tensor parallelism alone; `KVCacheRegistration.replicated`)."""
         self.server_url = server_url
         self._context = context
         self._timeout_s = timeout_s
         self._probe_interval_s = min(reregister_interval_s, MAX_PROBE_INTERVAL_S)
         self._vllm_block_size = vllm_block_size
+        self._replicated = replicated
         self.mq_client, chunk_size = _connect(server_url, context, f"vllm-worker-{kv_rank}", timeout_s,
                                               vllm_block_size, connect_timeout_s, curve)
         self.instance_id = new_instance_id() if instance_id is None else instance_id
@@ -415,6 +417,8 @@ class LMCacheMPWorkerAdapter:
                 logger.warning("instance id %d is already registered with lmcache-mp at %s; "
                                "registering as %d", taken, self.server_url, self.instance_id)
                 reply = self._register_as(self.instance_id)
+            if reply.block_size != self._vllm_block_size:
+                self._withdraw(reply)  # raises: refused for good
         except (LMCacheMPError, OSError) as err:
             self._registration_failed(err)
             raise
@@ -437,9 +441,27 @@ class LMCacheMPWorkerAdapter:
             self._channel = None
         self._channel = AttachChannel.open(hello.attach_socket, fds, timeout_s=self._timeout_s)
         registration = KVCacheRegistration(self.model_name, self.world_size, self.worker_id,
-                                           self._layout, self._channel.token)
+                                           self._layout, self._channel.token,
+                                           block_size=self._vllm_block_size, replicated=self._replicated)
         return send_lmcache_request(self.mq_client, RequestType.REGISTER_KV_CACHE,
                                     [instance_id, handles, registration]).result(self._timeout_s)
+
+    def _withdraw(self, reply: RegisterReply) -> None:
+        """A daemon that reads the caches in blocks other than vLLM's (one that predates
+        `KVCacheRegistration.block_size`, whose kernel blocks it takes for vLLM's) would count
+        other block ids per chunk than this worker sends and refuse every STORE and RETRIEVE:
+        unregister, and refuse for good (`_registration_failed`), rather than keep a cache that
+        silently fails every operation. The attach channel stays open: a restarted daemon gets
+        another try."""
+        try:
+            send_lmcache_request(self.mq_client, RequestType.UNREGISTER_KV_CACHE,
+                                 [self.instance_id]).result(self._timeout_s)
+        except LMCacheMPError as err:
+            # Nothing is sent to it any more; the daemon drops it when this worker exits.
+            logger.warning("unregistering the unusable registration failed: %s", err)
+        raise KVExportError(f"the daemon reads these caches in blocks of {reply.block_size} tokens, "
+                            f"vLLM's are {self._vllm_block_size} tokens: upgrade the daemon, which "
+                            "then groups the attention backend's kernel blocks into vLLM's blocks")
 
     def _registration_failed(self, err: LMCacheMPError | OSError) -> None:
         if isinstance(err, ServerError) and err.code is ErrorCode.STARTING:

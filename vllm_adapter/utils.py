@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
-from lmcache_mp.custom_types import CudaIPCWrapper, KVCache
+from lmcache_mp.custom_types import KVCache
 from lmcache_mp.mq import MessageQueueClient, MessagingFuture
 from lmcache_mp.protocol import RequestType
-from lmcache_mp.transfer.cuda import record_ipc_event
+from lmcache_mp.transfer.cuda import export_cuda_tensors, record_ipc_event
 from lmcache_mp.transfer.shm import share_cpu_tensors
 
 
@@ -34,10 +34,10 @@ def export_kv_caches(kv_caches: dict[str, torch.Tensor]) -> tuple[KVCache, list[
     """Handles for the daemon, one per layer in layer order, and the shared-memory file
     descriptors that go with them (CPU only; they travel over the attach socket). CPU caches
     are moved into shared memory in place (see `lmcache_mp.transfer.shm`); CUDA caches are
-    exported by IPC handle."""
+    exported by IPC handle, each storage once (vLLM puts every layer in one)."""
     tensors = list(kv_caches.values())
     if tensors and all(t.is_cuda for t in tensors):
-        return [CudaIPCWrapper(t) for t in tensors], []
+        return list(export_cuda_tensors(tensors)), []
     handles, fds = share_cpu_tensors(tensors)
     return list(handles), fds
 

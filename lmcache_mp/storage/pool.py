@@ -137,6 +137,10 @@ class PoolStats:
     num_writing: int
     evictions: int  # cumulative; `clear` doesn't count
     ready_bytes: int  # prepared so far, from the start; == capacity_bytes once the pool is ready
+    # Page-locked for DMA (cudaHostRegister, where CUDA is present), from the start: not the object
+    # pins above. Why pinning stopped short, if it did ("" otherwise): the rest is used unpinned.
+    pinned_bytes: int
+    pin_error: str
 
 
 @dataclass(eq=False)
@@ -415,6 +419,8 @@ class MemoryPool:
                 num_writing=self._num_writing,
                 evictions=self._evictions,
                 ready_bytes=self._ready_bytes,
+                pinned_bytes=self._memory.pinned_bytes,
+                pin_error=self._memory.pin_error,
             )
 
     def close(self) -> None:

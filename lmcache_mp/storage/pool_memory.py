@@ -19,6 +19,10 @@ spanning two separately registered pieces is still correct, but CUDA treats it a
 is slower; the pool ends pieces on its slab boundaries once it knows its slab size, so only an
 object larger than a slab, or one in a piece prepared before the first REGISTER fixed that size,
 can span two.
+
+Pinning can fail where CUDA works (an RLIMIT_MEMLOCK or container policy, gVisor): the pool then
+prepares the rest unpinned, which copies read and write just as correctly, staged through the
+driver and slower, rather than never getting the capacity (`pinned_bytes`, `pin_error`).
 """
 
 from __future__ import annotations
@@ -80,6 +84,10 @@ class PoolMemory:
         self.tensor = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
         self._pin = pin
         self._unpins: list[Callable[[], None]] = []
+        # Both written only by the preparing thread: the pinned prefix of the mapping (from offset
+        # 0), and why pinning stopped ("" while it has not failed).
+        self.pinned_bytes = 0
+        self.pin_error = ""
         self._populate = True  # cleared when the kernel refuses MADV_POPULATE_WRITE
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -93,7 +101,8 @@ class PoolMemory:
         """Prepare every piece in order on this thread, until all are or `close` stops it; after
         each, `on_piece(end)`. A piece ends at `snap(start + piece_bytes)`, the caller's boundary at
         or below that offset (page-aligned), or a page past it when that boundary is not past
-        `start`. Raises OSError (or CUDA's error) if a piece can't be prepared: memory runs out."""
+        `start`. Raises OSError if a piece can't be faulted in: memory runs out. A piece that can't be
+        pinned is used unpinned, and so is every later one (`pin_error`)."""
         started = last_log = time.monotonic()
         logged_bytes = 0
         while self.ready_bytes < self.nbytes:
@@ -111,8 +120,9 @@ class PoolMemory:
                             (end - logged_bytes) / max(now - last_log, 1e-9) / 1e9)
                 last_log, logged_bytes = now, end
         elapsed = time.monotonic() - started
+        pinned = ", not pinned" if self.pin_error else ", pinned" if self._pin else ""
         logger.info("pool ready: %.2f GiB prepared in %.2f s (%.2f GB/s)%s", self.nbytes / 2**30, elapsed,
-                    self.nbytes / max(elapsed, 1e-9) / 1e9, ", pinned" if self._pin else "")
+                    self.nbytes / max(elapsed, 1e-9) / 1e9, pinned)
 
     def prepare_in_background(self, snap: Callable[[int], int], on_piece: Callable[[int], None]) -> None:
         """`prepare` on a thread of its own; a failure is logged and leaves the pool at what is
@@ -132,13 +142,14 @@ class PoolMemory:
     def _prepare_logged(self, snap: Callable[[int], int], on_piece: Callable[[int], None]) -> None:
         try:
             self.prepare(snap, on_piece)
-        except Exception as err:  # whatever failed (memory, CUDA) ends preparation, nothing else
+        except Exception as err:  # whatever failed (memory ran out) ends preparation, nothing else
             logger.error("pool preparation stopped at %.2f of %.2f GiB: %s: %s; the pool serves with "
                          "what is ready", self.ready_bytes / 2**30, self.nbytes / 2**30,
                          type(err).__name__, err)
 
     def _prepare_piece(self, start: int, end: int) -> bool:
-        """Fault in [start, end) and pin it; False, with the piece left unused, if stopped."""
+        """Fault in [start, end) and pin it (unless pinning failed); False, with the piece left
+        unused, if stopped."""
         address = self.tensor.data_ptr()
         with contextlib.suppress(OSError):  # a kernel without THP: 4 KiB pages, slower to fault
             _madvise(address + start, end - start, MADV_HUGEPAGE)
@@ -146,9 +157,21 @@ class PoolMemory:
             if self._stop.is_set():
                 return False
             self._fault_in(step, min(end, step + _STEP_BYTES))
-        if self._pin is not None:
-            self._unpins.append(self._pin(address + start, end - start))
+        if self._pin is not None and not self.pin_error:
+            try:
+                self._unpins.append(self._pin(address + start, end - start))
+            except RuntimeError as err:  # torch.cuda.CudaError
+                self._pinning_failed(err)
+            else:
+                self.pinned_bytes = end
         return True
+
+    def _pinning_failed(self, err: RuntimeError) -> None:
+        """Pinning stops for good (the next piece would fail the same way); the pool goes on."""
+        self.pin_error = f"{type(err).__name__}: {err}"
+        logger.warning("pool: cannot pin memory for DMA beyond %.2f GiB (%s); preparing the rest "
+                       "unpinned: copies stay correct, staged and slower", self.pinned_bytes / 2**30,
+                       self.pin_error)
 
     def _fault_in(self, start: int, end: int) -> None:
         if self._populate:

@@ -2,22 +2,29 @@
 
 A chunk object holds `[num_layers, blocks_per_chunk, *page_shape]` elements: for every
 layer, the pages of the chunk's blocks in order. Gather (STORE) and scatter (RETRIEVE) are
-indexed torch copies per layer, on whatever device the caches live. The CPU and CUDA paths
-share this code; only the stream and event handling is CUDA's own (`transfer/cuda.py`).
+indexed torch copies, on whatever device the caches live. When every layer is a view of one
+allocation at a constant distance (vLLM 0.32 allocates one buffer for all layers, on CPU and GPU)
+they are one strided `[layers, blocks, *page]` view, and a chunk is one copy call for all layers,
+not one per layer: each call costs microseconds of Python and dispatch under the daemon's one
+GIL, which 80 layers of 16 KiB pages turn into the larger part of a chunk's copy. The CPU and
+CUDA paths share this code; only the stream and event handling is CUDA's own (`transfer/cuda.py`).
 
-Caches on a device other than the pool's (CUDA caches, pinned host pool) are *staged*: one
-preallocated device buffer of one chunk per registered context holds the gathered pages before
-the one DMA down, and the chunk after the one DMA up. The daemon's device memory is taken from
-vLLM's headroom, so it is bounded by that buffer (allocated at registration, where running out
-is a clear refusal) and a request's block-id tensor; nothing else is allocated per copy. A
-context's operations take turns on its own copy stream (one lock), so the staging buffer is
-reused in stream order, while contexts of other ranks copy at the same time on theirs.
+Caches on a device other than the pool's (CUDA caches, pinned host pool) are *staged*: a
+preallocated device buffer of one chunk holds the gathered pages before the one DMA down, and
+the chunk after the one DMA up. A context has two lanes, each with its own buffer, copy stream
+(the load lane's of high priority) and lock: loads (RETRIEVE: vLLM's forward pass waits for them)
+and stores (STORE, which may copy a long prefill's chunks), so that a load never queues behind a
+store. A lane's operations take turns, so its buffer is reused in stream order, while the other
+lane and other ranks' contexts copy at the same time. The daemon's device memory is taken from
+vLLM's headroom, so it is bounded by those two chunks (allocated at registration, where running
+out is a clear refusal) and a request's block-id tensor; nothing else is allocated per copy.
 """
 
 from __future__ import annotations
 
+import enum
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -52,20 +59,54 @@ def consecutive_runs(block_ids: list[int], start: int, end: int) -> list[tuple[i
     return runs
 
 
+def non_overlapping(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether no two indices of a strided view name the same element: with its dimensions sorted
+    by stride (those of size 1 name one element whatever their stride), each stride steps past all
+    that the smaller ones reach. Sufficient, and true of every layout vLLM makes, layers outermost
+    (LBNHC, LBHNC: a layer's stride is its whole span) or interleaved within each block (block
+    outermost: the layer stride is one page, smaller than a layer's span, yet nothing overlaps)."""
+    reach = 0  # the largest offset the dimensions so far reach
+    dims = [(size, stride) for size, stride in zip(shape, strides, strict=True) if size > 1]
+    for size, stride in sorted(dims, key=lambda dim: dim[1]):
+        if stride <= reach:
+            return False
+        reach += (size - 1) * stride
+    return True
+
+
 def _stacked(views: list[torch.Tensor]) -> torch.Tensor | None:
-    """The block-major layer views as one `[layers, blocks, *page]` view, when they are equal,
-    non-overlapping views of one storage at a constant distance (vLLM's CPU caches: one
-    allocation for all layers); else None. A page copy then writes every layer in one call."""
+    """The block-major layer views as one `[layers, blocks, *page]` view, when they are equal
+    views of one storage at a constant distance that overlap nowhere (vLLM's caches: one
+    allocation for all layers); else None. A chunk's pages of every layer are then one call."""
     first = views[0]
     if len(views) < 2 or any(v.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
                              or v.shape != first.shape or v.stride() != first.stride()
                              or v.dtype != first.dtype for v in views):
         return None
     offset, step = first.storage_offset(), views[1].storage_offset() - first.storage_offset()
-    span = 1 + sum((size - 1) * stride for size, stride in zip(first.shape, first.stride(), strict=True))
-    if step < span or any(v.storage_offset() != offset + n * step for n, v in enumerate(views)):
+    if step <= 0 or any(v.storage_offset() != offset + n * step for n, v in enumerate(views)):
         return None
-    return first.as_strided((len(views), *first.shape), (step, *first.stride()), offset)
+    shape, strides = (len(views), *first.shape), (step, *first.stride())
+    if not non_overlapping(shape, strides):
+        return None
+    return first.as_strided(shape, strides, offset)
+
+
+class Lane(enum.Enum):
+    """Which of a staged context's lanes an operation copies in (see the module docstring)."""
+
+    STORE = "store"
+    LOAD = "load"
+
+
+class _Lane:
+    """A staged context's lane: its staging buffer, its copy stream (CUDA caches only) and the
+    lock its operations take turns by."""
+
+    def __init__(self, staging: torch.Tensor, stream: CopyStream | None):
+        self.staging = staging
+        self.stream = stream
+        self.turn = threading.Lock()
 
 
 class TransferContext:
@@ -85,17 +126,19 @@ class TransferContext:
         self._views = [layer.movedim(geometry.layout.block_dim, 0) for layer in layers]
         self._all_layers = _stacked(self._views)
         self.device = layers[0].device
-        self._staging: torch.Tensor | None = None
+        self._lanes: dict[Lane, _Lane] = {}  # none: unstaged
         if self.device.type != "cpu" if staged is None else staged:
-            # Raises torch.OutOfMemoryError when the device has no room: the registration is refused.
-            self._staging = torch.empty((geometry.num_layers, self.blocks_per_chunk, *geometry.page_shape),
-                                        dtype=geometry.dtype, device=self.device)
-        self._stream = CopyStream(self.device) if self.device.type == "cuda" else None
-        self._turn = threading.Lock()
+            for lane in Lane:
+                # Raises torch.OutOfMemoryError when the device has no room: the registration is refused.
+                staging = torch.empty((geometry.num_layers, self.blocks_per_chunk, *geometry.page_shape),
+                                      dtype=geometry.dtype, device=self.device)
+                stream = (CopyStream(self.device, urgent=lane is Lane.LOAD) if self.device.type == "cuda"
+                          else None)
+                self._lanes[lane] = _Lane(staging, stream)
 
     @property
     def staging_nbytes(self) -> int:
-        return 0 if self._staging is None else self._staging.nbytes
+        return sum(lane.staging.nbytes for lane in self._lanes.values())
 
     def check_block_ids(self, block_ids: list[int], num_chunks: int, allow_skip: bool = False) -> None:
         """Each chunk takes `blocks_per_chunk` ids; ids past the last full chunk are ignored.
@@ -115,24 +158,26 @@ class TransferContext:
         return data.view(g.dtype).view(g.num_layers, self.blocks_per_chunk, *g.page_shape)
 
     @contextmanager
-    def operation(self, block_ids: list[int], event_handle: bytes) -> Iterator[Copies]:
-        """One STORE's or RETRIEVE's copies, after the work the worker's event marks (its IPC
-        handle; b'' for none). Every copy is complete when the block exits, also when it exits
-        by an exception, so that the chunk objects can be handed on or freed."""
-        if event_handle and self._stream is None:
+    def operation(self, block_ids: list[int], event_handle: bytes, lane: Lane) -> Iterator[Copies]:
+        """One STORE's (`Lane.STORE`) or RETRIEVE's (`Lane.LOAD`) copies, after the work the
+        worker's event marks (its IPC handle; b'' for none). Every copy is complete when the block
+        exits, also when it exits by an exception, so that the chunk objects can be handed on or
+        freed."""
+        if event_handle and self.device.type != "cuda":
             raise ValueError("an event handle was sent for a CPU cache; send b'' on CPU")
-        if self._staging is None:  # nothing shared between operations: they run side by side
-            yield Copies(self, block_ids, None)
+        own = self._lanes.get(lane)
+        if own is None:  # unstaged: nothing shared between operations, they run side by side
+            yield Copies(self, block_ids, None, None)
             return
-        with self._turn:
-            if self._stream is None:
-                yield Copies(self, block_ids, None)
+        with own.turn:
+            if own.stream is None:
+                yield Copies(self, block_ids, own.staging, None)
                 return
-            with self._stream.ordered():
+            with own.stream.ordered():
                 # Uploaded before the wait: an upload from pageable memory waits for the stream.
                 device_ids = self._ids(block_ids)
-                self._stream.wait_for(event_handle)
-                yield Copies(self, block_ids, device_ids)
+                own.stream.wait_for(event_handle)
+                yield Copies(self, block_ids, own.staging, device_ids)
 
     def write_pages(self, chunk: torch.Tensor, position: int, block: int, count: int) -> None:
         """Copy pages `[position, position + count)` of `chunk` (a `chunk_view`) into blocks
@@ -152,16 +197,18 @@ class Copies:
     """The copies of one operation, chunk by chunk: `gather` for a STORE, `scatter` for a RETRIEVE.
     Chunk `i` of the operation takes block ids `[i * blocks_per_chunk, (i + 1) * blocks_per_chunk)`."""
 
-    def __init__(self, context: TransferContext, block_ids: list[int], device_ids: torch.Tensor | None):
+    def __init__(self, context: TransferContext, block_ids: list[int], staging: torch.Tensor | None,
+                 device_ids: torch.Tensor | None):
         self._ctx = context
         self._block_ids = block_ids
+        self._staging = staging  # the lane's, when staged
         self._device_ids = device_ids
 
     @property
     def splittable(self) -> bool:
         """Whether chunks may be copied from several threads at once: yes, unless they go
-        through the context's one staging buffer (caches on a device, copied in stream order)."""
-        return self._ctx._staging is None
+        through the lane's one staging buffer (caches on a device, copied in stream order)."""
+        return self._staging is None
 
     def _span(self, i: int) -> tuple[int, list[int]]:
         bpc = self._ctx.blocks_per_chunk
@@ -177,21 +224,22 @@ class Copies:
         ctx = self._ctx
         first, ids = self._span(i)
         index = self._index(first, ids, 0, len(ids))
-        staging = ctx._staging
-        if staging is None:
+        staging = self._staging
+        out = chunk if staging is None else staging
+        if ctx._all_layers is not None:
+            torch.index_select(ctx._all_layers, 1, index, out=out)  # every layer in one call
+        else:
             for layer, view in enumerate(ctx._views):
-                torch.index_select(view, 0, index, out=chunk[layer])
-            return
-        for layer, view in enumerate(ctx._views):
-            torch.index_select(view, 0, index, out=staging[layer])
-        chunk.copy_(staging, non_blocking=True)  # one DMA down into the (pinned) object
+                torch.index_select(view, 0, index, out=out[layer])
+        if staging is not None:
+            chunk.copy_(staging, non_blocking=True)  # one DMA down into the (pinned) object
 
     def scatter(self, chunk: torch.Tensor, i: int) -> None:
         """Copy `chunk` into the pages of chunk `i`'s blocks of every layer; -1 ids are skipped."""
         ctx = self._ctx
         first, ids = self._span(i)
         runs = kept_runs(ids)
-        staging = ctx._staging
+        staging = self._staging
         if staging is None:
             # One copy_ per run of consecutive pages (of all layers at once, when they are one
             # allocation): slices copy 2.2-2.4x faster than index_copy_ on CPU (measured 15.6-17.4
@@ -208,5 +256,8 @@ class Copies:
         staging.copy_(chunk, non_blocking=True)
         for start, end in runs:
             index = self._index(first, ids, start, end)
-            for layer, view in enumerate(ctx._views):
-                view.index_copy_(0, index, staging[layer, start:end])
+            if ctx._all_layers is not None:
+                ctx._all_layers.index_copy_(1, index, staging[:, start:end])  # every layer in one call
+            else:
+                for layer, view in enumerate(ctx._views):
+                    view.index_copy_(0, index, staging[layer, start:end])

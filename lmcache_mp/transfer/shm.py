@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import fcntl
 import logging
-import math
 import mmap
 import os
 import threading
@@ -38,6 +37,7 @@ from lmcache_mp.custom_types import SharedMemoryTensor
 from lmcache_mp.storage.pool_memory import MADV_POPULATE_WRITE, _madvise
 from lmcache_mp.transfer.dtypes import dtype_to_str, str_to_dtype
 from lmcache_mp.transfer.shm_move import move_to_shared_memory
+from lmcache_mp.transfer.views import view_of
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +139,8 @@ def _build_page_tables(storages: list[torch.UntypedStorage]) -> None:
 
 def view_shared(handle: SharedMemoryTensor, storages: list[torch.UntypedStorage]) -> torch.Tensor:
     """The tensor `handle` describes, viewing one of the mapped `storages`. The geometry is
-    the client's, so it is checked: a view that would reach outside the mapping is refused."""
+    the client's, so it is checked (`views.view_of`): a view that would reach outside the mapping
+    is refused."""
     st = handle.state
     if not 0 <= st.storage_index < len(storages):
         raise ValueError(f"handle names shared storage {st.storage_index}, "
@@ -148,17 +149,4 @@ def view_shared(handle: SharedMemoryTensor, storages: list[torch.UntypedStorage]
     if storage.nbytes() != st.storage_nbytes:
         raise ValueError(f"shared storage {st.storage_index} has {storage.nbytes()} bytes, "
                          f"the handle says {st.storage_nbytes}")
-    dtype = str_to_dtype(st.dtype)
-    if (len(st.shape) != len(st.stride) or min(st.shape, default=1) <= 0
-            or min(st.stride, default=0) < 0 or st.storage_offset < 0):
-        raise ValueError(f"invalid view: shape {st.shape}, stride {st.stride}, "
-                         f"offset {st.storage_offset}")
-    last = st.storage_offset + sum((n - 1) * s for n, s in zip(st.shape, st.stride, strict=True))
-    # A KV cache's elements are distinct bytes: more of them than the storage holds (a zero
-    # stride repeating one) is no cache, and would overflow torch's element count.
-    if max(last + 1, math.prod(st.shape)) * dtype.itemsize > storage.nbytes():
-        raise ValueError(f"a {st.shape} view at offset {st.storage_offset} overruns the "
-                         f"{storage.nbytes()}-byte shared storage")
-    view = torch.empty(0, dtype=dtype)
-    view.set_(storage, st.storage_offset, st.shape, st.stride)
-    return view
+    return view_of(storage, str_to_dtype(st.dtype), st.shape, st.stride, st.storage_offset)

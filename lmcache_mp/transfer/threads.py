@@ -6,11 +6,14 @@ another core is free (`scripts/bench_data_plane.py` measures the split RETRIEVE 
 one-thread one). So a RETRIEVE of several chunks hands chunks out to helper threads that are free at that
 moment, and copies the rest itself.
 
-At most `threads` threads copy at once (the daemon's `--max-workers`): the worker threads running
-a STORE or a RETRIEVE take a seat, and a RETRIEVE takes helpers only for the seats left, so two
-large operations at once are not split (each already has a core's worth of copying). A helper
-is never waited for before it starts: the chunks go to whichever thread asks first, and a helper
-that starts after the last chunk was handed out has nothing to do.
+Helpers are bounded by `threads` seats (the daemon's `--max-workers`): the worker threads running
+a STORE or a RETRIEVE take a seat each, and a RETRIEVE takes helpers only for the seats left, so
+two large operations at once are not split (each already has a core's worth of copying). A seat
+is counted, never waited for: an operation's own thread copies whatever the count (a RETRIEVE,
+on the server's load lane, never waits here for a STORE; the seats may then number more than
+`threads` for a while, and no helper joins until they are fewer). A helper is never waited for
+before it starts: the chunks go to whichever thread asks first, and a helper that starts after
+the last chunk was handed out has nothing to do.
 """
 
 from __future__ import annotations
