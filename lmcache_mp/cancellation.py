@@ -13,7 +13,7 @@ RETRIEVE of those requests touches that instance's blocks any more.
   `cancelled` between chunks);
 - which pairs were cancelled, and when, so that an operation sent before the CANCEL and still
   queued refuses to start (`begin`). "Before" is the order in which the server read them
-  (`request_context.ARRIVAL`): operations sent after the CANCEL, such as the STORE of what vLLM
+  (`dispatch.ARRIVAL`): operations sent after the CANCEL, such as the STORE of what vLLM
   recomputed after a cancelled load, run as usual.
   The server refuses any request that waited in its queue longer than the queue deadline, and
   a worker's requests reach the daemon in order, so every operation sent before a CANCEL was
@@ -36,9 +36,9 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import Future
 
+from lmcache_mp.dispatch import ARRIVAL
 from lmcache_mp.errors import ServerError
 from lmcache_mp.protocol import ErrorCode
-from lmcache_mp.request_context import ARRIVAL
 
 logger = logging.getLogger(__name__)
 

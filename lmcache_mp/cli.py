@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING, NoReturn, TypeVar
 import msgspec
 
 from lmcache_mp import __version__, config, sd_notify, settings
+from lmcache_mp.chunks import TierCleared
 from lmcache_mp.curve import ClientCurve, generate_keys
 from lmcache_mp.errors import LMCacheMPError
 from lmcache_mp.logs import configure_logging
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import RequestType
 from lmcache_mp.status_text import render_status
-from lmcache_mp.storage.base import TierCleared
-from lmcache_mp.storage.tiers import redact_url
+from lmcache_mp.storage.urls import redact_url
 from lmcache_mp.v1remote.protocol import DEFAULT_MAX_CONNECTIONS, DEFAULT_PORT
 
 if TYPE_CHECKING:

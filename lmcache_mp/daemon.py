@@ -10,6 +10,7 @@ everything it imports load no torch.
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.util
 import logging
 import os
@@ -18,9 +19,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from lmcache_mp import status
 from lmcache_mp.config import ServerConfig
 from lmcache_mp.observability import Metrics
-from lmcache_mp.protocol import RequestType
 from lmcache_mp.server import Server, prepare_ipc_endpoints
 
 if TYPE_CHECKING:
@@ -128,32 +129,20 @@ class Daemon:
             on_built()
 
     def _serve(self, e: Engine) -> None:
-        handlers = {  # where each runs is declared in protocol.PROTOCOL
-            RequestType.LOOKUP: e.lookup,
-            RequestType.LOOKUP_CHUNKS: e.lookup_chunks,
-            RequestType.RELEASE_LEASES: e.release_leases,
-            RequestType.END_SESSION: e.end_session,
-            RequestType.REGISTER_KV_CACHE: e.register,
-            RequestType.UNREGISTER_KV_CACHE: e.unregister,
-            RequestType.STORE: e.store,
-            RequestType.RETRIEVE: e.retrieve,
-            RequestType.CANCEL_TRANSFERS: e.cancel_transfers,
-            RequestType.CLEAR: e.clear,
-            RequestType.CLEAR_TIERS: e.clear_tiers,
-        }
-        self.metrics.watch(e.gauges, e.tier_gauges)
-        self.server.serve_engine(handlers, status_extra=e.status, on_tick=e.tick)
+        self.metrics.watch(functools.partial(status.gauges, e), functools.partial(status.tier_gauges, e))
+        self.server.serve_engine(e.handlers(), status_extra=functools.partial(status.engine_status, e),
+                                 on_tick=e.tick)
 
     def readiness(self) -> tuple[bool, str]:
         """Whether the daemon is fully usable (engine built, pool prepared), and a line saying so."""
         engine = self.engine
         if engine is None:
             return False, "starting: building the engine (importing torch)"
-        status = engine.status()
-        if status["pool_ready"]:
+        report = status.engine_status(engine)
+        if report.pool_ready:
             return True, f"serving on {' '.join(self.endpoints)}"
-        return False, (f"preparing the pool: {status['pool_ready_bytes'] / 2**30:.1f} of "
-                       f"{status['pool_bytes'] / 2**30:.1f} GiB")
+        return False, (f"preparing the pool: {report.pool_ready_bytes / 2**30:.1f} of "
+                       f"{report.pool_bytes / 2**30:.1f} GiB")
 
     def stop(self) -> None:
         with self._lock:

@@ -17,14 +17,13 @@ A reply echoes the request id frame verbatim:
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
+from lmcache_mp.chunks import TierCleared, TierStats
 from lmcache_mp.custom_types import IPCCacheEngineKey, KVCache
-from lmcache_mp.storage.base import TierCleared, TierStats
 
 # Bump on any incompatible change to a schema below. Clients refuse a server whose
 # protocol version differs from theirs (see HELLO).
@@ -223,19 +222,8 @@ class HandlerKind(enum.Enum):
     LOAD = enum.auto()
     # On the socket thread, like INLINE, but the handler may return a Future instead of a
     # value: the reply goes out when it completes (a LOOKUP that reads from a lower tier).
-    # It may also return a `ReplyThen`.
+    # It may also return a `dispatch.ReplyThen`.
     DEFERRED = enum.auto()
-
-
-@dataclass(frozen=True, slots=True)
-class ReplyThen:
-    """A socket-thread handler's answer, sent at once, and bookkeeping that the socket thread
-    runs right after sending it, before it reads the next request (so every later request sees
-    its effect). It takes work off the round trip the client waits on: a LOOKUP's leases are
-    taken with its prefix walk, and only recorded here."""
-
-    result: Any
-    then: Callable[[], None]
 
 
 # The most payload bytes a request of each size class can legitimately need, checked before

@@ -24,15 +24,14 @@ from pathlib import Path
 
 import torch
 
+from lmcache_mp.chunks import ChunkFormat
 from lmcache_mp.config import SocketAccess
 from lmcache_mp.custom_types import CudaIPCWrapper, KVCache, SharedMemoryTensor
-from lmcache_mp.distributed.api import rank_of
+from lmcache_mp.dispatch import PEER
 from lmcache_mp.errors import ServerError
 from lmcache_mp.keys import invalid
 from lmcache_mp.protocol import ErrorCode, InstanceInfo, KVCacheRegistration, RegisterReply
-from lmcache_mp.request_context import PEER
-from lmcache_mp.storage.base import ChunkFormat
-from lmcache_mp.storage.manager import FormatCombo, RankSpec
+from lmcache_mp.storage import FormatCombo, RankSpec
 from lmcache_mp.transfer.attach import AttachListener
 from lmcache_mp.transfer.context import TransferContext
 from lmcache_mp.transfer.cuda import import_cuda_tensors
@@ -42,6 +41,9 @@ from lmcache_mp.transfer.shm import map_storages, prebuild_page_tables, view_sha
 logger = logging.getLogger(__name__)
 
 RankKey = tuple[str, int, int]  # (model, world size, worker id)
+# The most ranks a world may have: a rank is one byte of the seed's packed `kv_rank`
+# (`distributed/api.py`), which a chunk stored here must stay expressible in.
+MAX_WORLD_SIZE = 0xFF
 
 
 @dataclass
@@ -52,7 +54,7 @@ class Instance:
     registration: KVCacheRegistration
     context: TransferContext
     fmt: ChunkFormat  # one for every rank of a replicated registration (`KVCacheRegistration.replicated`)
-    owner: bytes  # the connection that registered it (request_context.PEER)
+    owner: bytes  # the connection that registered it (dispatch.PEER)
 
     @property
     def rank_key(self) -> RankKey:
@@ -64,10 +66,6 @@ class Instance:
         """How this instance's rank stores a chunk, for the storage manager's LOOKUP (made once:
         every LOOKUP asks)."""
         return RankSpec(self.fmt, self.context.chunk_nbytes)
-
-    def pool_key(self, chunk_hash: bytes) -> tuple[bytes, bytes]:
-        """The chunk's key in the L1 pool (`ChunkKey.ident`)."""
-        return chunk_hash, self.fmt.fingerprint
 
 
 def _cache_kind(fmt: ChunkFormat) -> tuple:
@@ -105,7 +103,9 @@ class Registry:
             raise invalid(f"worker_id {reg.worker_id} is outside world_size {reg.world_size}")
         self._check_unused(instance_id)  # before mapping anything; checked again when inserting
         try:
-            rank_of(reg.world_size, reg.worker_id)  # refuses ranks that do not fit a kv_rank
+            if reg.world_size > MAX_WORLD_SIZE:  # a rank that would not fit a kv_rank
+                raise ValueError(f"world_size={reg.world_size} does not fit in one byte "
+                                 f"(0..{MAX_WORLD_SIZE})")
             layers, mapped = self._open_layers(kv_caches, reg)
             layers, geometry = describe_caches(layers, reg.layout, reg.block_size)
             fmt = geometry.chunk_format(reg.model_name, reg.world_size, reg.worker_id, self.chunk_size,

@@ -7,7 +7,7 @@ stays fast while a STORE runs, and RETRIEVEs on a pool of their own (the load la
 load, which vLLM's forward pass waits for, never queues behind STOREs or registrations; a
 deferred handler (LOOKUP) runs on the socket thread and may hand back a Future, whose result is
 sent when it completes. A socket-thread handler may also answer at once and leave bookkeeping
-for right after the reply (`protocol.ReplyThen`).
+for right after the reply (`dispatch.ReplyThen`, the handler contract).
 Whatever happens, each request gets one reply: a result or an error. A handler that meets a
 `FatalError` (the device's copies failed or hang) gets its error reply too; the server then refuses
 every request and sets `failure`, for the daemon to exit and be restarted.
@@ -31,6 +31,7 @@ import msgspec
 
 from lmcache_mp import __version__
 from lmcache_mp.config import ServerConfig, SocketAccess, SocketClaim, claim_socket_path, ipc_path
+from lmcache_mp.dispatch import ARRIVAL, PEER, Handler, ReplyThen
 from lmcache_mp.errors import FatalError, ServerError
 from lmcache_mp.mq import REQUEST_ID, Codec, MessageQueueServer
 from lmcache_mp.observability import Metrics
@@ -42,16 +43,12 @@ from lmcache_mp.protocol import (
     ErrorCode,
     HandlerKind,
     HelloReply,
-    ReplyThen,
     RequestType,
     StatusReport,
 )
-from lmcache_mp.request_context import ARRIVAL, PEER
+from lmcache_mp.status import EngineStatus
 
 logger = logging.getLogger(__name__)
-
-
-Handler = Callable[..., Any]
 
 # How long a stopping daemon lets the requests it started finish, and answers them, before it
 # closes the message queue (the replies of any still running after that are dropped).
@@ -89,7 +86,7 @@ class Server:
         self.codec = Codec()
         self.started_at = time.monotonic()
         self.phase = PHASE_STARTING
-        self._status_extra: Callable[[], dict[str, Any]] | None = None
+        self._status_extra: Callable[[], EngineStatus] | None = None
         self._on_tick: Callable[[], None] | None = None
         self._handlers: dict[RequestType, Handler] = {rt: self._refuse_starting for rt in RequestType} | {
             RequestType.HELLO: self._hello,
@@ -117,7 +114,7 @@ class Server:
     def start(self) -> None:
         self._mq.start()
 
-    def serve_engine(self, handlers: dict[RequestType, Handler], status_extra: Callable[[], dict[str, Any]],
+    def serve_engine(self, handlers: dict[RequestType, Handler], status_extra: Callable[[], EngineStatus],
                      on_tick: Callable[[], None]) -> None:
         """The engine is built: its requests run from now on (they were refused STARTING)."""
         self._status_extra = status_extra
@@ -261,7 +258,7 @@ class Server:
     def _run(self, identity: bytes, request_id: bytes, request_type: RequestType,
              handler: Handler, args: list[Any], arrival: int) -> None:
         start = time.perf_counter()
-        # The request as its handler sees it (request_context.py): its order against
+        # The request as its handler sees it (dispatch.py): its order against
         # CANCEL_TRANSFERS, and the connection that owns what it registers.
         arrival_token, peer_token = ARRIVAL.set(arrival), PEER.set(identity)
         try:
@@ -383,7 +380,7 @@ class Server:
             phase=self.phase,
             requests_in_flight=queued,
         )
-        if self._status_extra is not None:
-            report = msgspec.structs.replace(report, **self._status_extra())
+        if self._status_extra is not None:  # the engine's fields, by name
+            report = msgspec.structs.replace(report, **msgspec.structs.asdict(self._status_extra()))
         return report
 

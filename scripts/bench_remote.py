@@ -59,7 +59,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.*: the servers' starters
 from bench_report import finish
 
-from lmcache_mp.storage.base import ChunkFormat, ChunkKey, StorageTier
+from lmcache_mp.chunks import ChunkFormat, ChunkKey
+from lmcache_mp.storage.base import StorageTier
 from lmcache_mp.storage.chunk_format import as_buffer
 from lmcache_mp.storage.redis_tier import RedisTier
 from lmcache_mp.storage.tiers import open_tier

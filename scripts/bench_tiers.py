@@ -65,11 +65,11 @@ from bench_data_plane import (
 )
 from bench_report import finish
 
+from lmcache_mp.chunks import ChunkFormat, ChunkKey
 from lmcache_mp.launcher import DaemonProcess, start_daemon
 from lmcache_mp.launcher import daemon_status as status
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import RequestType
-from lmcache_mp.storage.base import ChunkFormat, ChunkKey
 from lmcache_mp.storage.disk import DiskTier, object_name
 from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp
 
@@ -82,7 +82,7 @@ FMT = ChunkFormat("bench", 1, 0, "CPU_ATTN", "bfloat16", LAYERS, (KV_HEADS, BLOC
 # ---- helpers -----------------------------------------------------------------------------------
 
 def tier(url: str) -> Any:
-    """The daemon's one lower tier in STATUS (fields of `storage.base.TierStats`)."""
+    """The daemon's one lower tier in STATUS (fields of `chunks.TierStats`)."""
     (only,) = status(url).tiers
     return only
 

@@ -24,7 +24,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from lmcache_mp import engine, keys, leases, mq, server
+from lmcache_mp import engine, keys, mq, server, sessions
 from lmcache_mp.storage import manager, pool
 
 # phase name -> (class, method): what the daemon's socket thread runs for LOOKUP and END_SESSION.
@@ -39,13 +39,13 @@ PHASES: dict[str, tuple[type, str]] = {
     "  prefix walk + pinning (storage.lookup)": (manager.StorageManager, "lookup"),
     "    pool.pin_prefix": (pool.MemoryPool, "pin_prefix"),
     "END_SESSION handler (engine.end_session)": (engine.Engine, "end_session"),
-    "  LeaseTable.end": (leases.LeaseTable, "end"),
+    "  SessionTable.end": (sessions.SessionTable, "end"),
     "    pool.unpin": (pool.MemoryPool, "unpin"),
     "encode reply + metrics + send (Server._reply)": (server.Server, "_reply"),
     "  encode reply": (mq.Codec, "encode_reply"),
     "  send (MessageQueueServer.reply)": (mq.MessageQueueServer, "reply"),
     "after a LOOKUP's reply: lease bookkeeping (Engine._lease)": (engine.Engine, "_lease"),
-    "  LeaseTable.add": (leases.LeaseTable, "add"),
+    "  SessionTable.lease": (sessions.SessionTable, "lease"),
 }
 
 _totals: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])  # calls, wall ns, CPU ns

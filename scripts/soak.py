@@ -78,7 +78,8 @@ from lmcache_mp.protocol import CANCEL_PAYLOAD, ErrorCode, KVCacheRegistration, 
 from tests.helpers import BLOCK, CHUNK, LAYERS, NUM_BLOCKS, SHAPE, block_hashes, freeze
 from tests.kv_worker import make_caches, pages
 from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp
-from vllm_adapter.utils import export_kv_caches, striding_block_hashes
+from vllm_adapter.kv_export import export_kv_caches
+from vllm_adapter.ops import striding_block_hashes
 
 MODEL = "soak-model"
 LAYOUT = "CPU_ATTN"

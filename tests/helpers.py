@@ -7,12 +7,14 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from lmcache_mp.dispatch import ARRIVAL
 from lmcache_mp.errors import ServerError
 from lmcache_mp.launcher import daemon_status
 from lmcache_mp.mq import MessageQueueClient
@@ -108,3 +110,33 @@ def freeze(proc: subprocess.Popen, timeout: float = 5.0) -> None:
 def _thread_state(task: Path) -> str:
     # /proc/PID/task/TID/stat: "tid (comm) STATE ..."; comm may hold spaces and parentheses.
     return (task / "stat").read_text().rpartition(")")[2].split()[0]
+
+
+class Recorder:
+    """A chunk copy for `CopyThreads.run` that notes which thread copied each chunk (and the
+    `ARRIVAL` it saw), then returns `copy(i)`; each thread's first copy waits (up to 10 s) until
+    `meet` threads have started one, so that a split is seen whichever thread starts first."""
+
+    def __init__(self, copy: Callable[[int], bool] = lambda i: True, meet: int = 1):
+        self.by_thread: dict[int, list[int]] = {}
+        self.arrivals: dict[int, int] = {}
+        self._copy = copy
+        self._meet = threading.Barrier(meet)
+        self._lock = threading.Lock()
+
+    def __call__(self, i: int) -> bool:
+        me = threading.get_ident()
+        with self._lock:
+            first = me not in self.by_thread
+            self.by_thread.setdefault(me, []).append(i)
+            self.arrivals[me] = ARRIVAL.get()
+        if first:
+            self._meet.wait(10)
+        return self._copy(i)
+
+    def chunks(self) -> list[int]:
+        return sorted(i for done in self.by_thread.values() for i in done)
+
+    def helped(self) -> int:
+        """Chunks copied by threads other than the caller's."""
+        return sum(len(done) for tid, done in self.by_thread.items() if tid != threading.get_ident())

@@ -210,7 +210,7 @@ def test_an_unclaimed_hand_over_is_closed_after_its_deadline(daemons, worker_for
     wait_for(lambda: held_by(daemon, kv) == 0, "its descriptor closed")
     # The worker registered before that hand-over was made: still registered, channel open.
     assert status(daemon.url).registered_instances == [worker.instance_id]
-    assert worker._channel is not None and worker._channel.is_open()
+    assert worker.registration.channel is not None and worker.registration.channel.is_open()
 
 
 def connect_idle(path: str, count: int) -> list[socket.socket]:

@@ -34,7 +34,7 @@ from vllm_adapter.connector_common import ConnectorSettings, LMCacheMPConnectorM
 from vllm_adapter.connector_scheduler import SchedulerSide
 from vllm_adapter.connector_worker import IDLE_LOAD_WAIT_S, IDLE_STEP_PAUSE_S, WorkerSide
 from vllm_adapter.kv_groups import KVGroup
-from vllm_adapter.multi_process_adapter import LoadStoreOp
+from vllm_adapter.ops import LoadStoreOp
 
 BLOCK, CHUNK = 16, 32  # the hashes of tests.test_data_path are over 16-token blocks
 SHAPE = [64, 2, BLOCK, 64]

@@ -18,12 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from lmcache_mp.chunks import ChunkFormat, ChunkKey
 from lmcache_mp.storage import chunk_format
-from lmcache_mp.storage.base import ChunkFormat, ChunkKey
 from lmcache_mp.storage.chunk_format import PREFIX_SIZE, CorruptChunk
 from lmcache_mp.storage.disk import DiskTier, object_name
 from lmcache_mp.storage.pool import MemoryPool
-from lmcache_mp.storage.tiers import open_tier, redact_url
+from lmcache_mp.storage.tiers import open_tier
+from lmcache_mp.storage.urls import redact_url
 
 FMT = ChunkFormat("test-model", 2, 0, "vllm_flash", "bfloat16", 4, (2, 16, 8, 64), 256)
 OTHER_FMT = ChunkFormat("test-model", 2, 1, "vllm_flash", "bfloat16", 4, (2, 16, 8, 64), 256)
@@ -489,7 +490,7 @@ _FULL_DISK_CHILD = textwrap.dedent("""
     import os, sys, torch
     from pathlib import Path
     from lmcache_mp.storage.disk import DiskTier
-    from lmcache_mp.storage.base import ChunkFormat, ChunkKey
+    from lmcache_mp.chunks import ChunkFormat, ChunkKey
 
     fmt = ChunkFormat("m", 1, 0, "layout", "uint8", 1, (1,), 16)
     root = Path(sys.argv[1])

@@ -39,7 +39,7 @@ from tests.kv_worker import make_caches
 from tests.test_stores_and_leases import chunk_hashes
 from tests.test_tiers import count_lookup, store
 from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter
-from vllm_adapter.multi_process_adapter import MAX_PROBE_INTERVAL_S
+from vllm_adapter.registration import MAX_PROBE_INTERVAL_S
 
 # A command prefix for `start_daemon`: `python -c _GATE GO_FILE PYTHON -m MODULE ARGS...` runs MODULE
 # with ARGS in this interpreter, with `import torch` held until GO_FILE exists.

@@ -14,6 +14,7 @@ import msgspec
 import pytest
 import zmq
 
+from lmcache_mp.chunks import TierCleared
 from lmcache_mp.custom_types import (
     CudaIPCWrapper,
     IPCCacheEngineKey,
@@ -39,7 +40,6 @@ from lmcache_mp.protocol import (
     StatusReport,
     StoreResult,
 )
-from lmcache_mp.storage.base import TierCleared
 
 HASH_KEY = IPCCacheEngineKey("m", 2, None, chunk_hash=b"\x01" * 32, request_id="req-1")
 TOKEN_KEY = IPCCacheEngineKey("m", 1, 0, token_ids=(1, 2, 3), start=0, end=3, request_id="r")

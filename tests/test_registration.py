@@ -29,7 +29,7 @@ from vllm_adapter import LMCacheMPWorkerAdapter, LoadStoreOp
 
 DAEMON_ARGS = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05")
 SHAPE = [NUM_BLOCKS, 2, BLOCK, 64]
-ADAPTER_LOG = "vllm_adapter.multi_process_adapter"
+ADAPTER_LOG = "vllm_adapter.registration"
 
 
 def free_port() -> int:

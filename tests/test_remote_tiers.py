@@ -14,9 +14,9 @@ import pytest
 import redis
 import torch
 
+from lmcache_mp.chunks import ChunkKey, TierStats
 from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.protocol import ChunkOutcome
-from lmcache_mp.storage.base import ChunkKey, TierStats
 from lmcache_mp.storage.chunk_format import header_size_of
 from lmcache_mp.storage.remote import NetworkTier
 from lmcache_mp.storage.tiers import open_tier

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lmcache_mp.chunks import ChunkFormat, ChunkKey, TierStats
 from lmcache_mp.storage import manager as manager_module
-from lmcache_mp.storage.base import ChunkFormat, ChunkKey, TierStats
 from lmcache_mp.storage.disk import DiskTier, object_name
 from lmcache_mp.storage.manager import FormatCombo, Hits, RankSpec, StorageManager
 from lmcache_mp.storage.pool import MemoryPool, ObjectState, PoolObject, ReserveFailure

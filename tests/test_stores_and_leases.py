@@ -130,7 +130,7 @@ def test_store_that_timed_out_is_sent_again(daemon: DaemonProcess, caplog: pytes
     worker = LMCacheMPWorkerAdapter(daemon.url, None, "m", 1, 0, BLOCK, timeout_s=0.5, store_retry_s=10)
     try:
         worker.register_kv_caches(make_caches(SHAPE, torch.bfloat16, LAYERS, seed=1), "CPU_ATTN")
-        caplog.set_level(logging.WARNING, logger="vllm_adapter.multi_process_adapter")
+        caplog.set_level(logging.WARNING, logger="vllm_adapter.worker_adapter")
         tokens = list(range(900, 900 + 2 * CHUNK))
         freeze(daemon.proc)
         try:
@@ -155,7 +155,7 @@ def test_held_stores_are_bounded_in_number_and_age(daemons, caplog: pytest.LogCa
     try:
         worker.register_kv_caches(make_caches(SHAPE, torch.bfloat16, LAYERS, seed=1), "CPU_ATTN")
         assert daemon.stop() == 0
-        caplog.set_level(logging.WARNING, logger="vllm_adapter.multi_process_adapter")
+        caplog.set_level(logging.WARNING, logger="vllm_adapter.worker_adapter")
         started = time.monotonic()
         for i, rid in enumerate(("a", "b", "c")):
             worker.submit_store_request(rid, store_op(list(range(i * 1000, i * 1000 + 2 * CHUNK))), None)
@@ -258,7 +258,7 @@ def test_a_failed_end_session_is_logged(daemon: DaemonProcess, caplog: pytest.Lo
         scheduler.end_session("r1")
         time.sleep(0.5)
         scheduler.maybe_submit_lookup_request("r2", block_hashes=block_hashes(list(range(CHUNK))))
-        with caplog.at_level(logging.WARNING, logger="vllm_adapter.multi_process_adapter"):
+        with caplog.at_level(logging.WARNING, logger="vllm_adapter.scheduler_adapter"):
             deadline = time.monotonic() + 5
             while "END_SESSION for request r1 failed" not in caplog.text:
                 assert time.monotonic() < deadline, "the failed END_SESSION went unnoticed"
@@ -296,7 +296,7 @@ def test_lookup_chunks_answers_and_leases_as_lookup_does(daemon: DaemonProcess, 
 @pytest.mark.daemon_args(*DAEMON_ARGS)
 def test_a_lookups_leases_are_in_place_before_the_next_request_is_read(daemon: DaemonProcess,
                                                                         worker_for) -> None:
-    """A LOOKUP is answered before its leases are recorded (protocol.ReplyThen), but the daemon
+    """A LOOKUP is answered before its leases are recorded (dispatch.ReplyThen), but the daemon
     records them before it reads another request: a STATUS or an END_SESSION sent right behind
     the LOOKUP, without waiting for its reply, finds them."""
     worker = worker_for(daemon.url)

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from lmcache_mp.chunks import ChunkFormat, ChunkKey, TierStats
 from lmcache_mp.custom_types import IPCCacheEngineKey
 from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import ChunkOutcome, RequestType
-from lmcache_mp.storage.base import ChunkFormat, ChunkKey, TierStats
 from lmcache_mp.storage.disk import object_name
 from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes, lookup, run_worker, status
 from tests.kv_worker import make_caches, pages, wait_done

@@ -24,6 +24,7 @@ from lmcache_mp.transfer.context import (
 from lmcache_mp.transfer.cuda import wait_bounded
 from lmcache_mp.transfer.layouts import describe_caches
 from lmcache_mp.transfer.threads import CopyThreads
+from tests.helpers import Recorder
 
 NUM_BLOCKS = 12
 CHUNK_TOKENS = 64  # 4 blocks of 16
@@ -239,30 +240,6 @@ def test_kept_runs(ids: list[int], runs: list[tuple[int, int]]) -> None:
 
 
 # ---- a RETRIEVE split over copy threads ----------------------------------------------------------
-
-
-class Recorder:
-    """A chunk copy for `CopyThreads.run` that notes which thread copied each chunk; each thread's
-    first copy waits (up to 10 s) until `meet` threads have started one, so that a split is seen
-    whichever thread starts first."""
-
-    def __init__(self, copy: Callable[[int], bool] = lambda i: True, meet: int = 1):
-        self.by_thread: dict[int, list[int]] = {}
-        self._copy = copy
-        self._meet = threading.Barrier(meet)
-        self._lock = threading.Lock()
-
-    def __call__(self, i: int) -> bool:
-        me = threading.get_ident()
-        with self._lock:
-            first = me not in self.by_thread
-            self.by_thread.setdefault(me, []).append(i)
-        if first:
-            self._meet.wait(10)
-        return self._copy(i)
-
-    def chunks(self) -> list[int]:
-        return sorted(i for done in self.by_thread.values() for i in done)
 
 
 def scatter(ctx: TransferContext, copies: Copies, objects: list[torch.Tensor]) -> Callable[[int], bool]:

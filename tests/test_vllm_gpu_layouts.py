@@ -31,7 +31,7 @@ from lmcache_mp.protocol import ErrorCode, KVCacheRegistration, RequestType, Sta
 from tests.helpers import lookup, refusal, status, wait_for_status
 from tests.kv_worker import wait_done
 from tests.vllm_caches import LAYOUTS, allocate_like_vllm, block_pages
-from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp, multi_process_adapter
+from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp, registration
 
 CHUNK = 64  # the daemon's chunk: 4 blocks of 16 tokens, 2 of 32
 NUM_BLOCKS, LAYERS, HEADS, HEAD_SIZE, LATENT = 24, 3, 2, 32, 576
@@ -246,7 +246,7 @@ def test_worker_refuses_a_daemon_that_reads_other_blocks(url: str, adapters: lis
     def without_block_size(*args: Any, **fields: Any) -> KVCacheRegistration:
         return KVCacheRegistration(*args, **{**fields, "block_size": 0})
 
-    monkeypatch.setattr(multi_process_adapter, "KVCacheRegistration", without_block_size)
+    monkeypatch.setattr(registration, "KVCacheRegistration", without_block_size)
     case = CASES["flashinfer_kernel_blocks"]
     adapter = LMCacheMPWorkerAdapter(url, None, "model-old-daemon", 1, 0, case.block_size)
     adapters.append(adapter)

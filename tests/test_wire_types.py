@@ -16,7 +16,7 @@ import msgspec
 import pytest
 import torch
 
-import vllm_adapter.multi_process_adapter as worker_adapter
+import vllm_adapter.registration as registration
 from lmcache_mp.custom_types import (
     EXT_CUDA_IPC_WRAPPER,
     CudaIPCWrapper,
@@ -156,7 +156,7 @@ def test_a_cuda_registration_the_daemon_cannot_open_is_refused_once(daemons, mon
         assert "GPU-uuid" in info.value.message and IPC_REQUIREMENTS in info.value.message
     finally:
         raw.close()
-    monkeypatch.setattr(worker_adapter, "export_kv_caches", lambda kv_caches: (list(layers), []))
+    monkeypatch.setattr(registration, "export_kv_caches", lambda kv_caches: (list(layers), []))
     worker = LMCacheMPWorkerAdapter(daemon.url, None, "m", 1, 0, BLOCK, reregister_interval_s=0.1)
     try:
         with caplog.at_level(logging.WARNING, logger=ADAPTER_LOG):

@@ -4,8 +4,6 @@ from vllm_adapter.multi_process_adapter import (
     LMCacheMPSchedulerAdapter,
     LMCacheMPWorkerAdapter,
     LoadStoreOp,
-)
-from vllm_adapter.utils import (
     get_lmcache_chunk_size,
     send_lmcache_request,
     striding_block_hashes,

@@ -18,7 +18,7 @@ from lmcache_mp.config import default_url
 from lmcache_mp.curve import ClientCurve
 from lmcache_mp.errors import LMCacheMPError
 from vllm_adapter.group_adapters import RequestOps
-from vllm_adapter.multi_process_adapter import DEFAULT_TIMEOUT_S
+from vllm_adapter.ops import DEFAULT_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +97,8 @@ def _as_bool(value: Any) -> bool:
 class LMCacheMPConnectorMetadata(KVConnectorMetadata):
     """One step's work for the workers, by request id. vLLM pickles it to every worker, so
     it holds only small plain values: each op names the blocks and the block hashes of
-    whole chunks (a load's block ids may be -1: blocks vLLM already has, or never reads); a
-    hybrid model has one op per KV cache group (`group_adapters.RequestOps`)."""
+    whole chunks (a load's block ids may be `ops.SKIP_BLOCK`: blocks vLLM already has, or
+    never reads); a hybrid model has one op per KV cache group (`group_adapters.RequestOps`)."""
 
     loads: dict[str, RequestOps] = field(default_factory=dict)
     stores: dict[str, RequestOps] = field(default_factory=dict)

@@ -29,7 +29,8 @@ from vllm_adapter.connector_common import (
 )
 from vllm_adapter.group_adapters import RequestOps, SchedulerGroups, connect_groups, request_ops
 from vllm_adapter.kv_groups import NULL_BLOCK_ID, KVGroup, skip_null_blocks
-from vllm_adapter.multi_process_adapter import LMCacheMPSchedulerAdapter, LoadStoreOp
+from vllm_adapter.ops import SKIP_BLOCK, LoadStoreOp
+from vllm_adapter.scheduler_adapter import LMCacheMPSchedulerAdapter
 
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
@@ -228,12 +229,12 @@ class SchedulerSide:
         end = (state.local_tokens + num_external_tokens) // self._block_size
         # Chunk keys stride from the op's first block, so the op starts on a chunk boundary;
         # blocks vLLM already holds in that first chunk (maybe shared with other requests)
-        # are -1: the daemon leaves them alone. So are a sliding-window group's null blocks:
+        # are SKIP_BLOCK: the daemon leaves them alone. So are a sliding-window group's null blocks:
         # outside the window before the hit's end, vLLM never reads them.
         start = local_blocks - local_blocks % self._chunk_blocks
         hashes = list(request.block_hashes[start:end])
         self._pending_loads[request.request_id] = request_ops([
-            LoadStoreOp(skip_null_blocks([-1 if i < local_blocks else tables[group.index][i]
+            LoadStoreOp(skip_null_blocks([SKIP_BLOCK if i < local_blocks else tables[group.index][i]
                                           for i in range(start, end)]), block_hashes=hashes)
             for group in self._groups])
         state.load_planned = True

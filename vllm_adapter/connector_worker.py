@@ -24,9 +24,11 @@ from vllm_adapter.connector_common import (
     LMCacheMPWorkerMeta,
 )
 from vllm_adapter.group_adapters import RequestOps, WorkerGroups, all_ops, connect_groups
+from vllm_adapter.kv_export import record_kv_event
 from vllm_adapter.kv_groups import KVGroup
-from vllm_adapter.multi_process_adapter import LMCacheMPWorkerAdapter, SyncLoad
-from vllm_adapter.utils import record_kv_event
+from vllm_adapter.loads import SyncLoad
+from vllm_adapter.ops import kept_blocks
+from vllm_adapter.worker_adapter import LMCacheMPWorkerAdapter
 
 if TYPE_CHECKING:
     import torch
@@ -244,4 +246,4 @@ class WorkerSide:
 
 def _loaded_blocks(ops: RequestOps) -> list[int]:
     """The blocks a load would have written, in every group."""
-    return [b for op in all_ops(ops) for b in op.block_ids if b >= 0]
+    return [b for op in all_ops(ops) for b in kept_blocks(op)]

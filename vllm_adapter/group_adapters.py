@@ -20,12 +20,10 @@ import torch
 from lmcache_mp.errors import LMCacheMPError
 from lmcache_mp.mq import MessageQueueClient
 from vllm_adapter.kv_groups import KVGroup
-from vllm_adapter.multi_process_adapter import (
-    LMCacheMPSchedulerAdapter,
-    LMCacheMPWorkerAdapter,
-    LoadStoreOp,
-    SyncLoad,
-)
+from vllm_adapter.loads import SyncLoad
+from vllm_adapter.ops import LoadStoreOp
+from vllm_adapter.scheduler_adapter import LMCacheMPSchedulerAdapter
+from vllm_adapter.worker_adapter import LMCacheMPWorkerAdapter
 
 logger = logging.getLogger(__name__)
 

@@ -21,6 +21,8 @@ import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from vllm_adapter.ops import SKIP_BLOCK
+
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
@@ -110,5 +112,5 @@ def kv_groups(kv_cache_config: KVCacheConfig, model_name: str) -> list[KVGroup]:
 
 
 def skip_null_blocks(block_ids: list[int]) -> list[int]:
-    """A load's block ids with the null blocks marked -1 (the daemon leaves those alone)."""
-    return [-1 if b == NULL_BLOCK_ID else b for b in block_ids]
+    """A load's block ids with the null blocks marked `SKIP_BLOCK` (the daemon leaves those alone)."""
+    return [SKIP_BLOCK if b == NULL_BLOCK_ID else b for b in block_ids]

@@ -6,7 +6,8 @@ one made while the worker is not registered (the daemon restarting), sent once i
 keeps a request's blocks until the worker reports the request's stores done, which is what
 makes sending again safe: the blocks of computed chunks do not change meanwhile, and the
 daemon only reads them (a chunk that did land meanwhile comes back ALREADY_PRESENT).
-`StoreTracker` holds the books; the worker adapter decides what to send and when.
+`StoreTracker` holds the books and `PendingStore.schedule_retry` the retry policy; the worker
+adapter sends.
 """
 
 from __future__ import annotations
@@ -21,11 +22,10 @@ from typing import TYPE_CHECKING, TypeVar
 from lmcache_mp.mq import MessagingFuture
 from lmcache_mp.protocol import StoreResult
 from vllm_adapter.fences import Target
+from vllm_adapter.ops import LoadStoreOp
 
 if TYPE_CHECKING:
     import torch
-
-    from vllm_adapter.multi_process_adapter import LoadStoreOp
 
 _T = TypeVar("_T")
 
@@ -53,6 +53,15 @@ class PendingStore:
     # Registrations a send of it went to without an answer: the daemon may still run that STORE
     # (reading the blocks), so the part is done only once each has confirmed the cancel.
     unanswered: set[Target] = field(default_factory=set)
+
+    def schedule_retry(self, now: float, window_s: float) -> bool:
+        """Schedule another send (`next_try`), within `window_s` of when it was first held;
+        False if its tries are spent (out of sends or out of time): the caller gives it up."""
+        self.give_up_at = min(self.give_up_at, now + window_s)
+        if self.sends >= MAX_STORE_SENDS or now >= self.give_up_at:
+            return False
+        self.next_try = now + min(STORE_FIRST_RETRY_S * 2 ** max(self.sends - 1, 0), STORE_MAX_RETRY_S)
+        return True
 
 
 @dataclass

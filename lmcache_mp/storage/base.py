@@ -31,129 +31,21 @@ Every tier stores the self-describing object of `chunk_format.py`: a checksummed
 names the key and the full `ChunkFormat`, then the bytes. A read verifies all of it against
 the key asked for, so a tier can never hand back another chunk's or another layout's bytes.
 
-Keys. A `ChunkKey` is a chunk's identity in every tier: the hash of its token prefix and the
-`ChunkFormat` that says what its bytes mean (model, world size, rank, layout, dtype, geometry,
-chunk size). `ChunkKey.ident` -- `(chunk_hash, fingerprint)` -- is what indexes use.
+Keys. A `ChunkKey` (`lmcache_mp/chunks.py`, the chunk vocabulary) is a chunk's identity in every
+tier: the hash of its token prefix and the `ChunkFormat` that says what its bytes mean.
+`ChunkKey.ident` -- the pool key `(chunk_hash, fingerprint)` -- is what indexes use.
 """
 
 from __future__ import annotations
 
-import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
-import msgspec
+from lmcache_mp.chunks import ChunkKey, TierStats
 
-if TYPE_CHECKING:  # only in annotations: the protocol imports TierStats, and `ping` needs no torch
+if TYPE_CHECKING:  # only in annotations: tiers are opened by URL, and their modules load torch themselves
     import torch
-
-
-class _FormatFields(msgspec.Struct, array_like=True, frozen=True):
-    model_name: str
-    world_size: int
-    worker_id: int
-    layout: str
-    dtype: str
-    num_layers: int
-    page_shape: tuple[int, ...]
-    chunk_tokens: int
-
-
-@dataclass(frozen=True)
-class ChunkFormat:
-    """What a stored chunk's bytes mean. Two caches whose formats differ never share a chunk."""
-
-    model_name: str
-    world_size: int
-    worker_id: int
-    layout: str  # the layout's name in transfer/layouts.py
-    dtype: str  # torch dtype name, e.g. "bfloat16"
-    num_layers: int
-    page_shape: tuple[int, ...]  # one block of one layer
-    chunk_tokens: int  # tokens per chunk (the daemon's --chunk-size)
-    # 16-byte digest of everything above: deterministic across processes, restarts, machines.
-    fingerprint: bytes = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "fingerprint",
-                           hashlib.blake2b(self.encode(), digest_size=16).digest())
-
-    def encode(self) -> bytes:
-        return msgspec.msgpack.encode(_FormatFields(
-            self.model_name, self.world_size, self.worker_id, self.layout, self.dtype,
-            self.num_layers, tuple(self.page_shape), self.chunk_tokens))
-
-    @classmethod
-    def decode(cls, data: bytes | memoryview) -> ChunkFormat:
-        """Raises msgspec.DecodeError / ValidationError on bytes that are not a format."""
-        f = msgspec.msgpack.decode(data, type=_FormatFields)
-        return cls(f.model_name, f.world_size, f.worker_id, f.layout, f.dtype, f.num_layers,
-                   tuple(f.page_shape), f.chunk_tokens)
-
-
-@dataclass(frozen=True, eq=False, slots=True)
-class ChunkKey:
-    """A chunk's identity in every tier (the successor of the seed's `ObjectKey`)."""
-
-    chunk_hash: bytes
-    fmt: ChunkFormat
-
-    @property
-    def fingerprint(self) -> bytes:
-        return self.fmt.fingerprint
-
-    @property
-    def ident(self) -> tuple[bytes, bytes]:
-        """`(chunk_hash, fingerprint)`: hashable, cheap, and what the L1 pool keys objects by."""
-        return self.chunk_hash, self.fmt.fingerprint
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, ChunkKey) and self.ident == other.ident
-
-    def __hash__(self) -> int:
-        return hash(self.ident)
-
-
-@dataclass
-class TierStats:
-    """Counters of one tier. Cumulative counters end in `_total`; the rest are levels."""
-
-    name: str  # e.g. "disk:///var/cache/lmcache-mp" (never a password)
-    objects: int = 0
-    bytes: int = 0
-    capacity_bytes: int = 0
-    hits_total: int = 0  # gets that returned a verified chunk
-    misses_total: int = 0  # gets of absent chunks
-    corrupt_total: int = 0  # objects found damaged, foreign or mislabelled, and removed
-    writes_total: int = 0  # chunks stored
-    write_errors_total: int = 0  # writes skipped on an error (ENOSPC, EIO, ...)
-    evictions_total: int = 0  # objects removed to stay within capacity
-    # Network tiers (`remote.py`); a local tier leaves them at their defaults:
-    up: int = 1  # 0 while the tier is unreachable (treated as empty, retried in the background)
-    errors_total: int = 0  # operations that failed (timeout, connection lost, server error)
-    unavailable_total: int = 0  # chunks answered as misses or writes skipped while down
-    read_bytes_total: int = 0  # payload bytes read and verified
-    written_bytes_total: int = 0  # payload bytes written
-    read_latency_p50_ms: float = 0.0  # over the last READ/WRITE operations (one batch each)
-    read_latency_p99_ms: float = 0.0
-    write_latency_p50_ms: float = 0.0
-    write_latency_p99_ms: float = 0.0
-    # Filled in by the storage manager, not the tier:
-    promotions_total: int = 0  # chunks read from this tier into L1 for a LOOKUP
-    write_queue_chunks: int = 0  # write-behind chunks waiting for this tier
-    write_queue_bytes: int = 0
-    skipped_writes_total: int = 0  # chunks not queued for this tier because its queue was full
-
-
-@dataclass
-class TierCleared:
-    """What CLEAR_TIERS did to one tier: objects removed, or why it could not clear."""
-
-    name: str
-    removed: int = 0
-    error: str = ""
 
 
 class StorageTier(ABC):

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 import xxhash
 
-from lmcache_mp.storage.base import ChunkFormat, ChunkKey
+from lmcache_mp.chunks import ChunkFormat, ChunkKey
 
 MAGIC = b"LMKV"
 VERSION = 1

@@ -62,8 +62,9 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import torch
 
+from lmcache_mp.chunks import ChunkKey, TierStats
 from lmcache_mp.storage import chunk_format
-from lmcache_mp.storage.base import ChunkKey, StorageTier, TierStats
+from lmcache_mp.storage.base import StorageTier
 from lmcache_mp.storage.chunk_format import CorruptChunk
 from lmcache_mp.storage.disk_directory import DiskDirectory
 

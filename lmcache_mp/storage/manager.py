@@ -12,10 +12,14 @@ The engine sees storage only through these primitives:
                                                formats of one of the combos), pinned
                                                in L1; a Future when some must first be read
                                                from a lower tier (read-through)
-    pin(keys) / unpin(objects)                 a RETRIEVE reads L1 only
+    pin(keys) / unpin(objects) / repin(objects) a RETRIEVE reads L1 only; leases hold pins
     clear() -> int                             drop L1's unpinned objects (lower tiers stay)
-    stats() -> (PoolStats, [TierStats])
-    close()                                    finish queued writes (bounded), release tiers
+    clear_tiers() -> [TierCleared]             empty every lower tier's namespace
+    admit(nbytes)                              ValueError if L1 can never hold a chunk of nbytes
+    stats() -> (PoolStats, [TierStats])      pool_stats(): the first alone
+    open(l1_bytes, tier_urls, ...)             build the pool and open the tiers (the daemon's way)
+    close()                                    finish queued writes (bounded), release the tiers,
+                                               then the pool
 
 Write-behind: a committed chunk is pinned and offered to each lower tier's `TierWriter`,
 which writes it off the request path and unpins it; a full queue skips the chunk (counted).
@@ -36,13 +40,18 @@ from __future__ import annotations
 
 import itertools
 import logging
+import mmap
 import threading
 from collections.abc import Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from lmcache_mp.storage.base import ChunkFormat, ChunkKey, StorageTier, TierCleared, TierStats
+from lmcache_mp.chunks import ChunkFormat, ChunkKey, PoolKey, TierCleared, TierStats, pool_key
+from lmcache_mp.storage.base import StorageTier
 from lmcache_mp.storage.pool import MemoryPool, PoolObject, PoolStats, ReserveFailure
+from lmcache_mp.storage.pool_memory import PinFn
+from lmcache_mp.storage.tiers import open_tier
+from lmcache_mp.storage.urls import redact_url
 from lmcache_mp.storage.write_behind import CopyGate, TierWriter
 
 logger = logging.getLogger(__name__)
@@ -81,6 +90,9 @@ FormatCombo = tuple[RankSpec, ...]  # one per rank, in rank order: the caches of
 
 
 class StorageManager:
+    """L1 and the lower tiers as one store of chunks (see the module docstring): the engine's only
+    door to storage. It owns the pool and the tiers it is given, and closes them."""
+
     def __init__(self, pool: MemoryPool, tiers: list[tuple[str, StorageTier]], write_queue_bytes: int):
         self.pool = pool
         self._tiers = [tier for _, tier in tiers]
@@ -95,6 +107,26 @@ class StorageManager:
         self._readers = ThreadPoolExecutor(1, thread_name_prefix="lmcache-mp-read")
         self._pending = 0
         self._lock = threading.Lock()
+
+    @classmethod
+    def open(cls, l1_bytes: int, tier_urls: list[str], write_queue_bytes: int,
+             pin: PinFn | None) -> StorageManager:
+        """The daemon's storage: a pool of `l1_bytes` (its memory prepared in the background, so
+        the daemon answers at once for any size; each prepared piece handed to `pin`, where
+        CUDA is present) and a tier per URL, in order. ValueError on a bad URL, with whatever
+        was opened closed again."""
+        # Page-aligned objects: the disk tier writes them with direct I/O, straight from the pool.
+        pool = MemoryPool(l1_bytes, align=mmap.PAGESIZE, background=True, pin=pin)
+        tiers: list[tuple[str, StorageTier]] = []
+        try:
+            for url in tier_urls:
+                tiers.append((redact_url(url), open_tier(url)))
+            return cls(pool, tiers, write_queue_bytes)
+        except BaseException:
+            for _, tier in tiers:
+                tier.close()
+            pool.close()
+            raise
 
     # ---- STORE --------------------------------------------------------------------------------
 
@@ -129,9 +161,8 @@ class StorageManager:
 
     @staticmethod
     def _chain(fmt: ChunkFormat, hashes: list[bytes],
-               parent: bytes | None) -> tuple[list[tuple[bytes, bytes]], tuple[bytes, bytes] | None]:
-        fp = fmt.fingerprint
-        return [(h, fp) for h in hashes], (parent, fp) if parent is not None else None
+               parent: bytes | None) -> tuple[list[PoolKey], PoolKey | None]:
+        return [pool_key(h, fmt) for h in hashes], pool_key(parent, fmt) if parent is not None else None
 
     # ---- LOOKUP -------------------------------------------------------------------------------
 
@@ -196,7 +227,8 @@ class StorageManager:
         return best, best_index, lengths
 
     def _pin_l1_prefix(self, hashes: list[bytes], combo: tuple[RankSpec, ...]) -> Hits:
-        # Lazy chains: a prefix that ends early builds no keys past its end.
+        # Lazy chains of `pool_key`s, built at C level: a prefix that ends early builds no keys
+        # past its end.
         return self.pool.pin_prefix([zip(hashes, itertools.repeat(spec.fmt.fingerprint)) for spec in combo])
 
     def _promote(self, hashes: list[bytes], combos: list[tuple[RankSpec, ...]], pinned: Hits,
@@ -219,7 +251,7 @@ class StorageManager:
                     best, hits, best_combo = hits, best, combo
                 self.pool.unpin([o for chunk in hits for o in chunk])
             for spec in best_combo:
-                self.pool.link([(h, spec.fmt.fingerprint) for h in hashes[:len(best)]])
+                self.pool.link([pool_key(h, spec.fmt) for h in hashes[:len(best)]])
             return best
         except BaseException:
             self.pool.unpin([o for chunk in best + pinned for o in chunk])
@@ -337,6 +369,14 @@ class StorageManager:
     def unpin(self, objects: list[PoolObject]) -> None:
         self.pool.unpin(objects)
 
+    def repin(self, objects: list[PoolObject]) -> None:
+        """One more pin on each object, pinned already (a chunk leased to several ranks)."""
+        self.pool.repin(objects)
+
+    def admit(self, nbytes: int) -> None:
+        """ValueError, naming the largest object L1 can hold, if it can never hold `nbytes`."""
+        self.pool.admit(nbytes)
+
     def clear(self) -> int:
         return self.pool.clear()
 
@@ -349,6 +389,9 @@ class StorageManager:
             except (NotImplementedError, OSError) as e:
                 results.append(TierCleared(name, error=str(e)))
         return results
+
+    def pool_stats(self) -> PoolStats:
+        return self.pool.stats()
 
     def stats(self) -> tuple[PoolStats, list[TierStats]]:
         tiers = []
@@ -365,8 +408,10 @@ class StorageManager:
         return all(writer.flush(timeout_s) for writer in self._writers)
 
     def close(self) -> None:
+        """Idempotent. The pool last: the tiers' writers copy out of it until they are closed."""
         self._readers.shutdown(wait=True, cancel_futures=True)
         for writer in self._writers:
             writer.close(SHUTDOWN_FLUSH_S)
         for tier in self._tiers:
             tier.close()
+        self.pool.close()

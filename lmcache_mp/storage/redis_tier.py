@@ -47,10 +47,10 @@ from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from lmcache_mp.storage.base import ChunkKey
+from lmcache_mp.chunks import ChunkKey
 from lmcache_mp.storage.chunk_format import CorruptChunk, header_size
 from lmcache_mp.storage.remote import RETRY_FIRST_S, Backoff, Fetched, NetworkTier
-from lmcache_mp.storage.tiers import redact_url
+from lmcache_mp.storage.urls import redact_url
 
 logger = logging.getLogger(__name__)
 

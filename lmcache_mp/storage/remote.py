@@ -38,7 +38,8 @@ from typing import ClassVar, TypeVar
 import numpy as np
 import torch
 
-from lmcache_mp.storage.base import ChunkKey, StorageTier, TierStats
+from lmcache_mp.chunks import ChunkKey, TierStats
+from lmcache_mp.storage.base import StorageTier
 from lmcache_mp.storage.chunk_format import CorruptChunk, as_buffer, encode_header, verify
 
 logger = logging.getLogger(__name__)

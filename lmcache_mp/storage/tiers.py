@@ -1,4 +1,4 @@
-"""Lower tiers by URL (`--l2 URL`), and URLs made safe to print.
+"""Lower tiers by URL (`--l2 URL`).
 
 A tier's URL scheme picks its class; the class parses the rest (its module's docstring
 lists the forms and parameters). A tier's module is imported only when a URL names it.
@@ -8,16 +8,16 @@ lists the forms and parameters). A tier's module is imported only when a URL nam
                                                         Valkey/Redis (`redis_tier.py`)
     lmcache://HOST:PORT                                 a v1 remote server (`v1_tier.py`)
 
-`redact_url` is what logs, STATUS and /metrics show of a URL: the same URL with any password
-(in the user-info part or a `password` query parameter) replaced by `***`.
+What logs, STATUS and /metrics show of a URL is `urls.redact_url`'s.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from lmcache_mp.storage.base import StorageTier
+from lmcache_mp.storage.urls import redact_url
 
 
 def _disk(url: str) -> StorageTier:
@@ -40,8 +40,6 @@ _OPENERS: dict[str, Callable[[str], StorageTier]] = {
     "redis": _redis, "rediss": _redis, "redis+cluster": _redis, "rediss+cluster": _redis,
     "lmcache": _v1_remote,
 }
-_SECRET_PARAMS = frozenset({"password"})
-_MASK = "***"
 
 
 def open_tier(url: str) -> StorageTier:
@@ -53,24 +51,3 @@ def open_tier(url: str) -> StorageTier:
         raise ValueError(f"unsupported storage tier URL {redact_url(url)!r}: "
                          f"the supported schemes are {supported}")
     return opener(url)
-
-
-def redact_url(url: str) -> str:
-    """`url` without its password; a URL too malformed to parse is not shown at all."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparseable URL>"
-    netloc = parts.netloc
-    if parts.password is not None:
-        userinfo, _, host = netloc.rpartition("@")
-        user = userinfo.partition(":")[0]
-        netloc = f"{user}:{_MASK}@{host}"
-    query = parts.query
-    params = parse_qsl(query, keep_blank_values=True)
-    if any(name in _SECRET_PARAMS for name, _ in params):
-        query = urlencode([(name, _MASK if name in _SECRET_PARAMS else value) for name, value in params],
-                          safe="*")
-    if (netloc, query) == (parts.netloc, parts.query):
-        return url  # unchanged (urlunsplit would also drop the "//" of an empty netloc)
-    return urlunsplit(parts._replace(netloc=netloc, query=query))

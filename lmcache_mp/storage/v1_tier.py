@@ -37,10 +37,10 @@ from urllib.parse import parse_qsl, urlsplit
 
 import torch
 
-from lmcache_mp.storage.base import ChunkKey
+from lmcache_mp.chunks import ChunkKey
 from lmcache_mp.storage.chunk_format import CorruptChunk, as_buffer, header_size_of, verify
 from lmcache_mp.storage.remote import Fetched, NetworkTier
-from lmcache_mp.storage.tiers import redact_url
+from lmcache_mp.storage.urls import redact_url
 from lmcache_mp.v1remote.client import V1Connection, V1PeerClosedError
 from lmcache_mp.v1remote.protocol import Buffer, format_key
 

@@ -24,7 +24,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from lmcache_mp.storage.base import ChunkKey, StorageTier
+from lmcache_mp.chunks import ChunkKey
+from lmcache_mp.storage.base import StorageTier
 from lmcache_mp.storage.pool import PoolObject
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lmcache_mp.storage.base import ChunkFormat
+from lmcache_mp.chunks import ChunkFormat
 from lmcache_mp.transfer.dtypes import dtype_to_str
 
 

@@ -119,7 +119,7 @@ class CopyThreads:
         chunks = _Chunks(count, copy)
         for _ in range(self._take_helpers(count - 1) if split else 0):
             # Each helper runs in a copy of this thread's context: the fence reads the arrival
-            # order of the request being handled from it (request_context.ARRIVAL).
+            # order of the request being handled from it (dispatch.ARRIVAL).
             self._helpers.submit(self._help, contextvars.copy_context(), chunks)  # type: ignore[union-attr]
         try:
             chunks.work()

@@ -84,27 +84,6 @@ class Location(IntEnum):
     LOCAL_DISK = 2
 
 
-LOCATION_NAMES: dict[Location, str | None] = {
-    Location.NONE: None,
-    Location.LOCAL_CPU: "LocalCPUBackend",
-    Location.LOCAL_DISK: "LocalDiskBackend",
-}
-
-# torch dtype names (`str(tensor.dtype).removeprefix("torch.")`) to wire numbers, so that callers
-# holding tensors can encode them without this module importing torch.
-DTYPE_BY_TORCH_NAME: dict[str, WireDtype] = {
-    "float16": WireDtype.FLOAT16,
-    "half": WireDtype.FLOAT16,
-    "bfloat16": WireDtype.BFLOAT16,
-    "float32": WireDtype.FLOAT32,
-    "float": WireDtype.FLOAT32,
-    "float64": WireDtype.FLOAT64,
-    "double": WireDtype.FLOAT64,
-    "uint8": WireDtype.UINT8,
-    "float8_e4m3fn": WireDtype.FLOAT8_E4M3FN,
-    "float8_e5m2": WireDtype.FLOAT8_E5M2,
-}
-
 # The standalone server's defaults, here so that `lmcache-mp --help` needs no server module.
 DEFAULT_PORT = 65432
 DEFAULT_MAX_CONNECTIONS = 64
@@ -236,17 +215,6 @@ def pad_shape(shape: Sequence[int]) -> Shape:
         raise ProtocolError(f"shape {shape!r} is not at most 4 non-negative ints")
     padded = (*dims, 0, 0, 0, 0)
     return padded[0], padded[1], padded[2], padded[3]
-
-
-def logical_shape(fmt: int, shape: Shape) -> tuple[int, ...]:
-    """The shape a header means: padded as is for BINARY formats ([nbytes, 0, 0, 0]), else
-    with its trailing zeros stripped (as the reference decodes it)."""
-    if fmt in (MemoryFormat.BINARY, MemoryFormat.BINARY_BUFFER):
-        return shape
-    dims = list(shape)
-    while dims and dims[-1] == 0:
-        dims.pop()
-    return tuple(dims)
 
 
 def _enum(kind: type[IntEnum], value: Any, what: str) -> Any:

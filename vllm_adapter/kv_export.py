@@ -1,33 +1,18 @@
-"""Helpers shared by the scheduler and worker adapters (the seed's `utils`)."""
+"""How a worker's KV caches reach the daemon: shared once at registration, ordered per transfer.
+
+KV bytes never travel in messages. At registration a worker hands over its caches: CPU caches
+as shared-memory file descriptors (over the attach socket), CUDA caches as IPC handles, each
+storage once. Every STORE or RETRIEVE of CUDA caches then carries an interprocess event that
+orders the daemon's copies after vLLM's work on the same blocks.
+"""
 
 from __future__ import annotations
-
-from collections.abc import Iterator
-from typing import Any
 
 import torch
 
 from lmcache_mp.custom_types import KVCache
-from lmcache_mp.mq import MessageQueueClient, MessagingFuture
-from lmcache_mp.protocol import RequestType
 from lmcache_mp.transfer.cuda import export_cuda_tensors, record_ipc_event
 from lmcache_mp.transfer.shm import share_cpu_tensors
-
-
-def striding_block_hashes(block_hashes: list[bytes], blocks_in_chunk: int) -> Iterator[bytes]:
-    """One key per full chunk: the hash of the chunk's last block. vLLM's block hashes
-    chain, so that one hash names the whole prefix through the end of the chunk. A partial
-    tail chunk yields nothing."""
-    return iter(block_hashes[blocks_in_chunk - 1 :: blocks_in_chunk])
-
-
-def send_lmcache_request(mq_client: MessageQueueClient, request_type: RequestType,
-                         payloads: list[Any]) -> MessagingFuture[Any]:
-    return mq_client.submit(request_type, payloads)
-
-
-def get_lmcache_chunk_size(mq_client: MessageQueueClient, timeout_s: float = 10.0) -> int:
-    return send_lmcache_request(mq_client, RequestType.GET_CHUNK_SIZE, []).result(timeout_s)
 
 
 def export_kv_caches(kv_caches: dict[str, torch.Tensor]) -> tuple[KVCache, list[int]]:
@@ -40,11 +25,6 @@ def export_kv_caches(kv_caches: dict[str, torch.Tensor]) -> tuple[KVCache, list[
         return list(export_cuda_tensors(tensors)), []
     handles, fds = share_cpu_tensors(tensors)
     return list(handles), fds
-
-
-def wrap_kv_caches(kv_caches: dict[str, torch.Tensor]) -> KVCache:
-    """The seed's helper: just the handles of `export_kv_caches`."""
-    return export_kv_caches(kv_caches)[0]
 
 
 def record_kv_event(kv_caches: dict[str, torch.Tensor]) -> torch.cuda.Event | None:

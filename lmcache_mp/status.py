@@ -1,0 +1,100 @@
+"""What the engine reports: its part of STATUS (typed), and its gauges for /metrics.
+
+`engine_status` reads one snapshot of the engine's parts into `EngineStatus`, whose fields are
+`protocol.StatusReport`'s by the same names (checked below): the server fills in its own fields
+and merges these (`Server._status`). `gauges` and `tier_gauges` are read by Prometheus at scrape
+time (`observability.py`): a name per series, `lmcache_mp_` prefixed there.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from lmcache_mp.chunks import TierStats
+from lmcache_mp.protocol import InstanceInfo, StatusReport
+
+if TYPE_CHECKING:
+    from lmcache_mp.engine import Engine
+
+
+class EngineStatus(msgspec.Struct, gc=False):
+    """The engine's part of STATUS (see `StatusReport` for each field's meaning)."""
+
+    pool_bytes: int
+    pool_used_bytes: int
+    pool_ready_bytes: int
+    pool_ready: bool
+    pool_pinned_bytes: int
+    pool_pin_error: str
+    objects: int
+    registered_instances: list[int]
+    instances: list[InstanceInfo]
+    lookup_chunks_total: int
+    lookup_hits_total: int
+    sessions: int
+    leases: int
+    transfers_running: int
+    cancelled_transfers: int
+    split_chunks: int
+    tiers: list[TierStats]
+
+
+assert set(EngineStatus.__struct_fields__) <= set(StatusReport.__struct_fields__), \
+    "every engine status field is a STATUS field"
+
+
+def engine_status(engine: Engine) -> EngineStatus:
+    pool, tiers = engine.storage.stats()
+    sessions, leases = engine.sessions.counts()
+    copying, cancelled = engine.fence.counts()
+    return EngineStatus(
+        pool_bytes=pool.capacity_bytes,
+        pool_used_bytes=pool.used_bytes,
+        pool_ready_bytes=pool.ready_bytes,
+        pool_ready=pool.ready_bytes >= pool.capacity_bytes,
+        pool_pinned_bytes=pool.pinned_bytes,
+        pool_pin_error=pool.pin_error,
+        objects=pool.num_objects,
+        registered_instances=engine.registry.instance_ids(),
+        instances=engine.registry.describe(),
+        lookup_chunks_total=engine.metrics.lookup_chunks_total,
+        lookup_hits_total=engine.metrics.lookup_hits_total,
+        sessions=sessions,
+        leases=leases,
+        transfers_running=copying,
+        cancelled_transfers=cancelled,
+        split_chunks=engine.copy_threads.helped_chunks,
+        tiers=tiers,
+    )
+
+
+def gauges(engine: Engine) -> dict[str, float]:
+    """The pool's, the sessions' and the registrations' gauges, by series name."""
+    stats = engine.storage.pool_stats()
+    sessions, leases = engine.sessions.counts()
+    return {
+        "pool_capacity_bytes": stats.capacity_bytes,
+        "pool_used_bytes": stats.used_bytes,
+        "pool_objects": stats.num_objects,
+        "pool_pinned_objects": stats.num_pinned,
+        "pool_writing_objects": stats.num_writing,
+        "pool_evictions_total": stats.evictions,
+        "pool_ready_bytes": stats.ready_bytes,
+        "pool_pinned_bytes": stats.pinned_bytes,
+        # 1 once pinning failed: the rest of the pool is used unpinned (slower copies to GPUs)
+        "pool_pin_failed": int(bool(stats.pin_error)),
+        "lease_sessions": sessions,
+        "leases": leases,
+        "lease_sessions_expired_total": engine.sessions.expired_total,
+        "retrieve_split_chunks_total": engine.copy_threads.helped_chunks,
+        "registered_instances": len(engine.registry.instance_ids()),
+        "attach_channels": engine.registry.num_attach_channels,
+    }
+
+
+def tier_gauges(engine: Engine) -> dict[str, dict[str, float]]:
+    """Per lower tier: its counters by name (for /metrics, labelled by tier)."""
+    _, tiers = engine.storage.stats()
+    return {t.name: {k: v for k, v in vars(t).items() if k != "name"} for t in tiers}

@@ -1,0 +1,34 @@
+"""Tier URLs made safe to print.
+
+`redact_url` is what logs, STATUS and /metrics show of a URL: the same URL with any password
+(in the user-info part or a `password` query parameter) replaced by `***`. A leaf: the tiers'
+modules and the opener (`tiers.py`) import it, and it imports none of them.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+_SECRET_PARAMS = frozenset({"password"})
+_MASK = "***"
+
+
+def redact_url(url: str) -> str:
+    """`url` without its password; a URL too malformed to parse is not shown at all."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable URL>"
+    netloc = parts.netloc
+    if parts.password is not None:
+        userinfo, _, host = netloc.rpartition("@")
+        user = userinfo.partition(":")[0]
+        netloc = f"{user}:{_MASK}@{host}"
+    query = parts.query
+    params = parse_qsl(query, keep_blank_values=True)
+    if any(name in _SECRET_PARAMS for name, _ in params):
+        query = urlencode([(name, _MASK if name in _SECRET_PARAMS else value) for name, value in params],
+                          safe="*")
+    if (netloc, query) == (parts.netloc, parts.query):
+        return url  # unchanged (urlunsplit would also drop the "//" of an empty netloc)
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
