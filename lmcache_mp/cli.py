@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 import msgspec
 
-from lmcache_mp import __version__, config, sd_notify, settings
+from lmcache_mp import __version__, config, sd_notify, settings, sockets
 from lmcache_mp.chunks import TierCleared
 from lmcache_mp.curve import ClientCurve, generate_keys
 from lmcache_mp.errors import LMCacheMPError
 from lmcache_mp.logs import configure_logging
-from lmcache_mp.mq import MessageQueueClient
+from lmcache_mp.mq.client import MessageQueueClient
 from lmcache_mp.protocol import RequestType
 from lmcache_mp.status_text import render_status
 from lmcache_mp.storage.urls import redact_url
@@ -39,7 +39,7 @@ T = TypeVar("T")
 
 
 def _add_url(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default=config.default_url(),
+    parser.add_argument("--url", default=sockets.default_url(),
                         help="daemon endpoint, ipc://PATH or tcp://HOST:PORT (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=5.0,
                         help="seconds to wait for each reply (default: %(default)s)")

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 from lmcache_mp import status
 from lmcache_mp.config import ServerConfig
 from lmcache_mp.observability import Metrics
-from lmcache_mp.server import Server, prepare_ipc_endpoints
+from lmcache_mp.server import Server
+from lmcache_mp.sockets import prepare_ipc_endpoints
 
 if TYPE_CHECKING:
     from lmcache_mp.engine import Engine

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from lmcache_mp.curve import ClientCurve
 from lmcache_mp.errors import LMCacheMPError
-from lmcache_mp.mq import MessageQueueClient
+from lmcache_mp.mq.client import MessageQueueClient
 from lmcache_mp.protocol import PHASE_SERVING, RequestType, StatusReport
 
 

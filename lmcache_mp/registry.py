@@ -25,12 +25,12 @@ from pathlib import Path
 import torch
 
 from lmcache_mp.chunks import ChunkFormat
-from lmcache_mp.config import SocketAccess
 from lmcache_mp.custom_types import CudaIPCWrapper, KVCache, SharedMemoryTensor
 from lmcache_mp.dispatch import PEER
 from lmcache_mp.errors import ServerError
 from lmcache_mp.keys import invalid
 from lmcache_mp.protocol import ErrorCode, InstanceInfo, KVCacheRegistration, RegisterReply
+from lmcache_mp.sockets import SocketAccess
 from lmcache_mp.storage import FormatCombo, RankSpec
 from lmcache_mp.transfer.attach import AttachListener
 from lmcache_mp.transfer.context import TransferContext

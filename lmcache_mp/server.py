@@ -30,10 +30,12 @@ from typing import Any
 import msgspec
 
 from lmcache_mp import __version__
-from lmcache_mp.config import ServerConfig, SocketAccess, SocketClaim, claim_socket_path, ipc_path
+from lmcache_mp.config import ServerConfig
 from lmcache_mp.dispatch import ARRIVAL, PEER, Handler, ReplyThen
 from lmcache_mp.errors import FatalError, ServerError
-from lmcache_mp.mq import REQUEST_ID, Codec, MessageQueueServer
+from lmcache_mp.mq.codec import Codec
+from lmcache_mp.mq.frames import REQUEST_ID
+from lmcache_mp.mq.server import MessageQueueServer
 from lmcache_mp.observability import Metrics
 from lmcache_mp.protocol import (
     PHASE_SERVING,
@@ -46,6 +48,7 @@ from lmcache_mp.protocol import (
     RequestType,
     StatusReport,
 )
+from lmcache_mp.sockets import ipc_path
 from lmcache_mp.status import EngineStatus
 
 logger = logging.getLogger(__name__)
@@ -53,24 +56,6 @@ logger = logging.getLogger(__name__)
 # How long a stopping daemon lets the requests it started finish, and answers them, before it
 # closes the message queue (the replies of any still running after that are dropped).
 DRAIN_TIMEOUT_S = 5.0
-
-
-def prepare_ipc_endpoints(listen: list[str], access: SocketAccess) -> list[SocketClaim]:
-    """Create the private directories of the ipc:// endpoints, claim their paths and remove stale
-    sockets there; raises SocketInUseError where another daemon serves (or claimed) one. Release
-    the claims once the server has stopped."""
-    claims: list[SocketClaim] = []
-    try:
-        for url in listen:
-            path = ipc_path(url)
-            if path is not None:
-                access.make_directory(path.parent)
-                claims.append(claim_socket_path(path, url))
-    except BaseException:
-        for claim in claims:
-            claim.release()
-        raise
-    return claims
 
 
 _STOPPING = "the daemon is stopping"

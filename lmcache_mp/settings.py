@@ -11,6 +11,10 @@ help text and an optional check. From that one declaration come:
 Precedence, for every setting: flag > environment > file > default (`resolve`). A value of the
 wrong type, an unknown key in the file or a failed check (`check`) raises `SettingError`, whose
 message is one line naming the setting and what to change.
+
+The vLLM connector's settings are declared the same way but come from one place, a dict of
+prefixed keys (`kv_connector_extra_config`'s `lmcache.mp.*`): `from_keys` reads them, and
+`markdown_table(cls, prefix)` writes the README's table of those keys.
 """
 
 from __future__ import annotations
@@ -32,6 +36,11 @@ Check = Callable[[Any], str | None]  # a message saying what is wrong, or None
 
 class SettingError(ValueError):
     """A setting that cannot be used; the message names it and says what to change."""
+
+
+def positive(value: float) -> str | None:
+    """A check for `setting(check=...)`: above zero (NaN is not)."""
+    return None if value > 0 else "must be positive"
 
 
 def setting(default: Any, help: str, *, check: Check | None = None, metavar: str | None = None,
@@ -208,6 +217,48 @@ def _from_text(spec: _Spec, text: str, where: str) -> Any:
     raise SettingError(f"{where} is {text!r}: expected {_kind_name(spec)}")
 
 
+# ---- prefixed keys (the vLLM connector's) ----------------------------------------------------
+
+
+def from_keys(cls: type, values: Mapping[str, Any], prefix: str, where: str) -> Any:
+    """Build `cls` from the keys of `values` that start with `prefix` (the others are someone
+    else's), each `prefix` + a setting's name; a missing one, or one that is None, takes its
+    default. Values are converted to the setting's kind (JSON gives typed values, a command line
+    strings: "false" is False) and checked (`choices`, `check`). An unknown key (a typo would
+    otherwise fall back to a default unnoticed), a value that does not convert or a failed check
+    raises `SettingError` naming the key; `where` names `values` in the message."""
+    ours = {key.removeprefix(prefix): value for key, value in values.items() if key.startswith(prefix)}
+    specs = _specs(cls)
+    unknown = sorted(set(ours) - {spec.name for spec in specs})
+    if unknown:
+        raise SettingError(f"unknown {where} keys: {[prefix + name for name in unknown]}")
+    given: dict[str, Any] = {}
+    for spec in specs:
+        if ours.get(spec.name) is None:
+            continue
+        value = given[spec.name] = _from_value(spec, ours[spec.name], prefix + spec.name)
+        choices = spec.field.metadata["choices"]
+        run = spec.field.metadata["check"]
+        problem = f"must be one of {', '.join(choices)}" if choices and value not in choices else None
+        problem = problem or (run(value) if run else None)
+        if problem:
+            raise SettingError(f"{prefix}{spec.name} {problem}, not {value!r}")
+    return cls(**given)
+
+
+def _from_value(spec: _Spec, value: Any, key: str) -> Any:
+    if spec.kind is bool:
+        if isinstance(value, str):
+            return value.strip().lower() in ("1", "true", "yes", "on")
+        return bool(value)
+    try:
+        if spec.kind is list:
+            return value.split() if isinstance(value, str) else [str(v) for v in value]
+        return spec.kind(value)
+    except (TypeError, ValueError):
+        raise SettingError(f"{key} is {value!r}: expected {_kind_name(spec)}") from None
+
+
 # ---- derived documents ------------------------------------------------------------------------
 
 
@@ -236,10 +287,17 @@ def _toml_value(value: Any) -> str:
     return repr(value)
 
 
-def markdown_table(cls: type) -> str:
-    """The README's settings table."""
-    rows = ["| setting (file) | flag | environment | default | meaning |", "|---|---|---|---|---|"]
+def markdown_table(cls: type, prefix: str | None = None) -> str:
+    """The README's settings table; with `prefix`, the table of the keys `from_keys` reads."""
+    if prefix is None:
+        rows = ["| setting (file) | flag | environment | default | meaning |", "|---|---|---|---|---|"]
+    else:
+        rows = ["| key | default | meaning |", "|---|---|---|"]
     for spec in _specs(cls):
         meaning = spec.help.replace("|", "\\|")
-        rows.append(f"| `{spec.name}` | `{spec.flag}` | `{spec.env}` | {spec.default_text()} | {meaning} |")
+        if prefix is None:
+            names = f"`{spec.name}` | `{spec.flag}` | `{spec.env}`"
+        else:
+            names = f"`{prefix}{spec.name}`"
+        rows.append(f"| {names} | {spec.default_text()} | {meaning} |")
     return "\n".join(rows)

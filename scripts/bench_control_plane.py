@@ -44,7 +44,7 @@ from bench_report import finish
 
 from lmcache_mp.custom_types import IPCCacheEngineKey
 from lmcache_mp.launcher import daemon_status, start_daemon
-from lmcache_mp.mq import MessageQueueClient
+from lmcache_mp.mq.client import MessageQueueClient
 from lmcache_mp.protocol import RequestType
 
 CHUNK_COUNTS = (1, 8, 32, 128)

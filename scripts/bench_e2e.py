@@ -111,7 +111,7 @@ def main() -> int:
     import msgspec
 
     from lmcache_mp.launcher import start_daemon
-    from lmcache_mp.mq import MessageQueueClient
+    from lmcache_mp.mq.client import MessageQueueClient
     from lmcache_mp.protocol import RequestType
 
     def status(url: str):

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from bench_common import available_gib, memset_s
 
-from lmcache_mp.mq import MessageQueueClient
+from lmcache_mp.mq.client import MessageQueueClient
 from lmcache_mp.protocol import PHASE_SERVING, PHASE_STARTING, RequestType
 
 SPARE_GIB = 4

@@ -68,7 +68,7 @@ from bench_report import finish
 from lmcache_mp.chunks import ChunkFormat, ChunkKey
 from lmcache_mp.launcher import DaemonProcess, start_daemon
 from lmcache_mp.launcher import daemon_status as status
-from lmcache_mp.mq import MessageQueueClient
+from lmcache_mp.mq.client import MessageQueueClient
 from lmcache_mp.protocol import RequestType
 from lmcache_mp.storage.disk import DiskTier, object_name
 from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp

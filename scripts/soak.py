@@ -73,7 +73,8 @@ from lmcache_mp.cancellation import DEFAULT_MAX_CANCELLED_PER_INSTANCE
 from lmcache_mp.custom_types import IPCCacheEngineKey, get_customized_encoder
 from lmcache_mp.errors import LMCacheMPError, ServerError
 from lmcache_mp.launcher import DaemonProcess, daemon_status, start_daemon
-from lmcache_mp.mq import MAX_FRAME_BYTES, REQUEST_ID, MessageQueueClient
+from lmcache_mp.mq.client import MessageQueueClient
+from lmcache_mp.mq.frames import MAX_FRAME_BYTES, REQUEST_ID
 from lmcache_mp.protocol import CANCEL_PAYLOAD, ErrorCode, KVCacheRegistration, RequestType, StatusReport
 from tests.helpers import BLOCK, CHUNK, LAYERS, NUM_BLOCKS, SHAPE, block_hashes, freeze
 from tests.kv_worker import make_caches, pages

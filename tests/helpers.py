@@ -1,29 +1,49 @@
-"""Helpers the tests share: vLLM-like block hashes, STATUS, lookups, stand-in worker processes."""
+"""Helpers the daemon tests share: vLLM-like block and chunk hashes, raw requests (STORE, LOOKUP),
+STATUS and /metrics, example wire values, stand-in worker processes.
+
+Test modules never import each other: what two of them use lives here (or, for the connector's
+halves driven step by step, in `connector_helpers.py`; for real vLLM engines, `vllm_engines.py`)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
+from lmcache_mp.chunks import ChunkFormat
+from lmcache_mp.custom_types import CudaIPCWrapper, IPCCacheEngineKey, SharedMemoryTensor
 from lmcache_mp.dispatch import ARRIVAL
 from lmcache_mp.errors import ServerError
 from lmcache_mp.launcher import daemon_status
 from lmcache_mp.mq import MessageQueueClient
-from lmcache_mp.protocol import RequestType, StatusReport
+from lmcache_mp.protocol import ChunkOutcome, RequestType, StatusReport
 from vllm_adapter import LMCacheMPSchedulerAdapter
 
 BLOCK, CHUNK = 16, 32  # vLLM block and daemon chunk sizes of the data-path tests
 NUM_BLOCKS, LAYERS = 64, 2
 SHAPE = [NUM_BLOCKS, 2, BLOCK, 64]  # the stand-in workers' CPU caches: blocks x heads x tokens x dim
+
+ADAPTER_LOG = "vllm_adapter.registration"  # the worker adapter's registration logger
+
+# Example wire values, one of each kind of key and tensor handle (test_foundation round-trips
+# them; test_wire_types pins their bytes).
+HASH_KEY = IPCCacheEngineKey("m", 2, None, chunk_hash=b"\x01" * 32, request_id="req-1")
+TOKEN_KEY = IPCCacheEngineKey("m", 1, 0, token_ids=(1, 2, 3), start=0, end=3, request_id="r")
+SHM = SharedMemoryTensor(state=SharedMemoryTensor.State(0, 4096, "bfloat16", (2, 4, 8), (32, 8, 1), 0))
+CUDA = CudaIPCWrapper(state=CudaIPCWrapper.State(
+    "GPU-uuid", (0, b"\x00" * 64, 1024, 0, b"ref", 0, b"evt", True), "float16", (4, 4), (4, 1), 0))
 
 status = daemon_status  # the tests' short name for one STATUS request
 
@@ -35,6 +55,36 @@ def block_hashes(tokens: list[int]) -> list[bytes]:
         prev = hashlib.sha256(prev + repr(tokens[i * BLOCK:(i + 1) * BLOCK]).encode()).digest()
         out.append(prev)
     return out
+
+
+def chunk_hashes(tokens: list[int]) -> list[bytes]:
+    """The chunk keys of `tokens`' full chunks: the hash of each chunk's last block."""
+    per_chunk = CHUNK // BLOCK
+    return block_hashes(tokens)[per_chunk - 1::per_chunk]
+
+
+def fmt(layout: str = "CPU_ATTN", model: str = "m") -> ChunkFormat:
+    """The format the daemon gives a chunk stored from SHAPE caches (page: 2 heads x 16 x 64)."""
+    return ChunkFormat(model, 1, 0, layout, "bfloat16", LAYERS, (2, BLOCK, 64), CHUNK)
+
+
+def store(client: MessageQueueClient, instance_id: int, hashes: list[bytes], request_id: str,
+          first_block: int = 0) -> list[ChunkOutcome]:
+    """One raw STORE of len(hashes) chunks from consecutive blocks."""
+    keys = [IPCCacheEngineKey("m", 1, 0, chunk_hash=h, request_id=request_id) for h in hashes]
+    blocks = list(range(first_block, first_block + len(hashes) * (CHUNK // BLOCK)))
+    return client.submit(RequestType.STORE, [keys, instance_id, blocks, b""]).result(10).outcomes
+
+
+def lease(client: MessageQueueClient, hashes: list[bytes], request_id: str | None) -> int:
+    """A raw LOOKUP that leases its hits to `request_id` (None: to nobody)."""
+    keys = [IPCCacheEngineKey("m", 1, None, chunk_hash=h, request_id=request_id) for h in hashes]
+    return client.submit(RequestType.LOOKUP, [keys]).result(10)
+
+
+def count_lookup(client: MessageQueueClient, hashes: list[bytes]) -> int:
+    """Leading chunks present, leasing nothing (no request id)."""
+    return lease(client, hashes, None)
 
 
 def lookup(scheduler: LMCacheMPSchedulerAdapter, request_id: str, **kw) -> int:
@@ -52,6 +102,30 @@ def refusal(client: MessageQueueClient, request_type: RequestType, payload: list
     with pytest.raises(ServerError) as refused:
         client.submit(request_type, payload).result(10)
     return refused.value
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> dict[str, float]:
+    """The daemon's lmcache_mp_ series at http://127.0.0.1:PORT/metrics, by name and labels."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    values = {}
+    for line in text.splitlines():
+        m = re.match(r"^(lmcache_mp_[^\s]+)\s+([-+0-9.eE]+)$", line)
+        if m:
+            values[m.group(1)] = float(m.group(2))
+    return values
+
+
+def register_requests(port: int) -> float:
+    """REGISTER_KV_CACHE requests the daemon has answered, whatever the answer."""
+    return sum(value for series, value in scrape(port).items()
+               if series.startswith("lmcache_mp_requests_total{") and 'type="REGISTER_KV_CACHE"' in series)
 
 
 def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
@@ -110,6 +184,16 @@ def freeze(proc: subprocess.Popen, timeout: float = 5.0) -> None:
 def _thread_state(task: Path) -> str:
     # /proc/PID/task/TID/stat: "tid (comm) STATE ..."; comm may hold spaces and parentheses.
     return (task / "stat").read_text().rpartition(")")[2].split()[0]
+
+
+@contextmanager
+def arrived(order: int) -> Iterator[None]:
+    """Handle what follows as the request the server read `order`-th (as `server.py` does)."""
+    token = ARRIVAL.set(order)
+    try:
+        yield
+    finally:
+        ARRIVAL.reset(token)
 
 
 class Recorder:

@@ -1,5 +1,5 @@
-"""Issue 25 items 4 and 7: what a client of the attach socket can make the daemon hold, and
-wait for. A client may open attach channels and hand over descriptors that no REGISTER ever
+"""What a client of the attach socket can make the daemon hold, and wait for (issue 25 items 4
+and 7). A client may open attach channels and hand over descriptors that no REGISTER ever
 claims, or connect and send nothing. The daemon bounds both (a cap on unclaimed hand-overs and
 on their descriptors, a deadline for each, a reserve of descriptors below RLIMIT_NOFILE kept for
 the rest of the daemon) and reads hand-overs side by side, so no client delays another worker's

@@ -7,28 +7,16 @@ way the server sets it around a handler (set, call, reset), so every ordering be
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from concurrent.futures import Future
-from contextlib import contextmanager
 
 import pytest
 
 from lmcache_mp.cancellation import TransferFence
-from lmcache_mp.dispatch import ARRIVAL
 from lmcache_mp.errors import ServerError
 from lmcache_mp.protocol import ErrorCode
+from tests.helpers import arrived
 
 A, B = 1, 2  # instance ids
-
-
-@contextmanager
-def arrived(order: int) -> Iterator[None]:
-    """Handle what follows as the request the server read `order`-th (as `server.py` does)."""
-    token = ARRIVAL.set(order)
-    try:
-        yield
-    finally:
-        ARRIVAL.reset(token)
 
 
 def fence(**bounds: int) -> TransferFence:

@@ -1,4 +1,4 @@
-"""Issue 4: both halves of LMCacheMPDaemonConnector driven step by step, without an engine.
+"""Both halves of LMCacheMPDaemonConnector driven step by step, without an engine (issue 4).
 
 The real daemon and the real scheduler/worker halves; only vLLM's request, block and
 scheduler-output objects are stand-ins (the fields the connector reads, per
@@ -13,40 +13,29 @@ import random
 import signal
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import torch
 
 pytest.importorskip("vllm")
 
-from lmcache_mp.config import default_url
 from lmcache_mp.launcher import DaemonProcess, start_daemon
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import RequestType
-from tests.helpers import block_hashes, freeze, status
-from tests.kv_worker import make_caches, pages
+from lmcache_mp.sockets import default_url
+from tests.connector_helpers import Worker, match, request, step, until
+from tests.helpers import BLOCK, CHUNK, SHAPE, block_hashes, freeze, status
+from tests.kv_worker import pages
 from vllm_adapter.connector_common import ConnectorSettings, LMCacheMPConnectorMetadata
 from vllm_adapter.connector_scheduler import SchedulerSide
-from vllm_adapter.connector_worker import IDLE_LOAD_WAIT_S, IDLE_STEP_PAUSE_S, WorkerSide
-from vllm_adapter.kv_groups import KVGroup
+from vllm_adapter.connector_worker import IDLE_LOAD_WAIT_S, IDLE_STEP_PAUSE_S
 from vllm_adapter.ops import LoadStoreOp
 
-BLOCK, CHUNK = 16, 32  # the hashes of tests.test_data_path are over 16-token blocks
-SHAPE = [64, 2, BLOCK, 64]
-LAYERS = 2
 DAEMON_ARGS = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05")
-T = TypeVar("T")
-
-
-def request(request_id: str, tokens: list[int], preemptions: int = 0) -> Any:
-    return SimpleNamespace(request_id=request_id, block_hashes=block_hashes(tokens),
-                           num_prompt_tokens=len(tokens), num_tokens=len(tokens),
-                           num_preemptions=preemptions, skip_reading_prefix_cache=False)
 
 
 class Blocks:
@@ -57,72 +46,6 @@ class Blocks:
 
     def get_block_ids(self) -> tuple[list[int], ...]:
         return (list(self.ids),)
-
-
-def step(tables: dict[str, Any], new: tuple = (), cached: tuple = (), preempted: tuple = ()) -> Any:
-    """A SchedulerOutput: `new` and `cached` hold (request, computed before, scheduled now);
-    `tables` a request's block table, or a tuple of one per KV cache group."""
-    return SimpleNamespace(
-        scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, num_computed_tokens=c) for r, c, _ in new],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[r.request_id for r, _, _ in cached],
-                                              num_computed_tokens=[c for _, c, _ in cached]),
-        num_scheduled_tokens={r.request_id: n for r, _, n in (*new, *cached)},
-        total_num_scheduled_tokens=sum(n for _, _, n in (*new, *cached)),
-        preempted_req_ids=set(preempted),
-        kv_connector_block_state=SimpleNamespace(
-            get_block_ids=lambda rid: tables[rid] if isinstance(tables[rid], tuple) else (tables[rid],)))
-
-
-def until(probe: Callable[[], T | None], timeout: float = 10.0) -> T:
-    deadline = time.monotonic() + timeout
-    while (value := probe()) is None or value is False:
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
-    return value
-
-
-def match(scheduler: SchedulerSide, req: Any, local: int = 0) -> tuple[int | None, bool]:
-    scheduler.on_new_request(req)
-
-    def answer() -> tuple[int | None, bool] | None:
-        result = scheduler.get_num_new_matched_tokens(req, local)
-        return None if result[0] is None else result
-
-    return until(answer)
-
-
-class Worker:
-    """A WorkerSide over its own caches, run the way vLLM's model runner runs it."""
-
-    def __init__(self, settings: ConnectorSettings, seed: int, groups: list[KVGroup] | None = None):
-        self.caches = make_caches(SHAPE, torch.bfloat16, LAYERS, seed=seed)
-        backend = SimpleNamespace(get_name=lambda: "CPU_ATTN")
-        layers = {name: SimpleNamespace(attn_backend=backend) for name in self.caches}
-        vllm_config = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context=layers))
-        self.side = WorkerSide(settings, vllm_config, "m", 1, 0, BLOCK, groups)  # type: ignore[arg-type]
-        self.side.register_kv_caches(self.caches)
-        self.reported: dict[str, Counter[str]] = {kind: Counter() for kind in ("sent", "received", "failed")}
-        self.load_errors: set[int] = set()
-
-    def run(self, meta: LMCacheMPConnectorMetadata, finished: set[str] = frozenset()) -> None:
-        self.side.begin_step(meta)
-        self.side.start_load_kv()
-        self.side.wait_for_save(meta)
-        self.collect(finished, meta.idle)
-
-    def collect(self, finished: set[str] = frozenset(), idle: bool = False) -> None:
-        results = self.side.transfer_results(set(finished), idle)
-        self.reported["sent"].update(results.finished_sending)
-        self.reported["received"].update(results.finished_recving)
-        self.reported["failed"].update(results.failed_recving)
-        self.load_errors |= self.side.take_load_errors()
-
-    def wait_reported(self, kind: str, request_id: str) -> None:
-        def seen() -> bool:
-            self.collect()
-            return request_id in self.reported[kind]
-
-        until(seen)
 
 
 def store_prompt(scheduler: SchedulerSide, worker: Worker, req: Any, tables: dict[str, list[int]]) -> None:

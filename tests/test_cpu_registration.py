@@ -1,6 +1,6 @@
-"""Issue 12: registering a CPU KV cache moves it into shared memory fast (a populated memfd swapped
-into the storage in place), or finds it there already (allocated in shared memory, as the connector
-makes vLLM do), or, where the memfd path is refused, falls back to torch's share_memory_().
+"""Registering a CPU KV cache: it is moved into shared memory fast (a populated memfd swapped
+into the storage in place), or found there already (allocated in shared memory, as the connector
+makes vLLM do), or, where the memfd path is refused, shared by torch's share_memory_() (issue 12).
 
 In every case the worker keeps its very tensors and views, they keep their bytes, and the daemon
 sees what is written through them: checked with the real daemon, a STORE, a LOOKUP and a RETRIEVE.

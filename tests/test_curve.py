@@ -6,7 +6,6 @@ beyond it; tests/test_socket_access.py has the loopback refusal)."""
 from __future__ import annotations
 
 import os
-import socket
 import stat
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from lmcache_mp.errors import RequestTimeoutError
 from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import RequestType
-from tests.helpers import BLOCK, block_hashes
+from tests.helpers import BLOCK, block_hashes, free_port
 from vllm_adapter import LMCacheMPSchedulerAdapter
 from vllm_adapter.connector_common import ConnectorSettings
 
@@ -48,12 +47,6 @@ def keys(short_tmp: Path) -> Path:
 
 def client_curve(keys: Path, name: str) -> ClientCurve:
     return ClientCurve(keys / "server" / "server.key", keys / "clients" / f"{name}.key_secret")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Issue 3: the KV data path on CPU, with the real daemon and the real adapters."""
+"""The KV data path on CPU, with the real daemon and the real adapters (issue 3)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from lmcache_mp.custom_types import IPCCacheEngineKey, SharedMemoryTensor
 from lmcache_mp.errors import ServerError
 from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.protocol import ChunkOutcome, ErrorCode, KVCacheRegistration, RequestType
-from lmcache_mp.transfer.attach import AttachChannel
+from lmcache_mp.transfer.attach_channel import AttachChannel
 from lmcache_mp.transfer.shm import share_cpu_tensors
 from tests.helpers import BLOCK, CHUNK, LAYERS, NUM_BLOCKS, block_hashes, lookup, run_worker, status
 from tests.kv_worker import make_caches, pages, wait_done

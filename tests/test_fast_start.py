@@ -1,4 +1,5 @@
-"""Issue 12: the daemon answers HELLO, PING and STATUS before it imports torch; real daemons.
+"""A fast start: the daemon answers HELLO, PING and STATUS before it imports torch (issue 12);
+real daemons.
 
 The engine (pool, tiers, attach socket) needs torch, whose import takes seconds; the daemon binds
 first and builds the engine on a thread of its own. To look into that window deterministically,
@@ -34,10 +35,20 @@ from lmcache_mp.protocol import (
     StatusReport,
 )
 from lmcache_mp.storage.disk import DiskTier
-from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes, lookup, refusal, status
+from tests.helpers import (
+    BLOCK,
+    CHUNK,
+    LAYERS,
+    SHAPE,
+    block_hashes,
+    chunk_hashes,
+    count_lookup,
+    lookup,
+    refusal,
+    status,
+    store,
+)
 from tests.kv_worker import make_caches
-from tests.test_stores_and_leases import chunk_hashes
-from tests.test_tiers import count_lookup, store
 from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter
 from vllm_adapter.registration import MAX_PROBE_INTERVAL_S
 

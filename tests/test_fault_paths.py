@@ -1,4 +1,4 @@
-"""Issue 10: requests that fail part way, and clients under load, with the real daemon: a failed
+"""Requests that fail part way, and clients under load, with the real daemon (issue 10): a failed
 RETRIEVE leaves no lease behind; a client's timeouts fire even while replies keep arriving."""
 
 from __future__ import annotations
@@ -15,17 +15,10 @@ from lmcache_mp.errors import RequestTimeoutError, ServerError
 from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import ErrorCode, RequestType
-from tests.helpers import BLOCK, CHUNK, NUM_BLOCKS, block_hashes, status
+from tests.helpers import BLOCK, CHUNK, NUM_BLOCKS, block_hashes, lease, status, store
 from tests.servers import redis_server
-from tests.test_tiers import store
 
 DAEMON_ARGS = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05")
-
-
-def lease(client: MessageQueueClient, hashes: list[bytes], request_id: str) -> int:
-    """A LOOKUP that leases its hits to `request_id`."""
-    keys = [IPCCacheEngineKey("m", 1, None, chunk_hash=h, request_id=request_id) for h in hashes]
-    return client.submit(RequestType.LOOKUP, [keys]).result(10)
 
 
 @pytest.mark.daemon_args(*DAEMON_ARGS)

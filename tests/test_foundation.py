@@ -1,4 +1,4 @@
-"""Issue 2: wire protocol, message queue, daemon process and CLI, against the real daemon."""
+"""Wire protocol, message queue, daemon process and CLI, against the real daemon (issue 2)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from lmcache_mp.chunks import TierCleared
 from lmcache_mp.custom_types import (
     CudaIPCWrapper,
     IPCCacheEngineKey,
-    SharedMemoryTensor,
     get_customized_decoder,
     get_customized_encoder,
 )
@@ -40,12 +39,7 @@ from lmcache_mp.protocol import (
     StatusReport,
     StoreResult,
 )
-
-HASH_KEY = IPCCacheEngineKey("m", 2, None, chunk_hash=b"\x01" * 32, request_id="req-1")
-TOKEN_KEY = IPCCacheEngineKey("m", 1, 0, token_ids=(1, 2, 3), start=0, end=3, request_id="r")
-SHM = SharedMemoryTensor(state=SharedMemoryTensor.State(0, 4096, "bfloat16", (2, 4, 8), (32, 8, 1), 0))
-CUDA = CudaIPCWrapper(state=CudaIPCWrapper.State(
-    "GPU-uuid", (0, b"\x00" * 64, 1024, 0, b"ref", 0, b"evt", True), "float16", (4, 4), (4, 1), 0))
+from tests.helpers import CUDA, HASH_KEY, SHM, TOKEN_KEY
 
 # One example payload per request type, and one example reply per reply type.
 PAYLOADS = {

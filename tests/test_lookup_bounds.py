@@ -1,5 +1,5 @@
-"""Issue 25 items 5, 6 and 9: a LOOKUP's cost is bounded by what is registered, not by what it
-claims. It named a world of 2^31 ranks (looped over, seconds to minutes on the socket thread that
+"""A LOOKUP's cost is bounded by what is registered, not by what it claims (issue 25 items 5, 6
+and 9). It named a world of 2^31 ranks (looped over, seconds to minutes on the socket thread that
 serves every client), it tried every mix of the formats registered per rank (2 formats x 16
 ranks: 720 ms per LOOKUP), and the registry remembered an answer per (model, world size) ever
 asked. Real daemons and adapters, except the memory check, which drives the registry in process.
@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmcache_mp.config import SocketAccess
 from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import RequestType
 from lmcache_mp.registry import Registry
+from lmcache_mp.sockets import SocketAccess
 from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes, lookup
 from tests.kv_worker import make_caches, wait_done
 from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp

@@ -1,4 +1,5 @@
-"""Issue 25 item 2: the chunk key covers every setting that changes the weights' KV.
+"""The model's identity: the chunk key covers every setting that changes the weights' KV (issue 25
+item 2).
 
 vLLM's own configuration objects, built by vLLM from its engine arguments for a real (tiny,
 random) checkpoint: engines configured alike get one identity, engines whose weights or their

@@ -23,25 +23,9 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from lmcache_mp.launcher import start_daemon
 from lmcache_mp.metrics_http import DEFAULT_MAX_CONNECTIONS as METRICS_MAX_CONNECTIONS
 from lmcache_mp.metrics_http import MetricsHTTPServer
-from tests.helpers import BLOCK, CHUNK, LAYERS, NUM_BLOCKS, block_hashes, lookup
+from tests.helpers import BLOCK, CHUNK, LAYERS, NUM_BLOCKS, block_hashes, free_port, lookup, scrape
 from tests.kv_worker import make_caches, wait_done
 from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp
-
-
-def scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    values = {}
-    for line in text.splitlines():
-        m = re.match(r"^(lmcache_mp_[^\s]+)\s+([-+0-9.eE]+)$", line)
-        if m:
-            values[m.group(1)] = float(m.group(2))
-    return values
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_metrics_endpoint_counts_the_data_path(short_tmp: Path) -> None:

@@ -20,12 +20,21 @@ from lmcache_mp.config import available_memory_bytes
 from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import ChunkOutcome, RequestType, StatusReport
-from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes, run_worker, status
+from tests.helpers import (
+    BLOCK,
+    CHUNK,
+    LAYERS,
+    SHAPE,
+    block_hashes,
+    chunk_hashes,
+    count_lookup,
+    run_worker,
+    scrape,
+    status,
+    store,
+)
 from tests.kv_worker import make_caches, pages
 from tests.servers import command
-from tests.test_observability import scrape
-from tests.test_stores_and_leases import chunk_hashes
-from tests.test_tiers import count_lookup, store
 
 BIG_POOL_GB = 6
 # Answers while the pool is prepared: the preparing thread must never hold the socket thread

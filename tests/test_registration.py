@@ -1,4 +1,4 @@
-"""Issue 10: registrations. Instance ids are unique per registration and never taken over, a
+"""Registrations (issue 10). Instance ids are unique per registration and never taken over, a
 permanent refusal is not retried, and a chunk the pool can't allocate is refused at REGISTER.
 
 The real daemon, real shared memory and the real worker adapter, as in test_data_path.py.
@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-import socket
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -21,30 +18,24 @@ from lmcache_mp.errors import KVExportError, LMCacheMPError, ServerError
 from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import ErrorCode, KVCacheRegistration, RequestType
-from lmcache_mp.transfer.attach import AttachChannel
+from lmcache_mp.transfer.attach_channel import AttachChannel
 from lmcache_mp.transfer.shm import share_cpu_tensors
-from tests.helpers import BLOCK, CHUNK, LAYERS, NUM_BLOCKS, block_hashes, status
+from tests.helpers import (
+    ADAPTER_LOG,
+    BLOCK,
+    CHUNK,
+    LAYERS,
+    NUM_BLOCKS,
+    block_hashes,
+    free_port,
+    register_requests,
+    status,
+)
 from tests.kv_worker import make_caches, pages, wait_done
 from vllm_adapter import LMCacheMPWorkerAdapter, LoadStoreOp
 
 DAEMON_ARGS = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05")
 SHAPE = [NUM_BLOCKS, 2, BLOCK, 64]
-ADAPTER_LOG = "vllm_adapter.registration"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def register_requests(port: int) -> float:
-    """REGISTER_KV_CACHE requests the daemon has answered, whatever the answer."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return sum(float(m.group(1)) for m in re.finditer(
-        r'^lmcache_mp_requests_total\{[^}]*type="REGISTER_KV_CACHE"[^}]*\}\s+(\S+)$', text, re.M))
-
-
 @pytest.mark.daemon_args(*DAEMON_ARGS)
 def test_registered_instance_id_is_refused_never_replaced(daemon: DaemonProcess, short_tmp: Path,
                                                          caplog: pytest.LogCaptureFixture) -> None:

@@ -1,4 +1,4 @@
-"""Issue 9: tiers behind a network, real servers only: Valkey/Redis (standalone and a 3-master
+"""Tiers behind a network (issue 9), real servers only: Valkey/Redis (standalone and a 3-master
 cluster) and the v1 remote server. KV shared between daemons byte for byte, damaged values
 rejected, and a server or node that dies turns into misses and skipped writes, never errors."""
 
@@ -21,7 +21,19 @@ from lmcache_mp.storage.chunk_format import header_size_of
 from lmcache_mp.storage.remote import NetworkTier
 from lmcache_mp.storage.tiers import open_tier
 from lmcache_mp.storage.v1_tier import _key_string
-from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes, run_worker, status
+from tests.helpers import (
+    BLOCK,
+    CHUNK,
+    LAYERS,
+    SHAPE,
+    block_hashes,
+    count_lookup,
+    fmt,
+    run_worker,
+    scrape,
+    status,
+    store,
+)
 from tests.kv_worker import make_caches, pages
 from tests.servers import (
     RedisServer,
@@ -32,8 +44,6 @@ from tests.servers import (
     redis_server,
     start_v1_server,
 )
-from tests.test_observability import scrape
-from tests.test_tiers import count_lookup, fmt, store
 
 pytestmark = needs_redis
 WAIT_S = 20.0

@@ -1,4 +1,4 @@
-"""Issue 10: a second daemon on a live daemon's socket, and replies at shutdown; real daemons."""
+"""A second daemon on a live daemon's socket, and replies at shutdown (issue 10); real daemons."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 10: the chaos soak (`scripts/soak.py`) for 45 s: clients SIGKILLed, the daemon restarted
+"""The chaos soak (`scripts/soak.py`, issue 10) for 45 s: clients SIGKILLed, the daemon restarted
 (SIGTERM or SIGKILL) with its disk tier, malformed traffic, hostile workers (issue 25: a
 CANCEL_TRANSFERS flood, a worker shrinking its registered cache, idle connections); every byte
 retrieved is checked."""

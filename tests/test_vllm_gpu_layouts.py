@@ -1,4 +1,4 @@
-"""Issue 26: the caches vLLM 0.32 registers on a GPU, through the CPU's shared-memory path.
+"""The caches vLLM 0.32 registers on a GPU, through the CPU's shared-memory path (issue 26).
 
 vLLM 0.32 hands the connector per-layer 4-D views of one int8 buffer (`tests/vllm_caches.py`,
 checked here against vLLM's own allocation). One real daemon serves every case: worker A stores

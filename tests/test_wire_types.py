@@ -1,8 +1,8 @@
-"""Issue 11: the wire types are plain data. Neither they nor the CLI load torch; tensor handles
+"""The wire types are plain data (issue 11). Neither they nor the CLI load torch; tensor handles
 keep their extension codes and bytes; the CUDA-specific parts are testable without a GPU.
 
-Issue 26: the wire types import nothing of `transfer/` (no cycle with `transfer/cuda.py`, where
-exporting and opening CUDA handles live); a CUDA handle is checked before anything is opened, and
+They import nothing of `transfer/` (no cycle with `transfer/cuda.py`, where exporting and
+opening CUDA handles live; issue 26); a CUDA handle is checked before anything is opened, and
 one the daemon cannot open is refused once, naming the cause, never retried."""
 
 from __future__ import annotations
@@ -35,9 +35,17 @@ from lmcache_mp.transfer.cuda import (
     import_cuda_tensors,
     index_of_uuid,
 )
-from tests.helpers import BLOCK, status
-from tests.test_foundation import CUDA, HASH_KEY, SHM, TOKEN_KEY
-from tests.test_registration import ADAPTER_LOG, free_port, register_requests
+from tests.helpers import (
+    ADAPTER_LOG,
+    BLOCK,
+    CUDA,
+    HASH_KEY,
+    SHM,
+    TOKEN_KEY,
+    free_port,
+    register_requests,
+    status,
+)
 from vllm_adapter import LMCacheMPWorkerAdapter
 
 CUDA_STATE = CUDA.state  # the same handles test_foundation.py round-trips

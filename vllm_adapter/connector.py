@@ -7,26 +7,9 @@ Load it with
                            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"lmcache.mp.url": "ipc:///run/user/1000/lmcache-mp/daemon.sock"}}'
 
-Settings (`kv_connector_extra_config`; unknown `lmcache.mp.*` keys are refused):
-
-- `lmcache.mp.url`: the daemon's ZeroMQ URL, `ipc://PATH` or `tcp://HOST:PORT`. Default:
-  the daemon's own default socket, `lmcache_mp.config.default_url()`.
-- `lmcache.mp.timeout_s` (30): how long a request to the daemon may take before it counts
-  as failed (a lookup as a miss, a store as skipped, a load as failed and recomputed).
-- `lmcache.mp.reconnect_interval_s` (1): how often an absent daemon is tried again, and the
-  heartbeat period by which the scheduler notices that the daemon has gone.
-- `lmcache.mp.load_mode` ("auto"): "async" loads while the engine steps on, other requests
-  keep running; "sync" loads right before the request's forward pass (the worker waits for
-  it), one scheduler step sooner, best for time to first token of requests that come alone,
-  but every request of that step waits for the copy. A sync load leaves at least the last
-  chunk for vLLM to compute. "auto" loads a request synchronously while no other request
-  computes and its hit is not a whole-prompt one, asynchronously otherwise.
-- `lmcache.mp.lookup_wait_ms` (2): how long the scheduler may wait in one step, across
-  requests, for lookups still in flight. A lookup answered within it lets its request be
-  scheduled (and its load planned) in that step instead of the next; 0 never waits.
-- `lmcache.mp.save_decode_cache` (false): also store chunks completed during decoding. Off
-  by default: only prompt chunks are stored, since the chunks that hold sampled tokens are
-  rarely shared and would churn the cache.
+Settings: the `lmcache.mp.*` keys of `kv_connector_extra_config` (the daemon's URL, timeouts,
+the load mode, CURVE keys, ...), declared once in `connector_common.ConnectorSettings`, from which
+the README's table of them (section "Use with vLLM") is generated; unknown keys are refused.
 
 How it works: vLLM builds the class twice. The scheduler half (`connector_scheduler`, in the
 EngineCore process) looks each request up once, plans chunk-aligned loads beyond

@@ -14,9 +14,10 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from lmcache_mp.config import default_url
 from lmcache_mp.curve import ClientCurve
 from lmcache_mp.errors import LMCacheMPError
+from lmcache_mp.settings import from_keys, positive, setting
+from lmcache_mp.sockets import default_url
 from vllm_adapter.group_adapters import RequestOps
 from vllm_adapter.ops import DEFAULT_TIMEOUT_S
 
@@ -32,65 +33,69 @@ _PREFIX = "lmcache.mp."
 LOAD_MODES = ("auto", "async", "sync")
 
 
+def _within_a_second(value: float) -> str | None:
+    return None if 0 <= value <= 1000 else "must be within 0-1000"
+
+
 @dataclass(frozen=True)
 class ConnectorSettings:
-    """The connector's `kv_connector_extra_config` keys (see `vllm_adapter.connector`)."""
+    """The connector's `kv_connector_extra_config` keys, each `lmcache.mp.` + a field's name,
+    declared once (`lmcache_mp.settings.setting`): `from_extra_config` reads them, and the README's
+    table of them is `settings.markdown_table(ConnectorSettings, "lmcache.mp.")`."""
 
-    url: str
-    timeout_s: float = DEFAULT_TIMEOUT_S
-    reconnect_interval_s: float = DEFAULT_RECONNECT_INTERVAL_S
-    save_decode_cache: bool = False
-    # "async": loads run while the engine steps on (other requests keep running);
-    # "sync": a request's load runs right before its forward pass, one scheduler step sooner;
-    # "auto": sync while no other request computes and the sync load loses no hit, else async.
-    load_mode: str = "auto"
-    # How long the scheduler may wait, per step and across requests, for lookups in flight.
-    lookup_wait_ms: float = DEFAULT_LOOKUP_WAIT_MS
-    # CURVE keys, for a daemon that requires them: its public key file and this client's
-    # secret key file (`lmcache-mp keygen`).
-    curve: ClientCurve | None = None
+    url: str = setting(
+        default_url, "daemon URL, `ipc://PATH` or `tcp://HOST:PORT` (a daemon on tcp:// has CURVE keys, "
+        "given here with the two keys below, or was started with `--allow-unauthenticated-tcp`)",
+        default_text="the daemon's default socket (`lmcache_mp.sockets.default_url()`)")
+    timeout_s: float = setting(
+        DEFAULT_TIMEOUT_S, "a request to the daemon not answered in time counts as failed: a lookup as a "
+        "miss, a load as failed (recomputed), a store is sent again (below); a load or store that got no "
+        "answer is given up (its blocks handed back to vLLM) only once the daemon has confirmed that it "
+        "will not touch the blocks any more (CANCEL_TRANSFERS) or has exited: until then vLLM keeps them "
+        "out of use (a WARNING; an ERROR after 60 s). Also how long a store is tried again before its "
+        "chunks are given up", check=positive)
+    reconnect_interval_s: float = setting(
+        DEFAULT_RECONNECT_INTERVAL_S, "how often an absent daemon is tried again; also the heartbeat by "
+        "which the scheduler notices the daemon has gone", check=positive)
+    load_mode: str = setting(
+        "auto", "`async`: loads run while the engine steps on; `sync`: a request's load runs right before "
+        "its forward pass (one scheduler step sooner, lower TTFT for requests arriving alone, but the "
+        "step's other requests wait for the copy; a whole-prompt hit leaves the last chunk to vLLM); "
+        "`auto`: sync while no other request computes (nobody waits for the copy) and the hit is not a "
+        "whole-prompt one, async otherwise", choices=LOAD_MODES)
+    lookup_wait_ms: float = setting(
+        DEFAULT_LOOKUP_WAIT_MS, "how long the scheduler may wait in one step, across requests, for lookups "
+        "still in flight: a lookup answered within it lets its request be scheduled, its load planned, in "
+        "that step rather than the next; 0 never waits", check=_within_a_second)
+    server_public_key: str | None = setting(
+        None, "CURVE, for a daemon that requires authentication: the daemon's public key file "
+        "(`NAME.key`), given with `lmcache.mp.client_key`; see \"Authenticated remote access\"")
+    client_key: str | None = setting(
+        None, "CURVE: this client's secret key file (`NAME.key_secret`), given with "
+        "`lmcache.mp.server_public_key`")
+    save_decode_cache: bool = setting(
+        False, "also store chunks completed while decoding (by default only prompt chunks: the chunks "
+        "that hold sampled tokens are rarely shared and would churn the cache)")
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorSettings:
-        ours = {key.removeprefix(_PREFIX): value for key, value in extra.items() if key.startswith(_PREFIX)}
-        unknown = sorted(set(ours) - {"url", "timeout_s", "reconnect_interval_s", "save_decode_cache",
-                                      "load_mode", "lookup_wait_ms", "server_public_key", "client_key"})
-        if unknown:  # a typo would otherwise silently fall back to a default
-            raise ValueError(f"unknown kv_connector_extra_config keys: {[_PREFIX + k for k in unknown]}")
-        settings = cls(
-            url=str(ours.get("url") or default_url()),
-            timeout_s=float(ours.get("timeout_s", DEFAULT_TIMEOUT_S)),
-            reconnect_interval_s=float(ours.get("reconnect_interval_s", DEFAULT_RECONNECT_INTERVAL_S)),
-            save_decode_cache=_as_bool(ours.get("save_decode_cache", False)),
-            load_mode=str(ours.get("load_mode", "auto")),
-            lookup_wait_ms=float(ours.get("lookup_wait_ms", DEFAULT_LOOKUP_WAIT_MS)),
-            curve=_curve(ours.get("server_public_key"), ours.get("client_key")),
-        )
-        if settings.load_mode not in LOAD_MODES:
-            raise ValueError(f"{_PREFIX}load_mode must be one of {', '.join(LOAD_MODES)}, "
-                             f"not {settings.load_mode!r}")
-        if not 0 <= settings.lookup_wait_ms <= 1000:
-            raise ValueError(f"{_PREFIX}lookup_wait_ms must be within 0-1000, not {settings.lookup_wait_ms}")
-        if settings.timeout_s <= 0 or settings.reconnect_interval_s <= 0:
-            raise ValueError(f"{_PREFIX}timeout_s and {_PREFIX}reconnect_interval_s must be positive")
+        """The `lmcache.mp.*` keys of `extra` (`settings.from_keys`: unknown ones are refused, values
+        converted and checked); both CURVE key files, readable, or neither."""
+        if not extra.get(_PREFIX + "url"):  # absent, null or empty: the daemon's default socket
+            extra = {key: value for key, value in extra.items() if key != _PREFIX + "url"}
+        settings = from_keys(cls, extra, _PREFIX, "kv_connector_extra_config")
+        if (settings.server_public_key is None) != (settings.client_key is None):
+            raise ValueError(f"{_PREFIX}server_public_key and {_PREFIX}client_key go together")
+        if settings.curve is not None:
+            settings.curve.check()  # unreadable keys: refused at start, not at every reconnection
         return settings
 
-
-def _curve(server_public_key: str | None, client_key: str | None) -> ClientCurve | None:
-    if (server_public_key is None) != (client_key is None):
-        raise ValueError(f"{_PREFIX}server_public_key and {_PREFIX}client_key go together")
-    if server_public_key is None or client_key is None:
-        return None
-    curve = ClientCurve(Path(server_public_key), Path(client_key))
-    curve.check()  # unreadable keys: refused at start, not at every reconnection
-    return curve
-
-
-def _as_bool(value: Any) -> bool:
-    """JSON gives a bool; a CLI or environment may give a string ("false" must be False)."""
-    if isinstance(value, str):
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    return bool(value)
+    @property
+    def curve(self) -> ClientCurve | None:
+        """The CURVE key files, where given."""
+        if self.server_public_key is None or self.client_key is None:
+            return None
+        return ClientCurve(Path(self.server_public_key), Path(self.client_key))
 
 
 @dataclass

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from lmcache_mp.mq import MessageQueueClient, MessagingFuture
+from lmcache_mp.mq.client import MessageQueueClient, MessagingFuture
 from lmcache_mp.protocol import RequestType
 from vllm_adapter.block_holds import BlockHolds
 from vllm_adapter.connector_common import (

@@ -24,9 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lmcache_mp.errors import ServerError
-from lmcache_mp.mq import MessageQueueClient, MessagingFuture
+from lmcache_mp.mq.client import MessageQueueClient, MessagingFuture
 from lmcache_mp.protocol import PERMANENT_ERRORS, ErrorCode, RequestType
-from lmcache_mp.transfer.attach import AttachChannel
+from lmcache_mp.transfer.attach_channel import AttachChannel
 
 logger = logging.getLogger(__name__)
 

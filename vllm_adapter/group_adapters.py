@@ -18,7 +18,7 @@ from typing import TypeVar
 import torch
 
 from lmcache_mp.errors import LMCacheMPError
-from lmcache_mp.mq import MessageQueueClient
+from lmcache_mp.mq.client import MessageQueueClient
 from vllm_adapter.kv_groups import KVGroup
 from vllm_adapter.loads import SyncLoad
 from vllm_adapter.ops import LoadStoreOp

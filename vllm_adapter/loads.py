@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lmcache_mp.errors import RequestTimeoutError
-from lmcache_mp.mq import MessagingFuture
+from lmcache_mp.mq.client import MessagingFuture
 from lmcache_mp.protocol import RetrieveResult
 from vllm_adapter.fences import Target
 from vllm_adapter.ops import LoadStoreOp, kept_blocks

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from lmcache_mp.custom_types import KVCache
-from lmcache_mp.mq import MessageQueueClient, MessagingFuture
+from lmcache_mp.mq.client import MessageQueueClient, MessagingFuture
 from lmcache_mp.protocol import RequestType
 from vllm_adapter.kv_export import export_kv_caches
 from vllm_adapter.ops import LoadStoreOp, striding_block_hashes

@@ -25,7 +25,7 @@ import zmq
 
 from lmcache_mp.curve import ClientCurve
 from lmcache_mp.custom_types import IPCCacheEngineKey
-from lmcache_mp.mq import MessageQueueClient
+from lmcache_mp.mq.client import MessageQueueClient
 
 DEFAULT_TIMEOUT_S = 30.0
 # A load's block id for "leave this block alone" (any negative id names no block).

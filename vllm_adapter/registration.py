@@ -23,7 +23,7 @@ import time
 import torch
 
 from lmcache_mp.errors import KVExportError, LMCacheMPError, ServerError
-from lmcache_mp.mq import MessageQueueClient, MessagingFuture
+from lmcache_mp.mq.client import MessageQueueClient, MessagingFuture
 from lmcache_mp.protocol import (
     PERMANENT_ERRORS,
     PHASE_STARTING,
@@ -33,7 +33,7 @@ from lmcache_mp.protocol import (
     RegisterReply,
     RequestType,
 )
-from lmcache_mp.transfer.attach import AttachChannel
+from lmcache_mp.transfer.attach_channel import AttachChannel
 from vllm_adapter.fences import Fences, Target
 from vllm_adapter.kv_export import export_kv_caches
 from vllm_adapter.ops import KeyMaker

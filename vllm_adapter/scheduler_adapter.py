@@ -20,7 +20,7 @@ from typing import Any
 import zmq
 
 from lmcache_mp.curve import ClientCurve
-from lmcache_mp.mq import MessagingFuture
+from lmcache_mp.mq.client import MessagingFuture
 from lmcache_mp.protocol import RequestType
 from vllm_adapter.ops import DEFAULT_TIMEOUT_S, KeyMaker, LoadStoreOp, connect, striding_block_hashes
 

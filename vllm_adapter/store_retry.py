@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
-from lmcache_mp.mq import MessagingFuture
+from lmcache_mp.mq.client import MessagingFuture
 from lmcache_mp.protocol import StoreResult
 from vllm_adapter.fences import Target
 from vllm_adapter.ops import LoadStoreOp

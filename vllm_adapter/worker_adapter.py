@@ -29,7 +29,7 @@ import zmq
 
 from lmcache_mp.curve import ClientCurve
 from lmcache_mp.errors import LMCacheMPError, RequestTimeoutError, ServerError
-from lmcache_mp.mq import MessagingFuture
+from lmcache_mp.mq.client import MessagingFuture
 from lmcache_mp.protocol import PERMANENT_ERRORS, ChunkOutcome, ErrorCode, RequestType
 from vllm_adapter.fences import Fences
 from vllm_adapter.loads import LoadTracker, SentLoad, SyncLoad

@@ -1,22 +1,19 @@
 """A lower tier in a local directory (an NVMe drive): one file per chunk, kept across restarts.
 
-Files. Each chunk is one file holding the object of `chunk_format.py`: its checksummed header,
-zero padding to a 4 KiB block, then the chunk's bytes. Its object name is a digest of the key's
-ident. The directory -- its layout (shards, `lock`, `tmp/`), its no-symlink rule and when its
-descriptors close -- is `disk_directory.py`'s. A digest collision is harmless: reads verify the
-header against the key, so a file can only ever be served for the key it was written for. A
-symlink (or anything but a regular file) at an object's name is foreign: never indexed, read,
-written through or evicted (a get of it is a miss that leaves it there; a put replaces the link).
+Files. Each chunk is one file, laid out, written and read by `disk_file.py` (a checksummed
+header, padding to a block, the chunk's bytes; O_DIRECT writes). Its object name is a digest of
+the key's ident. The directory -- its layout (shards, `lock`, `tmp/`), its no-symlink rule and
+when its descriptors close -- is `disk_directory.py`'s. A digest collision is harmless: reads
+verify the header against the key. A symlink (or anything but a regular file) at an object's name
+is foreign: never indexed, read, written through or evicted (a get of it is a miss that leaves it
+there; a put replaces the link).
 
 Writes go to a temp file in `tmp/` (same filesystem) and are renamed into place, so a name never
-shows a half-written file to a running daemon. The whole blocks of a page-aligned payload (the
-pool's objects are) are written with O_DIRECT, straight from pool memory: a buffered write costs
-the writer thread kernel time that the request path needs; a filesystem that refuses O_DIRECT
-(tmpfs, some network filesystems) gets buffered writes. Reads go through the page cache. There
-is no fsync: after a power loss a file may be torn or empty, and the checksum catches it on its
-first read, which then deletes it. A write that fails (ENOSPC, EIO, EDQUOT, ...) removes its
-temp file, is counted, logged at a limited rate and otherwise ignored: the disk is a cache, and
-the daemon serves on without it.
+shows a half-written file to a running daemon. A filesystem that refuses O_DIRECT (tmpfs, some
+network filesystems) gets buffered writes from then on. There is no fsync: after a power loss a
+file may be torn or empty, and the checksum catches it on its first read, which then deletes it.
+A write that fails (ENOSPC, EIO, EDQUOT, ...) removes its temp file, is counted, logged at a
+limited rate and otherwise ignored: the disk is a cache, and the daemon serves on without it.
 
 Index. In memory: file name -> (size, sequence number), in LRU order (least recently read or
 written first), and the sum of the sizes. At start it is rebuilt from the directory listing and
@@ -45,12 +42,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import fcntl
 import hashlib
 import itertools
 import logging
 import math
-import mmap
 import os
 import threading
 import time
@@ -63,31 +58,19 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import torch
 
 from lmcache_mp.chunks import ChunkKey, TierStats
-from lmcache_mp.storage import chunk_format
+from lmcache_mp.storage import chunk_format, disk_file
 from lmcache_mp.storage.base import StorageTier
 from lmcache_mp.storage.chunk_format import CorruptChunk
 from lmcache_mp.storage.disk_directory import DiskDirectory
 
 logger = logging.getLogger(__name__)
 
-# The first read of a get: the prefix and, in one syscall, any realistic header (~200 bytes).
-_FIRST_READ = 4096
 _WARN_INTERVAL_S = 10.0
 _GiB = 1 << 30
 # Batched reads run on this many threads, so that one chunk's read (preadv, GIL released)
 # overlaps another's checksum: promotion then keeps near the speed of a plain single-threaded
 # read from the page cache, and beats it from a cold disk (measured: one thread ~60-75%).
 _READ_THREADS = 2
-# Files are laid out in blocks of this size (the header padded to it), so that the payload of
-# an aligned pool object can be written with O_DIRECT: no page-cache copy, which costs the
-# writer a core's worth of kernel time per ~0.6 GB/s of buffered writes on a small VM.
-_BLOCK = 4096
-# A read goes in slices this big, each checksummed right after it lands, while it is still
-# in the CPU's cache (one pass over memory instead of two).
-_READ_SLICE = 1 << 20
-# A write is checksummed and written in slices this big (a multiple of _BLOCK), calling the
-# tier's pacer before each: background work that gives way to the request path's copies.
-_WRITE_SLICE = 4 << 20
 _URL_HELP = "disk:///ABSOLUTE/PATH?size_gb=N"
 
 
@@ -118,41 +101,6 @@ class _ThrottledWarning:
             msg += " (%d similar warnings held back)"
             args = (*args, held_back)
         logger.warning(msg, *args)
-
-
-def _payload_offset(header_size: int) -> int:
-    """Where the payload starts in a file: the header padded to whole blocks (direct I/O)."""
-    return -(-header_size // _BLOCK) * _BLOCK
-
-
-def _padded(header: bytes) -> memoryview:
-    """The header and its zero padding, in page-aligned memory (an anonymous mapping), as
-    direct I/O wants its buffers."""
-    buffer = mmap.mmap(-1, _payload_offset(len(header)), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    buffer[:len(header)] = header
-    return memoryview(buffer)
-
-
-def _write_all(fd: int, bufs: list[memoryview]) -> None:
-    """Write all of `bufs` in order, resuming after short writes."""
-    bufs = [b for b in bufs if b.nbytes]
-    while bufs:
-        written = os.writev(fd, bufs)
-        while bufs and written >= bufs[0].nbytes:
-            written -= bufs[0].nbytes
-            bufs.pop(0)
-        if written:
-            bufs[0] = bufs[0][written:]
-
-
-def _read_all(fd: int, dest: memoryview, offset: int) -> None:
-    """Fill `dest` from `offset` on, resuming after short reads."""
-    done = 0
-    while done < dest.nbytes:
-        n = os.preadv(fd, [dest[done:]], offset + done)
-        if n == 0:
-            raise CorruptChunk(f"payload truncated after {done} of {dest.nbytes} bytes")
-        done += n
 
 
 def _parse_size_gb(url: str, query: str) -> float:
@@ -282,14 +230,14 @@ class DiskTier(StorageTier):
             if name in self._index or name in self._busy:
                 return
         payload = chunk_format.as_buffer(kv_chunk)
-        header = chunk_format.encode_header(key, payload, _WRITE_SLICE, self.pacer)
-        size = _payload_offset(len(header)) + payload.nbytes
+        header = chunk_format.encode_header(key, payload, disk_file.WRITE_SLICE, self.pacer)
+        size = disk_file.payload_offset(len(header)) + payload.nbytes
         victims = self._reserve(name, size)
         if victims is None:
             return
         self._unlink_busy(victims)
         try:
-            self._write(name, header, payload, aligned=kv_chunk.data_ptr() % _BLOCK == 0)
+            self._write(name, header, payload, aligned=kv_chunk.data_ptr() % disk_file.BLOCK == 0)
         except OSError as e:
             self._end_write(name, size, stored=False)
             self._write_warnings.warning("disk tier %s: write failed, chunk not stored: %s", self._root, e)
@@ -332,16 +280,7 @@ class DiskTier(StorageTier):
         fd, direct = self._create(tmp, direct=aligned and self._direct)
         try:
             try:
-                # Direct I/O takes whole blocks only: the tail of a payload that isn't goes buffered.
-                sliced = payload.nbytes // _BLOCK * _BLOCK if direct else payload.nbytes
-                _write_all(fd, [_padded(header)])
-                for start in range(0, sliced, _WRITE_SLICE):  # slices: room for the pacer
-                    if self.pacer is not None:
-                        self.pacer()
-                    _write_all(fd, [payload[start:min(start + _WRITE_SLICE, sliced)]])
-                if sliced < payload.nbytes:
-                    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-                    _write_all(fd, [payload[sliced:]])
+                disk_file.write(fd, header, payload, direct, self.pacer)
             finally:
                 os.close(fd)
             self._dir.publish(tmp, name)
@@ -415,29 +354,10 @@ class DiskTier(StorageTier):
 
     def _read(self, fd: int, name: str, entry: tuple[int, int], key: ChunkKey,
               out: torch.Tensor | None) -> torch.Tensor | None:
-        first = os.pread(fd, _FIRST_READ, 0)
-        header_size = chunk_format.header_size(first)
-        if len(first) >= header_size:
-            header = first[:header_size]
-        else:
-            header = first + os.pread(fd, header_size - len(first), len(first))
-        payload_len = chunk_format.check_header(key, header)
-        offset = _payload_offset(header_size)
-        file_size = os.fstat(fd).st_size
-        if file_size != offset + payload_len:
-            raise CorruptChunk(f"file is {file_size} bytes, its header says {offset + payload_len}")
-        if out is None:
-            out = torch.empty(payload_len, dtype=torch.uint8)
-        elif out.numel() * out.element_size() != payload_len:
+        out = disk_file.read(fd, key, out)
+        if out is None:  # not the payload's size
             self._count_miss()
             return None
-        dest = chunk_format.as_buffer(out)
-        check = chunk_format.PayloadCheck(header)
-        for start in range(0, payload_len, _READ_SLICE):  # each slice checksummed while cached
-            piece = dest[start:start + _READ_SLICE]
-            _read_all(fd, piece, offset + start)
-            check.update(piece)
-        check.done()
         with self._lock:
             if self._index.get(name) == entry:
                 self._index.move_to_end(name)

@@ -1,17 +1,10 @@
-"""The daemon's CPU memory pool: one buffer allocated up front, carved into slabs of equal slots.
+"""The daemon's CPU memory pool (L1): chunk objects in one buffer allocated up front, pinned while
+read, evicted least recently used first, prefixes before their tails.
 
-Every stored object is one chunk of one rank's KV, and all chunks of one layout have the same
-size, so the pool is a slab allocator rather than a general heap. A *size class* (one exact object
-size) owns whole slabs and cuts each into equal slots; objects never move, freeing is O(1), and
-objects of one size never fragment. A slab that empties returns to the free list and can be handed
-to another size class, which is how two layouts share the pool.
-
-Slabs. The pool is a row of equal *base slabs* of `slab_bytes` (the tail that doesn't fill one is
-unused). Left as None, `slab_bytes` is fixed at the first reserve, from that first object size:
-a whole number of its slots (so its slabs have no slack), about 64 MiB but at most 1/8 of the pool
-(so a second size class can still get slabs), and never less than one slot. A size class whose
-slot fits a base slab uses one base slab per slab; a larger one uses `span` consecutive base slabs
-per slab, which hold one object or a few.
+Memory. One buffer, carved into slabs of equal slots, one object size per slab, by
+`slabs.SlabAllocator`: the slab rules, and how the buffer is prepared piece by piece (with
+`background` on a thread of its own, so the daemon answers at once whatever the pool's size; until
+then a reserve may find NO_SPACE), are in `slabs`.
 
 Lifecycle. `reserve` hands out a WRITING object (invisible to readers, never evicted), or a
 `ReserveFailure` for a key it can't serve; `commit` makes it READY (with `pin=True` also pinned, in
@@ -24,39 +17,22 @@ eviction (the usual LOOKUP then RETRIEVE or END_SESSION) never touches the LRU.
 
 Prefixes. Keys are opaque here, but in the daemon a key names a chunk *and the whole token prefix
 before it*, and a lookup counts hits only up to the first missing chunk: a chunk whose predecessor
-is gone can never be hit. So the pool keeps parent links (`link` records each key's predecessor in
-one rank's chain; a parent that has been freed counts as none) and orders recency so that an
-ancestor is always more recently used than its READY unpinned descendants. The LRU object of a size
-class then has no evictable descendant in that class (only pinned, WRITING or gone ones), so
-eviction eats each chain from its tail and what stays is a usable prefix. The rules: when objects
-become evictable (a commit without pin, the last unpin), they become the most recently used in
-*reverse* order of the call's list, which callers give in chunk order (`pin` and `pin_prefix`
-return theirs in that order, `pin_prefix` chunk-major), so the first chunk ends up the most
-recent; then every READY unpinned ancestor reachable through parent links (walking through pinned
-and WRITING ones too) becomes more recent still, each after its descendants. `link` refreshes the
-chain it links, and its parent, the same way (a STORE links before reserving, so that its reserve
-spares the prefix it extends, and again after). A walk stops at objects the call has already seen,
-so a call costs O(objects + ancestors walked). Pins protect objects, not prefixes: a pinned chunk's
-ancestors stay evictable (a lookup pins the whole prefix it reads, and its unpin refreshes them).
+is gone can never be hit. So the pool keeps parent links (`link`) and orders recency so that an
+ancestor is always more recently used than its READY unpinned descendants: eviction then eats each
+chain from its tail, and what stays is a usable prefix. The rules are `_refresh`'s.
 
 Eviction, when a size class has no free slot and no free slab: its own LRU evictable object first
 (that frees a slot of the right size); failing that, whole slabs of other classes, because a slot
 of another size is of no use: the slab that became evictable longest ago (one base slab needed),
-or, for a multi-slab span, the run of base slabs with no pinned or WRITING object that needs the
-fewest occupied base slabs cleared. Whole-slab eviction follows slabs, not chains, so it may take
+or, for a multi-slab span, the run of base slabs that needs the fewest cleared
+(`SlabAllocator.cheapest_window`). Whole-slab eviction follows slabs, not chains, so it may take
 a middle chunk of a prefix; the chunks after it are then dead weight, but they are older than the
 chunks before it, so their own class evicts them before those. The slab scan runs only when slabs move
 between size classes; reserving, committing, pinning and unpinning are otherwise O(1) per object
-plus the ancestor walks above (a multi-slab span also walks the free runs, which are few).
+plus the ancestor walks of `_refresh` (a multi-slab span also walks the free runs, which are few).
 
-Memory. The buffer is prepared (faulted in, pinned where CUDA is present) piece by piece from its
-start, by `pool_memory.PoolMemory`: with `background` on a thread of its own, so the daemon answers
-at once whatever the pool's size. Only base slabs wholly inside prepared pieces are ever free; the
-rest join the free runs as their pieces become ready, so nothing is handed out of unprepared memory
-and until then a reserve may find NO_SPACE. Pieces end on base slab boundaries once the slab size is
-fixed (see `pool_memory` for why).
-
-One lock guards all bookkeeping; no method ever copies object bytes, so it is held briefly.
+One lock guards all bookkeeping, the allocator's included; no method ever copies object bytes, so
+it is held briefly.
 """
 
 from __future__ import annotations
@@ -64,7 +40,6 @@ from __future__ import annotations
 import enum
 import functools
 import itertools
-import mmap
 import operator
 import threading
 from collections import Counter, OrderedDict
@@ -74,26 +49,13 @@ from dataclasses import dataclass, field
 import torch
 
 from lmcache_mp.storage.pool_memory import PIECE_BYTES, PinFn, PoolMemory
+from lmcache_mp.storage.slabs import ALIGN, SizeClass, Slab, SlabAllocator, default_slab_bytes
 
-# Every object's data starts on a cache line, which vectorised copies want.
-ALIGN = 64
-_TARGET_SLAB_BYTES = 64 << 20
-_MIN_SLABS = 8
-
+__all__ = ["ALIGN", "MemoryPool", "ObjectState", "PoolObject", "PoolStats", "ReserveFailure",
+           "default_slab_bytes"]
 
 # `obj is not None` as a C-level callable (`takewhile` calls it once per key of a prefix walk).
 _is_object = functools.partial(operator.is_not, None)
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def default_slab_bytes(slot_bytes: int, usable_bytes: int) -> int:
-    """The rule in the module docstring: whole slots, ~64 MiB, at most 1/8 of the pool, >= one slot.
-    Never more than `usable_bytes` when `slot_bytes` fits in it."""
-    target = min(_TARGET_SLAB_BYTES, usable_bytes // _MIN_SLABS)
-    return slot_bytes * max(1, -(-target // slot_bytes))
 
 
 class ObjectState(enum.Enum):
@@ -116,7 +78,7 @@ class PoolObject:
     key: Hashable
     nbytes: int
     data: torch.Tensor  # uint8 view of exactly `nbytes` of pool memory, `align`-aligned
-    slab: _Slab = field(repr=False)
+    slab: Slab[PoolObject] = field(repr=False)
     slot: int = field(repr=False)
     state: ObjectState = ObjectState.WRITING
     pins: int = 0
@@ -143,73 +105,6 @@ class PoolStats:
     pin_error: str
 
 
-@dataclass(eq=False)
-class _SizeClass:
-    nbytes: int
-    slot_bytes: int  # nbytes rounded up to the pool's alignment
-    span: int  # base slabs per slab
-    slots_per_slab: int
-    # Slabs with at least one free slot, and READY unpinned objects, least recently used first.
-    open_slabs: dict[_Slab, None] = field(default_factory=dict)
-    evictable: OrderedDict[PoolObject, None] = field(default_factory=OrderedDict)
-
-
-@dataclass(eq=False)
-class _Slab:
-    first: int  # index of its first base slab
-    size_class: _SizeClass
-    objects: list[PoolObject | None]  # by slot
-    free_slots: list[int]
-    live: int = 0
-    stuck: int = 0  # live objects that can't be evicted: WRITING or pinned
-
-    @property
-    def span(self) -> int:
-        return self.size_class.span
-
-
-class _FreeRuns:
-    """Free base slabs as maximal runs of consecutive indices, kept by both ends so that giving a
-    run back coalesces with its neighbours in O(1); taking a single slab is O(1) too."""
-
-    def __init__(self, count: int) -> None:
-        self._by_start: dict[int, int] = {}  # start -> length
-        self._by_end: dict[int, int] = {}  # end (exclusive) -> start
-        if count:
-            self._add(0, count)
-
-    def take(self, length: int) -> int | None:
-        """First fit: the start of `length` free consecutive base slabs, now taken, or None."""
-        start = next((start for start, run in self._by_start.items() if run >= length), None)
-        if start is None:
-            return None
-        run = self._by_start[start]
-        self._remove(start, run)
-        if run > length:
-            self._add(start + length, run - length)
-        return start
-
-    def give(self, start: int, length: int) -> None:
-        end = start + length
-        if end in self._by_start:
-            right = self._by_start[end]
-            self._remove(end, right)
-            end += right
-        if start in self._by_end:
-            left = self._by_end[start]
-            self._remove(left, start - left)
-            start = left
-        self._add(start, end - start)
-
-    def _add(self, start: int, length: int) -> None:
-        self._by_start[start] = length
-        self._by_end[start + length] = start
-
-    def _remove(self, start: int, length: int) -> None:
-        del self._by_start[start]
-        del self._by_end[start + length]
-
-
 class MemoryPool:
     """Fixed-capacity, thread-safe store of KV chunk objects; see the module docstring."""
 
@@ -229,26 +124,14 @@ class MemoryPool:
         # The only KV allocation this pool ever makes.
         self._memory = PoolMemory(capacity_bytes, pin, piece_bytes)
         self._buffer = self._memory.tensor
-        self._base = -self._buffer.data_ptr() % align
-        self._usable = max(0, capacity_bytes - self._base)
+        base = -self._buffer.data_ptr() % align
+        self._slabs: SlabAllocator[PoolObject] = SlabAllocator(
+            capacity_bytes, base, max(0, capacity_bytes - base), align, slab_bytes)
         self._lock = threading.Lock()
-        self._slab_bytes: int | None = None
-        self._owner: list[_Slab | None] = []  # by base slab
-        self._free = _FreeRuns(0)
-        self._ready_bytes = 0  # the prepared prefix of the buffer, as the pool has taken it in
-        self._ready_slabs = 0  # base slabs [0, this) are wholly prepared: free or owned
-        if slab_bytes is not None:
-            if slab_bytes <= 0 or slab_bytes % align or slab_bytes > self._usable:
-                raise ValueError(
-                    f"slab_bytes must be a positive multiple of {align} of at most {self._usable}, "
-                    f"got {slab_bytes}"
-                )
-            self._set_slab_bytes(slab_bytes)
-        self._classes: dict[int, _SizeClass] = {}
         self._index: dict[Hashable, PoolObject] = {}  # every live object, WRITING or READY
         self._readable: dict[Hashable, PoolObject] = {}  # the READY ones: what readers may pin
         # Slabs whose objects are all evictable, in the order they became so (oldest first).
-        self._clean_slabs: OrderedDict[_Slab, None] = OrderedDict()
+        self._clean_slabs: OrderedDict[Slab[PoolObject], None] = OrderedDict()
         # Pinned objects still on their LRU: pinned since the last eviction decision (`_settle`).
         self._unsettled: dict[PoolObject, None] = {}
         self._used = 0
@@ -256,16 +139,16 @@ class MemoryPool:
         self._num_writing = 0
         self._evictions = 0
         if background:
-            self._memory.prepare_in_background(self._snap, self._take_prepared)
+            self._memory.prepare_in_background(self._piece_boundary, self._take_prepared)
         else:
-            self._memory.prepare(self._snap, self._take_prepared)
+            self._memory.prepare(self._piece_boundary, self._take_prepared)
 
     # ---- public API ----------------------------------------------------------------------------
 
     @property
     def slab_bytes(self) -> int | None:
         """Base slab size; None until the first reserve when it was left to the default rule."""
-        return self._slab_bytes
+        return self._slabs.slab_bytes
 
     @property
     def used_bytes(self) -> int:
@@ -283,7 +166,7 @@ class MemoryPool:
         ReserveFailure.NO_SPACE. Raises ValueError, before reserving anything, if `nbytes` can never
         fit."""
         with self._lock:
-            size_class = self._size_class(nbytes)
+            size_class = self._slabs.size_class(nbytes)
             return [self._reserve_one(key, size_class) for key in keys]
 
     def admit(self, nbytes: int) -> None:
@@ -291,7 +174,7 @@ class MemoryPool:
         raises ValueError, naming the most this pool can allocate contiguously, if they never can.
         Fixes the slab size when it is still open, so a later reserve of this size never raises."""
         with self._lock:
-            self._size_class(nbytes)
+            self._slabs.size_class(nbytes)
 
     def commit(self, objects: list[PoolObject], *, pin: bool = False) -> None:
         """WRITING -> READY: visible to readers. With `pin`, each object also gets one pin (release it
@@ -313,8 +196,9 @@ class MemoryPool:
     def link(self, keys: list[Hashable], parent: Hashable | None = None) -> None:
         """Record that keys[i - 1] is the parent of keys[i], and `parent` that of keys[0], where both
         are live (READY or WRITING); a key that isn't breaks the chain there, and no link is ever
-        removed here. Then refresh the chain: its live objects and `parent` become the most recently
-        used, in reverse (`parent` the most recent), and their ancestors more recent still.
+        removed here (a parent that has been freed counts as none). Then refresh the chain (see
+        `_refresh`): its live objects and `parent` become the most recently used, in reverse
+        (`parent` the most recent), and their ancestors more recent still.
 
         A STORE links its keys before `reserve` too: that makes the part of its chain already here,
         and the parent, the most recent, so the reserve doesn't evict the prefix it extends."""
@@ -404,7 +288,7 @@ class MemoryPool:
         """Drop every READY unpinned object; returns how many. Pinned and WRITING objects stay."""
         with self._lock:
             self._settle()
-            victims = [obj for size_class in self._classes.values() for obj in size_class.evictable]
+            victims = [obj for size_class in self._slabs.classes.values() for obj in size_class.evictable]
             for obj in victims:
                 self._remove_evictable(obj)
             return len(victims)
@@ -418,7 +302,7 @@ class MemoryPool:
                 num_pinned=self._num_pinned,
                 num_writing=self._num_writing,
                 evictions=self._evictions,
-                ready_bytes=self._ready_bytes,
+                ready_bytes=self._slabs.ready_bytes,
                 pinned_bytes=self._memory.pinned_bytes,
                 pin_error=self._memory.pin_error,
             )
@@ -427,79 +311,23 @@ class MemoryPool:
         """Stop preparing memory and unpin it; nothing may copy into or out of the pool after."""
         self._memory.close()
 
-    # ---- prepared memory -----------------------------------------------------------------------
+    # ---- prepared memory and slabs -------------------------------------------------------------
 
-    def _snap(self, offset: int) -> int:
-        """The piece boundary at or below buffer `offset`: a base slab boundary once the slab size is
-        fixed and page-aligned (so objects rarely span two pieces), else a page boundary."""
+    def _piece_boundary(self, offset: int) -> int:
         with self._lock:
-            slab_bytes = self._slab_bytes
-        if slab_bytes is None or slab_bytes % mmap.PAGESIZE or self._base % mmap.PAGESIZE:
-            return offset - offset % mmap.PAGESIZE
-        return self._base + (offset - self._base) // slab_bytes * slab_bytes
+            return self._slabs.piece_boundary(offset)
 
     def _take_prepared(self, ready_bytes: int) -> None:
-        """The buffer is prepared up to `ready_bytes`: its base slabs below that are free now."""
         with self._lock:
-            self._ready_bytes = ready_bytes
-            if self._slab_bytes is not None:
-                self._free_prepared_slabs()
+            self._slabs.take_prepared(ready_bytes)
 
-    def _free_prepared_slabs(self) -> None:
-        covered = min(len(self._owner), max(0, (self._ready_bytes - self._base) // self._slab_bytes))
-        if covered > self._ready_slabs:
-            self._free.give(self._ready_slabs, covered - self._ready_slabs)
-            self._ready_slabs = covered
-
-    # ---- size classes and slabs ----------------------------------------------------------------
-
-    def _set_slab_bytes(self, slab_bytes: int) -> None:
-        self._slab_bytes = slab_bytes
-        self._owner = [None] * (self._usable // slab_bytes)
-        self._free = _FreeRuns(0)
-        self._free_prepared_slabs()
-
-    def _size_class(self, nbytes: int) -> _SizeClass:
-        size_class = self._classes.get(nbytes)
-        if size_class is not None:
-            return size_class
-        slot_bytes = _round_up(nbytes, self.align)
-        if nbytes <= 0 or slot_bytes > self._usable:
-            raise ValueError(f"cannot store objects of {nbytes} bytes in a pool of {self.capacity_bytes} "
-                             f"bytes: it can allocate at most {self._usable} contiguous bytes")
-        if self._slab_bytes is None:
-            self._set_slab_bytes(default_slab_bytes(slot_bytes, self._usable))
-        slab_bytes = self._slab_bytes
-        span = -(-slot_bytes // slab_bytes)
-        if span > len(self._owner):
-            raise ValueError(
-                f"cannot store objects of {nbytes} bytes in a pool of {self.capacity_bytes} bytes: it can "
-                f"allocate at most {len(self._owner) * slab_bytes} contiguous bytes "
-                f"({len(self._owner)} slabs of {slab_bytes} bytes)"
-            )
-        size_class = _SizeClass(nbytes, slot_bytes, span, span * slab_bytes // slot_bytes)
-        self._classes[nbytes] = size_class
-        return size_class
-
-    def _new_slab(self, size_class: _SizeClass) -> _Slab | None:
-        first = self._free.take(size_class.span)
-        if first is None:
-            return None
-        count = size_class.slots_per_slab
-        slab = _Slab(first, size_class, [None] * count, list(range(count - 1, -1, -1)))
-        self._owner[first : first + size_class.span] = [slab] * size_class.span
-        size_class.open_slabs[slab] = None
-        return slab
-
-    def _release_slab(self, slab: _Slab) -> None:
-        slab.size_class.open_slabs.pop(slab, None)  # absent if it has a single slot
+    def _release_slab(self, slab: Slab[PoolObject]) -> None:
         self._clean_slabs.pop(slab, None)
-        self._owner[slab.first : slab.first + slab.span] = [None] * slab.span
-        self._free.give(slab.first, slab.span)
+        self._slabs.release(slab)
 
     # ---- reserving and eviction ----------------------------------------------------------------
 
-    def _reserve_one(self, key: Hashable, size_class: _SizeClass) -> PoolObject | ReserveFailure:
+    def _reserve_one(self, key: Hashable, size_class: SizeClass[PoolObject]) -> PoolObject | ReserveFailure:
         if key in self._index:
             return ReserveFailure.ALREADY_PRESENT
         slab = self._slab_with_free_slot(size_class)
@@ -508,7 +336,7 @@ class MemoryPool:
         slot = slab.free_slots.pop()
         if not slab.free_slots:
             del size_class.open_slabs[slab]
-        offset = self._base + slab.first * self._slab_bytes + slot * size_class.slot_bytes
+        offset = slab.offset + slot * size_class.slot_bytes
         obj = PoolObject(
             key, size_class.nbytes, self._buffer.narrow(0, offset, size_class.nbytes), slab, slot
         )
@@ -520,12 +348,12 @@ class MemoryPool:
         self._num_writing += 1
         return obj
 
-    def _slab_with_free_slot(self, size_class: _SizeClass) -> _Slab | None:
+    def _slab_with_free_slot(self, size_class: SizeClass[PoolObject]) -> Slab[PoolObject] | None:
         """A free slot, else a free slab, else evict (see the module docstring) and try again."""
         while True:
             if size_class.open_slabs:
                 return next(iter(size_class.open_slabs))
-            slab = self._new_slab(size_class)
+            slab = self._slabs.new_slab(size_class)
             if slab is not None:
                 return slab
             self._settle()
@@ -542,33 +370,14 @@ class MemoryPool:
                 return False
             self._evict_slab(next(iter(self._clean_slabs)))
             return True
-        start = self._cheapest_window(span)
-        if start is None:
+        victims = self._slabs.cheapest_window(span)
+        if victims is None:
             return False
-        for slab in dict.fromkeys(self._owner[start : start + span]):
-            if slab is not None:
-                self._evict_slab(slab)
+        for slab in victims:
+            self._evict_slab(slab)
         return True
 
-    def _cheapest_window(self, span: int) -> int | None:
-        """Start of the run of `span` base slabs without stuck slabs that has the fewest occupied
-        base slabs (lowest address on ties), or None. O(number of base slabs): cold path only. Only
-        prepared base slabs count: a window reaching past them could never be taken."""
-        best, best_cost = None, span + 1
-        cost = 0
-        first_unblocked = 0  # windows must start after the last stuck base slab seen
-        for i, slab in enumerate(self._owner[: self._ready_slabs]):
-            if slab is not None and slab.stuck:
-                first_unblocked = i + 1
-            cost += slab is not None
-            if i >= span:
-                cost -= self._owner[i - span] is not None
-            start = i - span + 1
-            if start >= first_unblocked and cost < best_cost:
-                best, best_cost = start, cost
-        return best
-
-    def _evict_slab(self, slab: _Slab) -> None:
+    def _evict_slab(self, slab: Slab[PoolObject]) -> None:
         for obj in [obj for obj in slab.objects if obj is not None]:
             self._evict(obj)
 
@@ -634,7 +443,21 @@ class MemoryPool:
         """Make `objects` and all their ancestors the most recently used, each ancestor after its
         descendants and `objects` in reverse (objects[0] the most recent of them); only the READY
         unpinned ones move, but walks go through the rest. Every walk stops at an object already
-        seen, so this is O(objects + ancestors walked), and parent cycles can't trap it."""
+        seen, so this is O(objects + ancestors walked), and parent cycles can't trap it.
+
+        The prefix rules (module docstring), which keep every ancestor more recently used than its
+        READY unpinned descendants, so that the LRU object of a size class has no evictable
+        descendant in that class (only pinned, WRITING or gone ones) and eviction eats each chain
+        from its tail:
+        - Objects that become evictable (a commit without pin, the last unpin) are refreshed, in
+          the order of the call's list, which callers give in chunk order (`pin` and `pin_prefix`
+          return theirs in that order, `pin_prefix` chunk-major): the first chunk ends up the most
+          recent, and every READY unpinned ancestor reachable through parent links (walking
+          through pinned and WRITING ones too) more recent still, each after its descendants.
+        - `link` refreshes the chain it links, and its parent. A STORE links before reserving, so
+          that its reserve spares the prefix it extends, and again after.
+        - Pins protect objects, not prefixes: a pinned chunk's ancestors stay evictable (a lookup
+          pins the whole prefix it reads, and its unpin refreshes them)."""
         ready = ObjectState.READY
         for obj in reversed(self._walk_up(objects)):  # the last walk first, each nearest first
             if obj.state is ready and obj.pins == 0:
@@ -669,11 +492,11 @@ class MemoryPool:
                 walked[first:] = reversed(walked[first:])
         return walked
 
-    def _stick(self, slab: _Slab) -> None:
+    def _stick(self, slab: Slab[PoolObject]) -> None:
         slab.stuck += 1
         self._clean_slabs.pop(slab, None)
 
-    def _unstick(self, slab: _Slab) -> None:
+    def _unstick(self, slab: Slab[PoolObject]) -> None:
         slab.stuck -= 1
         if slab.stuck == 0 and slab.live:
             self._clean_slabs[slab] = None

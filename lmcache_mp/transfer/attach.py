@@ -1,18 +1,16 @@
 """The attach hand-over of zero-copy CPU registration: a worker's shared-memory descriptors passed
 to the daemon over a Unix socket, and the open channel that is then the registration's liveness.
 
-Worker side: `AttachChannel` passes the descriptors of `shm.share_cpu_tensors` to the daemon over a
-Unix socket (SCM_RIGHTS) and then stays open: it is the registration's liveness signal. When the
-worker exits, even by SIGKILL, the kernel closes it and the daemon drops the registration.
+Worker side, and the hand-over's bytes: `attach_channel.AttachChannel`.
 
-Daemon side: `AttachListener` accepts the channels; `claim(token)` gives a registration the
+Daemon side, here: `AttachListener` accepts the channels; `claim(token)` gives a registration the
 descriptors of its channel, for `shm.map_storages` to map.
 
 The attach socket's invariants (issue 25 items 4, 7 and 17):
 - Who: the daemon takes channels from its own user, root, or, with --socket-group, a member of
   that group (the peer's credentials, SO_PEERCRED and SO_PEERGROUPS); a worker hands its caches
   to its own user, root, or the owner of the socket's directory where that directory has one of
-  the worker's groups and only its owner may write in it (`_owns_a_directory_of_my_group`).
+  the worker's groups and only its owner may write in it (`attach_channel`).
 - Nobody waits on anybody: one thread serves every connection through a selector, and reads a
   hand-over as it arrives, so an idle or slow client never delays another worker's registration.
 - Bounded: connections that have not handed over (MAX_PENDING, closed after
@@ -34,7 +32,6 @@ import pwd
 import resource
 import selectors
 import socket
-import stat
 import struct
 import threading
 import time
@@ -42,13 +39,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lmcache_mp.config import SocketAccess, claim_socket_path
+from lmcache_mp.sockets import SocketAccess, claim_socket_path
+from lmcache_mp.transfer.attach_channel import ACK, HANDOVER_BYTES, TOKEN_BYTES, peer_ids
+
+__all__ = ["CLAIM_DEADLINE_S", "HANDOVER_DEADLINE_S", "MAX_CHANNELS", "MAX_FDS", "MAX_PENDING",
+           "MAX_UNCLAIMED", "MAX_UNCLAIMED_FDS", "TOKEN_BYTES", "AttachListener"]
 
 logger = logging.getLogger(__name__)
 
-TOKEN_BYTES = 16
-_HANDOVER_BYTES = TOKEN_BYTES + 4  # the token, then how many descriptors come with it
-_ACK = b"\x01"
 MAX_FDS = 64  # storages per registration; vLLM uses one for all layers
 # What clients of the attach socket can make the daemon hold. A worker opens its channel and
 # sends REGISTER at once, so its connection is pending, then unclaimed, for moments; these bound
@@ -73,86 +71,6 @@ _REFUSAL_LOG_EVERY_S = 10.0
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13; Python does not name it
 
 
-# ---- worker side --------------------------------------------------------------------------
-
-
-class AttachChannel:
-    """The worker's end of a registration: carries its descriptors once, then stays open."""
-
-    def __init__(self, sock: socket.socket, token: bytes) -> None:
-        self._sock = sock
-        self.token = token
-
-    @classmethod
-    def open(cls, path: str, fds: list[int], timeout_s: float = 10.0) -> AttachChannel:
-        token = os.urandom(TOKEN_BYTES)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(timeout_s)
-        try:
-            sock.connect(path)
-            _check_daemon_user(sock, path)
-            socket.send_fds(sock, [token + struct.pack("<I", len(fds))], fds)
-            if sock.recv(1) != _ACK:
-                raise ConnectionError(f"the daemon at {path} refused the attach channel")
-        except BaseException:
-            sock.close()
-            raise
-        sock.settimeout(None)
-        return cls(sock, token)
-
-    def is_open(self) -> bool:
-        """False once the daemon's end has closed (it stopped or restarted)."""
-        try:
-            return bool(self._sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK))
-        except BlockingIOError:
-            return True
-        except OSError:
-            return False
-
-    def close(self) -> None:
-        self._sock.close()
-
-
-def _check_daemon_user(sock: socket.socket, path: str) -> None:
-    """Hand the KV caches over only to a process trusted with them (SO_PEERCRED: whoever listens
-    on `path`): a process of this user, of root, or of the owner of the socket's directory where
-    that is a --socket-group daemon's (`_owns_a_directory_of_my_group`). Anyone else could read and write
-    them: another user that made the socket directory first (/tmp/lmcache-mp-$UID) and listens
-    where the daemon's attach socket should be."""
-    uid = _peer_ids(sock)[0]
-    if uid in (os.geteuid(), 0) or _owns_a_directory_of_my_group(uid, path):
-        return
-    raise PermissionError(f"the attach socket {path} is served by uid {uid}, not by this user "
-                          f"(uid {os.geteuid()}), root, or the owner of its directory where that directory "
-                          "has one of this user's groups and only its owner may write in it (a "
-                          "--socket-group daemon's): not handing it the KV caches")
-
-
-def _owns_a_directory_of_my_group(uid: int, path: str) -> bool:
-    """Whether `uid` owns the directory of the socket `path`, nobody else may write in it, and its
-    group is one of this process's: what a --socket-group daemon running as another user makes
-    (0750, its group the socket group, of which the worker must be a member to reach it at all).
-    Why that is enough: a user can give a directory only a group it is a member of itself, so a
-    squatter passes only if it shares one of this worker's groups with it; and the members of the
-    socket group are trusted with each other's caches already (each may RETRIEVE what the others
-    stored). Nobody but the owner may write in it, so the owner's is the only socket there. The
-    one exposure left is a catch-all group (`users`) that a hostile local user shares with the
-    worker: keep the vLLM user out of such groups, or run the daemon as vLLM's own user or root."""
-    try:
-        st = os.stat(os.path.dirname(os.path.abspath(path)))
-    except OSError:
-        return False
-    return (stat.S_ISDIR(st.st_mode) and st.st_uid == uid and not st.st_mode & 0o022
-            and st.st_gid in {os.getegid(), *os.getgroups()})
-
-
-def _peer_ids(sock: socket.socket) -> tuple[int, int]:
-    """The uid and gid of the process at the other end of `sock`, as they were when it connected
-    (or listened)."""
-    _pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-    return uid, gid
-
-
 def _peer_groups(sock: socket.socket, uid: int, gid: int) -> set[int]:
     """Every group of the process at the other end of `sock` when it connected: its gid and its
     supplementary groups (SO_PEERGROUPS, Linux 4.13); the user database's where the kernel cannot
@@ -169,9 +87,6 @@ def _peer_groups(sock: socket.socket, uid: int, gid: int) -> set[int]:
         return {gid, *os.getgrouplist(pwd.getpwuid(uid).pw_name, gid)}
     except KeyError:  # a uid without a name (a container's)
         return {gid}
-
-
-# ---- daemon side ----------------------------------------------------------------------------
 
 
 @dataclass
@@ -372,7 +287,7 @@ class AttachListener:
 
     def _refusal(self, conn: socket.socket) -> tuple[str, ...] | None:
         """Why a new connection is refused (a kind and a message for `_RefusalLog`), if it is."""
-        uid, gid = _peer_ids(conn)
+        uid, gid = peer_ids(conn)
         if not self._trusts(conn, uid, gid):
             return ("uid", f"refusing an attach channel from uid {uid}: neither this user, root, nor a "
                            "member of the socket group")
@@ -402,7 +317,7 @@ class AttachListener:
                                  "short of descriptors (RLIMIT_NOFILE)")
             return
         try:
-            msg, fds, flags, _addr = socket.recv_fds(channel.conn, _HANDOVER_BYTES - len(channel.data),
+            msg, fds, flags, _addr = socket.recv_fds(channel.conn, HANDOVER_BYTES - len(channel.data),
                                                      MAX_FDS - len(channel.fds))
         except (BlockingIOError, InterruptedError):
             return
@@ -420,7 +335,7 @@ class AttachListener:
             else:  # another daemon probing whether the path is in use
                 logger.debug("an attach connection closed without a hand-over")
                 self._drop(channel, notify=False)
-        elif len(channel.data) == _HANDOVER_BYTES:
+        elif len(channel.data) == HANDOVER_BYTES:
             self._complete_handover(channel)
 
     def _complete_handover(self, channel: _Channel) -> None:
@@ -440,7 +355,7 @@ class AttachListener:
             self._refuse_pending(channel, *refusal)
             return
         try:
-            channel.conn.send(_ACK)  # one byte, into an empty buffer: never blocks
+            channel.conn.send(ACK)  # one byte, into an empty buffer: never blocks
         except OSError:  # the worker is gone already
             self._drop(channel, notify=False)
 

@@ -1,9 +1,20 @@
-"""ZeroMQ message queue: the daemon binds a ROUTER, every client connects a DEALER.
+"""The client's side of the message queue: `MessageQueueClient` (a DEALER) and the
+`MessagingFuture` each request's reply settles.
 
-The daemon keeps one I/O thread that alone touches the ROUTER; handler threads hand it
-replies through a deque and an eventfd doorbell. A client has no I/O thread: the thread
-that waits for a reply drives the socket (see `MessageQueueClient`); a flusher thread only
-sends what a client deferred (`submit_later`), when nothing else did soon enough.
+Invariants:
+- There is no I/O thread. A thread that waits for a reply drives the socket itself (the
+  "leader", holding the socket lock) and settles every reply that arrives; the others wait on
+  a condition until theirs is settled or the leader leaves (see `MessageQueueClient`). A lone
+  caller sends and receives on its own thread: no thread hop on either side.
+- A flusher thread, started by the first `submit_later`, only sends what was deferred, when
+  nothing else did within LATER_FLUSH_S; `close` stops it before the socket closes.
+- Every future is settled exactly once: by its reply, by its deadline (RequestTimeoutError), or
+  by `close` (ClientClosedError). A reply that matches no pending request (one that timed out)
+  is dropped, never handed to another request.
+- The client never blocks on a full queue or a missing connection: the request is dropped and
+  times out instead.
+- This module and what it imports load neither torch nor numpy: the CLI's `ping` and `status`
+  start fast (tests/test_fast_start.py).
 """
 
 from __future__ import annotations
@@ -13,17 +24,14 @@ import contextlib
 import itertools
 import logging
 import os
-import struct
 import threading
 import time
-from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import msgspec
 import zmq
 
-from lmcache_mp.curve import ClientCurve, ServerCurve
-from lmcache_mp.custom_types import get_customized_decoder, get_customized_encoder
+from lmcache_mp.curve import ClientCurve
 from lmcache_mp.errors import (
     ClientClosedError,
     LMCacheMPError,
@@ -31,120 +39,18 @@ from lmcache_mp.errors import (
     RequestTimeoutError,
     ServerError,
 )
-from lmcache_mp.protocol import (
-    PROTOCOL,
-    PROTOCOL_VERSION,
-    ErrorCode,
-    ErrorReply,
-    HelloReply,
-    RequestType,
-)
+from lmcache_mp.mq.codec import Codec
+from lmcache_mp.mq.frames import NOBLOCK, POLLIN, recv_frames, send_frames
+from lmcache_mp.protocol import PROTOCOL_VERSION, ErrorCode, HelloReply, RequestType
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-REQUEST_ID = struct.Struct("<Q")
-# Each request type's frame, both ways (a frame that is not here may still be the msgpack of a
-# known type in another encoding: decoded the slow way).
-_TYPE_FRAME = {rt: msgspec.msgpack.encode(int(rt)) for rt in RequestType}
-_TYPE_FRAMES = {frame: rt for rt, frame in _TYPE_FRAME.items()}
 DEFAULT_REQUEST_TIMEOUT_S = 300.0
-# Bounded queues everywhere. A client never blocks on a full queue (or no connection): it
-# drops the request, which times out; the server's ROUTER drops replies to a client past it.
+# Bounded queues: a client never blocks on a full queue (or no connection): it drops the
+# request, which times out.
 SOCKET_HWM = 100_000
-# Per connection on the daemon's side: replies waiting for a client whose libzmq stops reading
-# (a frozen or hostile client: a live one's library reads on, whatever its threads do), and
-# requests read ahead of the socket thread. 100,000 replies held ~0.5 KiB each in the daemon
-# per such connection (+47 MiB for one); a pipelining client keeps far fewer in flight.
-SERVER_PEER_HWM = 2_048
-MAX_FRAME_BYTES = 64 * 2**20
-# How long a stopping server keeps trying to deliver its last replies to connected clients.
-CLOSE_LINGER_MS = 2000
-
-# pyzmq's flags are IntFlag enums, and `send_multipart` ORs SNDMORE into each frame's flags:
-# an enum operation in pure Python per frame, several microseconds per message on the daemon's
-# and every client's critical path. These are the same flags as plain ints, for arithmetic.
-_NOBLOCK = int(zmq.NOBLOCK)
-_SNDMORE = int(zmq.SNDMORE)
-_POLLIN = int(zmq.POLLIN)
-
-
-def send_frames(sock: zmq.Socket, frames: list[bytes], flags: int = 0) -> None:
-    """`sock.send_multipart(frames, flags)` for our small frames, without the enum arithmetic.
-    (Frames this small are copied by libzmq whatever `copy` says, so none is asked for.)"""
-    send = sock.send
-    more = flags | _SNDMORE
-    for frame in frames[:-1]:
-        send(frame, more)
-    send(frames[-1], flags)
-
-
-def recv_frames(sock: zmq.Socket) -> list[bytes]:
-    """`sock.recv_multipart(zmq.NOBLOCK)`, as `send_frames` is `send_multipart`. Each frame is
-    read as a `zmq.Frame`, whose `more` costs less than asking the socket for RCVMORE (an enum
-    conversion per call), and copied out."""
-    recv = sock.recv
-    frame = recv(_NOBLOCK, copy=False)
-    frames = [frame.bytes]
-    while frame.more:
-        frame = recv(_NOBLOCK, copy=False)
-        frames.append(frame.bytes)
-    return frames
-
-
-# ---- encoding -----------------------------------------------------------------------------
-
-
-class Codec:
-    """Typed encoders and decoders for every request's payload frame and its reply."""
-
-    def __init__(self) -> None:
-        self.encoder = get_customized_encoder()
-        self._int = msgspec.msgpack.Decoder(int)
-        self._error = msgspec.msgpack.Decoder(ErrorReply)
-        # One decoder per request type, of the whole payload as a typed fixed-length array.
-        self._payload = {rt: get_customized_decoder(tuple[spec.payload]) for rt, spec in PROTOCOL.items()}
-        self._legacy_hello = [get_customized_decoder(t) for t in PROTOCOL[RequestType.HELLO].payload]
-        self._reply = {rt: get_customized_decoder(spec.reply) for rt, spec in PROTOCOL.items()}
-
-    def encode_request(self, request_id: int, request_type: RequestType, payload: list[Any]) -> list[bytes]:
-        expected = len(PROTOCOL[request_type].payload)
-        if len(payload) != expected:
-            raise ValueError(f"{request_type.name} takes {expected} payload values, got {len(payload)}")
-        return [REQUEST_ID.pack(request_id), _TYPE_FRAME[request_type], self.encoder.encode(payload)]
-
-    def decode_status(self, frame: bytes) -> int:
-        return self._int.decode(frame)
-
-    def decode_request_type(self, frame: bytes) -> RequestType:
-        """Raises msgspec.DecodeError or ValueError on a frame that names no request type."""
-        request_type = _TYPE_FRAMES.get(frame)  # every request's: one dict lookup
-        return request_type if request_type is not None else RequestType(self._int.decode(frame))
-
-    def decode_payload(self, request_type: RequestType, frames: list[bytes]) -> list[Any]:
-        if len(frames) == 1:
-            return list(self._payload[request_type].decode(frames[0]))
-        if request_type is RequestType.HELLO and len(frames) == len(self._legacy_hello):
-            # Protocols 1-2 sent one frame per payload value. A client of theirs still learns
-            # which protocol this daemon speaks, and says so, instead of getting BAD_PAYLOAD.
-            return [dec.decode(frame) for dec, frame in zip(self._legacy_hello, frames, strict=True)]
-        raise ValueError(f"{request_type.name} takes one payload frame, got {len(frames)}")
-
-    def encode_reply(self, value: Any) -> bytes:
-        return self.encoder.encode(value)
-
-    def encode_error(self, code: ErrorCode, message: str) -> bytes:
-        return self.encoder.encode(ErrorReply(int(code), message))
-
-    def decode_reply(self, request_type: RequestType, status: int, body: bytes) -> Any:
-        if status != ErrorCode.OK:
-            err = self._error.decode(body)
-            raise ServerError(err.code, err.message)
-        return self._reply[request_type].decode(body)
-
-
-# ---- futures ------------------------------------------------------------------------------
 
 
 class MessagingFuture(Generic[T]):
@@ -207,8 +113,6 @@ class MessagingFuture(Generic[T]):
         return self
 
 
-# ---- client -------------------------------------------------------------------------------
-
 _LEADER_SLICE_S = 0.05
 # The longest a `submit_later` request waits in the outbox for another request to go out with.
 LATER_FLUSH_S = 0.005
@@ -268,9 +172,9 @@ class MessageQueueClient:
                      timeout_s: float | None = None) -> MessagingFuture[Any]:
         """`submit` for a request nobody waits on (END_SESSION, RELEASE_LEASES): it goes out with
         this client's next request or wait, or within LATER_FLUSH_S, sent by a flusher thread.
-        The caller pays no send: a ZeroMQ send wakes libzmq's I/O thread, tens of microseconds
-        on a VM, and two requests sent together wake it once. Order is kept: it goes out
-        before any request submitted after it."""
+        The caller pays no send: a ZeroMQ send wakes libzmq's I/O thread (its cost on a VM:
+        docs/benchmarks.md section 1, second round), and two requests sent together wake it
+        once. Order is kept: it goes out before any request submitted after it."""
         future = self._enqueue(request_type, payload, timeout_s)
         if self._flusher is None:
             with self._pending_lock:  # one flusher, and none once `close` has begun
@@ -375,7 +279,7 @@ class MessageQueueClient:
         while self._outbox:
             frames = self._outbox.popleft()
             try:
-                send_frames(self._sock, frames, _NOBLOCK)
+                send_frames(self._sock, frames, NOBLOCK)
             except zmq.Again:
                 # No connection to queue it on: the daemon refused our CURVE key (ZeroMQ then
                 # drops the connection for good), or its queue is full. Blocking here would hang
@@ -430,8 +334,9 @@ class MessageQueueClient:
                 with contextlib.suppress(BlockingIOError):
                     os.eventfd_read(self._doorbell)
             # One reply, which the poll promised: the next poll returns at once if more wait.
-            # (Reading on until EAGAIN costs a failed read and an exception per round trip,
-            # several times a PING's own handling where system calls are slow, as on VMs.)
+            # (Reading on until EAGAIN costs a failed read and an exception per round trip, more
+            # than a PING's own handling where system calls are slow, as on VMs: docs/benchmarks.md
+            # section 1, "Fewer system calls per round trip".)
             if self._sock in events and self._on_reply(recv_frames(self._sock)):
                 self._wake_waiters()
             # Whether or not replies arrived: under steady traffic every slice has events, and a
@@ -442,7 +347,7 @@ class MessageQueueClient:
         """Settle every reply that has arrived, asking the socket before each read (ZMQ_EVENTS
         costs less than a read that fails with EAGAIN)."""
         settled = False
-        while self._sock.getsockopt(zmq.EVENTS) & _POLLIN:
+        while self._sock.getsockopt(zmq.EVENTS) & POLLIN:
             settled |= self._on_reply(recv_frames(self._sock))
         if settled:
             self._wake_waiters()
@@ -485,134 +390,3 @@ class MessageQueueClient:
                 f"{future.request_type.name}: no reply from {self.server_url} before its deadline"))
         if expired:
             self._wake_waiters()
-
-
-# ---- server transport ----------------------------------------------------------------------
-
-
-class MessageQueueServer:
-    """A ROUTER bound to one or more endpoints, owned by one I/O thread.
-
-    Incoming requests go to `on_request` on that thread. Replies may come from any thread:
-    on the I/O thread itself they go straight out; from elsewhere they are queued and the
-    I/O thread is woken through an eventfd doorbell (only it may touch the socket).
-
-    The server owns its ZeroMQ context (unless given one) so that `stop` can wait until the
-    last replies are written out: closing a socket drops what its context has not sent yet."""
-
-    def __init__(self, endpoints: list[str], on_request: Callable[[bytes, list[bytes]], None],
-                 on_tick: Callable[[], None] | None = None, context: zmq.Context | None = None,
-                 tick_s: float = 1.0, curve: ServerCurve | None = None):
-        self._context = context or zmq.Context()
-        self._owns_context = context is None
-        sock = self._context.socket(zmq.ROUTER)
-        self._auth = curve.secure(self._context, sock) if curve is not None else None
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, SERVER_PEER_HWM)
-        sock.setsockopt(zmq.RCVHWM, SERVER_PEER_HWM)
-        # A reply to a client that went away is dropped silently instead of raising.
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        # Control messages are small (KV bytes never travel here): a peer sending a larger
-        # frame is disconnected instead of making the daemon buffer it.
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        self.endpoints: list[str] = []
-        try:
-            for endpoint in endpoints:
-                sock.bind(endpoint)
-                self.endpoints.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
-        except BaseException:
-            sock.close(linger=0)
-            self._stop_auth()
-            if self._owns_context:
-                self._context.term()
-            raise
-        self._sock = sock
-        self._on_request = on_request
-        self._on_tick = on_tick
-        self._tick_s = tick_s
-        self._outbox: collections.deque[list[bytes]] = collections.deque()
-        self._doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._stopping = False
-        # Replies may come from any thread until the I/O thread closes the socket and the
-        # doorbell; this lock orders them against that close (a late reply is dropped).
-        self._reply_lock = threading.Lock()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="mq-server", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        with self._reply_lock:
-            self._stopping = True
-            # The I/O thread may have seen `_stopping` (it wakes every tick) and closed the
-            # doorbell already: writing to it then failed with EBADF and the daemon exited 1.
-            if not self._closed:
-                os.eventfd_write(self._doorbell, 1)
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=5)
-
-    def reply(self, identity: bytes, request_id: bytes, status: int, body: bytes) -> None:
-        """Send a reply (from any thread). After `stop` it is dropped: its client is gone or
-        will time out, and the socket is closed."""
-        frames = [identity, request_id, _STATUS_FRAMES[status], body]
-        if threading.current_thread() is self._thread:  # only while the I/O thread runs
-            send_frames(self._sock, frames)
-            return
-        with self._reply_lock:
-            if self._closed:
-                logger.debug("dropping a reply: the message queue is stopped")
-                return
-            self._outbox.append(frames)
-            os.eventfd_write(self._doorbell, 1)
-
-    def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._doorbell, zmq.POLLIN)
-        next_tick = time.monotonic() + self._tick_s
-        try:
-            while not self._stopping:
-                events = dict(poller.poll(int(self._tick_s * 1000)))
-                if self._doorbell in events:
-                    with contextlib.suppress(BlockingIOError):
-                        os.eventfd_read(self._doorbell)
-                self._flush_outbox()
-                if self._sock in events:
-                    self._read_one()
-                if self._on_tick is not None and time.monotonic() >= next_tick:
-                    next_tick = time.monotonic() + self._tick_s
-                    self._on_tick()
-        finally:
-            with self._reply_lock:
-                self._closed = True
-                try:
-                    self._flush_outbox()
-                finally:
-                    self._sock.close(linger=CLOSE_LINGER_MS)
-                    os.close(self._doorbell)
-            self._stop_auth()
-            if self._owns_context:
-                self._context.term()  # returns once the replies are out, or after the linger
-
-    def _stop_auth(self) -> None:
-        if self._auth is not None:
-            self._auth.stop()  # its ZAP socket would keep the context from terminating
-
-    def _flush_outbox(self) -> None:
-        while self._outbox:
-            send_frames(self._sock, self._outbox.popleft())
-
-    def _read_one(self) -> None:
-        """Handle the one request the poll promised. The next poll returns at once while more
-        wait (no sleep, so no extra wake-up under load); reading on until EAGAIN would cost a
-        failed read and an exception per request, more than a PING's own handling where system
-        calls are slow (VMs)."""
-        frames = recv_frames(self._sock)
-        try:
-            self._on_request(frames[0], frames[1:])
-        except Exception:  # a bug in one request must not stop the daemon serving
-            logger.exception("unhandled error while dispatching a request")
-
-
-_STATUS_FRAMES = {int(code): msgspec.msgpack.encode(int(code)) for code in ErrorCode}

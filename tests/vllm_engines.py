@@ -1,0 +1,174 @@
+"""Real vLLM engines for the end-to-end tests, and the daemon they share.
+
+Each engine is a fresh process (`tests/vllm_engine_run.py`) whose log (vLLM's and the RESULT
+lines it prints per round) goes to a file: `VllmEngine` starts one and reads its rounds,
+`run_engine` runs one to the end. `DaemonUnderTest` is a real daemon that a test may kill and
+start again at the same address. The prompts are those of test_vllm_connector (tiny random
+float32 models, vLLM blocks of 32 tokens, daemon chunks of 64), which test_tensor_parallel runs
+too; the module-scoped fixtures `work_dir` and `daemon` are shared by importing them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lmcache_mp.launcher import start_daemon
+from tests.helpers import status
+
+REPO = Path(__file__).resolve().parent.parent
+BLOCK, CHUNK = 32, 64
+MAX_TOKENS = 16
+ENGINE_TIMEOUT_S = 240.0
+ENV = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_HOST_IP="127.0.0.1", DO_NOT_TRACK="1",
+           VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+           VLLM_CPU_NUM_OF_RESERVED_CPU="1", PYTHONPATH=str(REPO))
+
+_rng = random.Random(4)
+
+
+def _tokens(n: int) -> list[int]:
+    return [_rng.randrange(3, 1000) for _ in range(n)]  # ids 0-2 are the tokenizer's specials
+
+
+_BASE = _tokens(4 * CHUNK)
+# Each ends one token after a chunk boundary, or on one (the full-prompt hit).
+PROMPTS = [
+    _BASE[: 3 * CHUNK + 1],  # 3 chunks
+    _BASE[: 2 * CHUNK] + _tokens(CHUNK + 1),  # shares 2 chunks with the first, then its own
+    _BASE[:CHUNK] + _tokens(50),  # 1 chunk; decoding completes its 2nd chunk: not stored
+    _tokens(40),  # shorter than a chunk
+    _BASE,  # exactly 4 chunks: a hit on the whole prompt
+]
+HITS = [3 * CHUNK, 3 * CHUNK, CHUNK, 0, 4 * CHUNK]
+STORED_CHUNKS = 5  # distinct full prompt chunks: base 0-3, and the second prompt's 3rd
+# One prompt of each prefix family: run together, none can hit what another stores.
+HEADS = [PROMPTS[0], PROMPTS[3]]
+HEAD_CHUNKS = 3
+# vLLM blocks 0-2 of _BASE, then other tokens: 1 chunk from the daemon, 3 blocks cached locally.
+PROBE = _BASE[: 3 * BLOCK] + _tokens(BLOCK + 1)
+
+
+def engine_spec(model: Path, daemon: DaemonUnderTest | None, rounds: list[list[list[int]]],
+                prefix_caching: bool = True, **extra: Any) -> dict[str, Any]:
+    return {"model": str(model), "dtype": "float32", "block_size": BLOCK, "num_blocks": 1024,
+            "max_tokens": MAX_TOKENS, "prefix_caching": prefix_caching, "rounds": rounds,
+            "connector": None if daemon is None else {"lmcache.mp.url": daemon.url}, **extra}
+
+
+class VllmEngine:
+    """One engine process; its log (vLLM's and the RESULT lines) goes to a file."""
+
+    def __init__(self, spec: dict[str, Any], log_path: Path, env: dict[str, str] = ENV,
+                 timeout_s: float = ENGINE_TIMEOUT_S):
+        self.log_path = log_path
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "tests.vllm_engine_run", json.dumps(spec)],
+                                         cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        self.deadline = time.monotonic() + timeout_s
+
+    def log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def round(self, i: int) -> list[dict[str, Any]]:
+        """The outputs of round i, waiting for them."""
+        while True:
+            for line in self.log_path.read_text(errors="replace").splitlines():
+                if line.startswith("RESULT "):
+                    result = json.loads(line.removeprefix("RESULT "))
+                    if result["round"] == i:
+                        return result["outputs"]
+            if self.proc.poll() is not None:
+                pytest.fail(f"engine exited with {self.proc.returncode} before round {i}:\n{self.log_tail()}")
+            if time.monotonic() > self.deadline:
+                self.kill()
+                pytest.fail(f"engine timed out before round {i}:\n{self.log_tail()}")
+            time.sleep(0.1)
+
+    def finish(self) -> None:
+        try:
+            rc = self.proc.wait(max(1.0, self.deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"engine did not exit:\n{self.log_tail()}")
+        assert rc == 0, self.log_tail()
+        assert "Traceback" not in self.log_path.read_text(errors="replace"), self.log_tail()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the engine's whole session: EngineCore, worker
+            self.proc.wait(10)
+
+
+def run_engine(spec: dict[str, Any], log_path: Path, env: dict[str, str] = ENV,
+               timeout_s: float = ENGINE_TIMEOUT_S) -> list[list[dict[str, Any]]]:
+    engine = VllmEngine(spec, log_path, env, timeout_s)
+    try:
+        rounds = [engine.round(i) for i in range(len(spec["rounds"]))]
+        engine.finish()
+        return rounds
+    finally:
+        engine.kill()
+
+
+def cached(outputs: list[dict[str, Any]]) -> list[int]:
+    return [o["num_cached_tokens"] for o in outputs]
+
+
+def tokens(outputs: list[dict[str, Any]]) -> list[list[int]]:
+    return [o["token_ids"] for o in outputs]
+
+
+class DaemonUnderTest:
+    """The daemon the engines share, restartable at the same address."""
+
+    ARGS = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05", "--max-workers", "1")
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.proc = start_daemon(tmp, *self.ARGS)
+
+    @property
+    def url(self) -> str:
+        return self.proc.url
+
+    def objects(self) -> int:
+        return status(self.url).objects
+
+    def kill(self) -> None:
+        self.proc.stop(signal.SIGKILL)
+
+    def start(self) -> None:
+        self.proc = start_daemon(self.tmp, *self.ARGS)
+
+
+# The fixtures are named `work_dir` and `daemon` (a test module imports these functions, and its
+# tests name the fixtures as parameters); the module's `daemon` replaces conftest's for its tests.
+
+
+@pytest.fixture(scope="module", name="work_dir")
+def work_dir_fixture() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="lmc-vllm-", dir="/tmp"))  # short: Unix socket paths
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module", name="daemon")
+def daemon_fixture(work_dir: Path) -> Iterator[DaemonUnderTest]:
+    d = DaemonUnderTest(work_dir)
+    yield d
+    d.proc.stop()
+    assert "Traceback" not in d.proc.log(), d.proc.log()
