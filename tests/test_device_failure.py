@@ -3,7 +3,7 @@ went away) or never complete cannot hang or poison the daemon: the request that 
 typed error, one CRITICAL line says why, and the daemon exits non-zero for its supervisor to
 restart it (systemd: Restart=on-failure; issue 26, review F12). The failure itself is made by
 `tests/fatal_daemon.py`; the bounded wait that raises it on a GPU is tested in
-test_transfer_context.py."""
+unit/test_transfer_context.py."""
 
 from __future__ import annotations
 

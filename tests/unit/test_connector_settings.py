@@ -13,7 +13,7 @@ from lmcache_mp.settings import SettingError, markdown_table
 from lmcache_mp.sockets import default_url
 from vllm_adapter.connector_common import ConnectorSettings
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_readme_connector_settings_table_is_current() -> None:
