@@ -139,11 +139,11 @@ class Daemon:
         engine = self.engine
         if engine is None:
             return False, "starting: building the engine (importing torch)"
-        report = status.engine_status(engine)
-        if report.pool_ready:
+        pool = engine.storage.pool_stats()  # only the pool's numbers: not a whole STATUS
+        if pool.ready_bytes >= pool.capacity_bytes:
             return True, f"serving on {' '.join(self.endpoints)}"
-        return False, (f"preparing the pool: {report.pool_ready_bytes / 2**30:.1f} of "
-                       f"{report.pool_bytes / 2**30:.1f} GiB")
+        return False, (f"preparing the pool: {pool.ready_bytes / 2**30:.1f} of "
+                       f"{pool.capacity_bytes / 2**30:.1f} GiB")
 
     def stop(self) -> None:
         with self._lock:

@@ -27,6 +27,7 @@ import torch
 from lmcache_mp.chunks import ChunkFormat
 from lmcache_mp.custom_types import CudaIPCWrapper, KVCache, SharedMemoryTensor
 from lmcache_mp.dispatch import PEER
+from lmcache_mp.distributed.api import MAX_FIELD
 from lmcache_mp.errors import ServerError
 from lmcache_mp.keys import invalid
 from lmcache_mp.protocol import ErrorCode, InstanceInfo, KVCacheRegistration, RegisterReply
@@ -41,9 +42,6 @@ from lmcache_mp.transfer.shm import map_storages, prebuild_page_tables, view_sha
 logger = logging.getLogger(__name__)
 
 RankKey = tuple[str, int, int]  # (model, world size, worker id)
-# The most ranks a world may have: a rank is one byte of the seed's packed `kv_rank`
-# (`distributed/api.py`), which a chunk stored here must stay expressible in.
-MAX_WORLD_SIZE = 0xFF
 
 
 @dataclass
@@ -103,9 +101,10 @@ class Registry:
             raise invalid(f"worker_id {reg.worker_id} is outside world_size {reg.world_size}")
         self._check_unused(instance_id)  # before mapping anything; checked again when inserting
         try:
-            if reg.world_size > MAX_WORLD_SIZE:  # a rank that would not fit a kv_rank
-                raise ValueError(f"world_size={reg.world_size} does not fit in one byte "
-                                 f"(0..{MAX_WORLD_SIZE})")
+            # A rank is one byte of the seed's packed `kv_rank`, which a chunk stored here must
+            # stay expressible in.
+            if reg.world_size > MAX_FIELD:
+                raise ValueError(f"world_size={reg.world_size} does not fit in one byte (0..{MAX_FIELD})")
             layers, mapped = self._open_layers(kv_caches, reg)
             layers, geometry = describe_caches(layers, reg.layout, reg.block_size)
             fmt = geometry.chunk_format(reg.model_name, reg.world_size, reg.worker_id, self.chunk_size,

@@ -247,16 +247,15 @@ def from_keys(cls: type, values: Mapping[str, Any], prefix: str, where: str) -> 
 
 
 def _from_value(spec: _Spec, value: Any, key: str) -> Any:
-    if spec.kind is bool:
-        if isinstance(value, str):
-            return value.strip().lower() in ("1", "true", "yes", "on")
+    """A typed value (JSON) as the setting's kind, or a string read as on a command line
+    (`_from_text`); anything else (3.7 for an integer, "flase" for a flag) is refused."""
+    if isinstance(value, str):
+        return _from_text(spec, value, key)
+    if spec.kind is bool and value in (0, 1):
         return bool(value)
-    try:
-        if spec.kind is list:
-            return value.split() if isinstance(value, str) else [str(v) for v in value]
-        return spec.kind(value)
-    except (TypeError, ValueError):
-        raise SettingError(f"{key} is {value!r}: expected {_kind_name(spec)}") from None
+    if not _has_kind(spec, value):
+        raise SettingError(f"{key} is {value!r}: expected {_kind_name(spec)}")
+    return float(value) if spec.kind is float else value
 
 
 # ---- derived documents ------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from lmcache_mp.launcher import daemon_status
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import ChunkOutcome, RequestType, StatusReport
 from vllm_adapter import LMCacheMPSchedulerAdapter
+from vllm_adapter.ops import striding_block_hashes
 
 BLOCK, CHUNK = 16, 32  # vLLM block and daemon chunk sizes of the data-path tests
 NUM_BLOCKS, LAYERS = 64, 2
@@ -59,8 +60,7 @@ def block_hashes(tokens: list[int]) -> list[bytes]:
 
 def chunk_hashes(tokens: list[int]) -> list[bytes]:
     """The chunk keys of `tokens`' full chunks: the hash of each chunk's last block."""
-    per_chunk = CHUNK // BLOCK
-    return block_hashes(tokens)[per_chunk - 1::per_chunk]
+    return list(striding_block_hashes(block_hashes(tokens), CHUNK // BLOCK))
 
 
 def fmt(layout: str = "CPU_ATTN", model: str = "m") -> ChunkFormat:

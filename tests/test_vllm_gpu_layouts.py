@@ -232,7 +232,8 @@ def test_register_refuses_what_it_cannot_read(url: str, adapters: list[Any]) -> 
         with pytest.raises(ServerError) as refused:
             adapter.register_kv_caches(caches, case.backend)
         assert refused.value.code is ErrorCode.INVALID_ARGUMENT and why in refused.value.message
-        assert not adapter.ensure_registered()  # refused for good: offload off, never retried
+        # Refused for good: offload off, never retried.
+        assert adapter.registration.refused and not adapter.ensure_registered()
 
 
 def test_worker_refuses_a_daemon_that_reads_other_blocks(url: str, adapters: list[Any],
@@ -254,7 +255,7 @@ def test_worker_refuses_a_daemon_that_reads_other_blocks(url: str, adapters: lis
         adapter.register_kv_caches(case.allocate(seed=1), case.backend)
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and "blocks of 16 tokens, vLLM's are 32 tokens" in errors[0]
-    assert not adapter.ensure_registered()
+    assert adapter.registration.refused and not adapter.ensure_registered()
     assert adapter.instance_id not in status(url).registered_instances  # withdrawn from the daemon
 
 

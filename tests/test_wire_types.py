@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
-import time
 
 import msgspec
 import pytest
@@ -171,10 +170,8 @@ def test_a_cuda_registration_the_daemon_cannot_open_is_refused_once(daemons, mon
             with pytest.raises(ServerError) as info:
                 worker.register_kv_caches({f"layer.{i}": torch.zeros(1) for i in range(4)}, "FLASH_ATTN")
             assert info.value.code is ErrorCode.INVALID_ARGUMENT
-            deadline = time.monotonic() + 2  # several retry intervals, had it retried
-            while time.monotonic() < deadline:
-                assert not worker.ensure_registered()
-                time.sleep(0.05)
+            # Refused for good: `ensure_registered` never tries again (nothing to wait out).
+            assert worker.registration.refused and not worker.ensure_registered()
         assert register_requests(port) == 2  # the raw one and the worker's one
         errors = [r for r in caplog.records if r.name == ADAPTER_LOG and r.levelno >= logging.WARNING]
         assert len(errors) == 1 and errors[0].levelno == logging.ERROR

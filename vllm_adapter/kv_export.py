@@ -22,7 +22,7 @@ def export_kv_caches(kv_caches: dict[str, torch.Tensor]) -> tuple[KVCache, list[
     exported by IPC handle, each storage once (vLLM puts every layer in one)."""
     tensors = list(kv_caches.values())
     if tensors and all(t.is_cuda for t in tensors):
-        return list(export_cuda_tensors(tensors)), []
+        return export_cuda_tensors(tensors), []
     handles, fds = share_cpu_tensors(tensors)
     return list(handles), fds
 

@@ -59,9 +59,6 @@ class LoadTracker:
                 if event is not None:
                     sent.events.append(event)
 
-    def has(self, request_id: str) -> bool:
-        return request_id in self._pending
-
     def wait(self, request_ids: Iterable[str] | None, timeout_s: float) -> None:
         """Block until the given requests' operations (None: all) are done, or `timeout_s` passed."""
         deadline = time.monotonic() + timeout_s

@@ -12,6 +12,10 @@ from lmcache_mp.custom_types import IPCCacheEngineKey
 _INT64_BYTES = 8
 
 
+# The largest value of one packed field of a kv_rank (world size, rank, ...): one byte.
+MAX_FIELD = 0xFF
+
+
 @dataclass(frozen=True)
 class ObjectKey:
     """One stored object: one chunk of one rank's KV for one model."""
@@ -45,8 +49,8 @@ class ObjectKey:
             "local_rank": local_rank,
         }
         for name, value in fields.items():
-            if not 0 <= value <= 0xFF:
-                raise ValueError(f"{name}={value} does not fit in one byte (0..255)")
+            if not 0 <= value <= MAX_FIELD:
+                raise ValueError(f"{name}={value} does not fit in one byte (0..{MAX_FIELD})")
         if global_rank >= world_size:
             raise ValueError(f"global_rank={global_rank} must be below world_size={world_size}")
         if local_rank >= local_world_size:

@@ -192,6 +192,10 @@ class CopyStream:
         # Waits for this stream's copies (`wait_bounded`); at most one operation at a time uses
         # the stream (its lane's lock), so one thread. It exits when the context is dropped.
         self._waiter = ThreadPoolExecutor(1, thread_name_prefix="lmcache-mp-copy-wait")
+        # Recorded behind each operation's copies (one operation at a time: re-recording is safe).
+        # Blocking: the waiting thread sleeps until the copies are done instead of spinning a core
+        # that vLLM's scheduler and API server need.
+        self._done = torch.cuda.Event(blocking=True)
 
     @contextmanager
     def ordered(self) -> Iterator[None]:
@@ -202,11 +206,8 @@ class CopyStream:
                 with torch.cuda.stream(self.stream):
                     yield
             finally:  # also on error: the chunk objects are freed or handed on only after their copies
-                # Blocking: the waiting thread sleeps until the copies are done instead of
-                # spinning a core that vLLM's scheduler and API server need.
-                done = torch.cuda.Event(blocking=True)
-                done.record(self.stream)
-                wait_bounded(self._waiter, done.synchronize, COMPLETION_DEADLINE_S,
+                self._done.record(self.stream)
+                wait_bounded(self._waiter, self._done.synchronize, COMPLETION_DEADLINE_S,
                              f"the copies on {self.device}")
         except Exception as err:
             if _is_cuda_error(err):
