@@ -113,6 +113,15 @@ def new_worker(url: str, case: Case, geo: Geometry, device: Device, seed: int, *
     return Worker(case, caches, block_size, geo.chunk_size, geo.chunks, device, adapter, seed)
 
 
+def print_progress(report: CaseReport) -> None:
+    """One line per finished case: a long or stuck run shows how far it got."""
+    verdict = "; ".join(report.failures) or "ok"
+    speeds = (f", STORE {report.store_gbps:.2f} GB/s, RETRIEVE {report.retrieve_gbps:.2f} GB/s"
+              if report.store_gbps else "")
+    print(f"  {report.name}: {report.chunks_retrieved}/{report.chunks_expected} chunks retrieved{speeds}: "
+          f"{verdict}", flush=True)
+
+
 def run_cases(geo: Geometry, device: Device, daemon: DaemonProcess, quick: bool) -> list[CaseReport]:
     reports = []
     for seed, case in enumerate(cases(quick)):
@@ -121,6 +130,7 @@ def run_cases(geo: Geometry, device: Device, daemon: DaemonProcess, quick: bool)
         try:
             baseline = device.copy_baseline(worker.request_bytes, geo.rounds)
             reports.append(run_case(worker, scheduler, daemon.url, geo.rounds, baseline))
+            print_progress(reports[-1])
         finally:
             worker.close()
             scheduler.shutdown()
@@ -142,6 +152,8 @@ def run_concurrent(geo: Geometry, device: Device, daemon: DaemonProcess, quick: 
                       for model in dict.fromkeys(models)]
         try:
             reports.extend(run_together(workers, schedulers, daemon.url, shared_event))
+            for report in reports[-len(workers):]:
+                print_progress(report)
         finally:
             for worker in workers:
                 worker.close()
@@ -208,10 +220,10 @@ def print_table(reports: list[CaseReport], kill: dict[str, Any], pins: list[dict
     print(f"\n{'case':<22}{'MiB/req':>9}{'STORE GB/s':>12}{'copy GB/s':>11}{'ratio':>7}"
           f"{'RETRIEVE GB/s':>15}{'copy GB/s':>11}{'ratio':>7}  bit-exact")
     for r in reports:
-        print(f"{r.name:<22}{r.request_bytes / 2**20:>9.1f}"
-              f"{r.store_gbps:>12.2f}{r.baseline_store_gbps:>11.2f}{r.store_vs_baseline:>7.0%}"
-              f"{r.retrieve_gbps:>15.2f}{r.baseline_retrieve_gbps:>11.2f}"
-              f"{r.retrieve_vs_baseline:>7.0%}  {r.bit_exact}")
+        speeds = (f"{r.store_gbps:>12.2f}{r.baseline_store_gbps:>11.2f}{r.store_vs_baseline:>7.0%}"
+                  f"{r.retrieve_gbps:>15.2f}{r.baseline_retrieve_gbps:>11.2f}{r.retrieve_vs_baseline:>7.0%}"
+                  if r.store_gbps else f"{'(not timed: at once with another)':>63}")
+        print(f"{r.name:<22}{r.request_bytes / 2**20:>9.1f}{speeds}  {r.bit_exact}")
     print(f"worker killed mid-STORE: {kill}")
     for pin in pins:
         if "seconds" in pin:
@@ -245,6 +257,7 @@ def main() -> int:
                           str(geo.chunk_size), ready_timeout=300, env=device.daemon_env())
     try:
         reports = run_cases(geo, device, daemon, args.quick) + run_concurrent(geo, device, daemon, args.quick)
+        print("  killing a worker mid-STORE...", flush=True)
         kill = kill_worker_mid_store(geo, device, daemon, args.quick, args.delay_cycles)
     finally:
         daemon.stop(timeout=30)

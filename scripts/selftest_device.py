@@ -41,6 +41,9 @@ class CpuDevice:
     def record_event(self) -> torch.cuda.Event | None:
         return None
 
+    def pending(self, event: torch.cuda.Event | None) -> bool:
+        return False
+
     def synchronize(self) -> None:
         pass
 
@@ -90,6 +93,10 @@ class CudaDevice:
         event = torch.cuda.Event(interprocess=True)
         event.record(self._side)
         return event
+
+    def pending(self, event: torch.cuda.Event | None) -> bool:
+        """Whether the work before `event` is still running."""
+        return event is not None and not event.query()
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.torch_device)

@@ -65,6 +65,10 @@ class CaseReport:
     ordering_checked: bool = False
     ordering_store_s: float = 0.0
     ordering_retrieve_s: float = 0.0
+    # Whether the event the ordering round's STORE / RETRIEVE sent was still pending when it was
+    # sent: only then does its bit-exact result prove that the daemon waited for the event.
+    ordering_store_pending: bool = False
+    ordering_retrieve_pending: bool = False
     store_gbps: float = 0.0
     retrieve_gbps: float = 0.0
     baseline_store_gbps: float = 0.0
@@ -107,6 +111,7 @@ class Worker:
         num_blocks = self.blocks[0].shape[0]
         picked = random.Random(seed).sample(range(num_blocks), 2 * self.blocks_per_request)
         self.src_ids, self.dst_ids = picked[:self.blocks_per_request], picked[self.blocks_per_request:]
+        self._src_index, self._dst_index = self._index(self.src_ids), self._index(self.dst_ids)
         self.page_shape = tuple(self.blocks[0].shape[1:])
         self.request_bytes = case.layers * self.blocks_per_request * case.page_bytes(block_size)
         self.report = CaseReport(case.name, case.backend, case.physical, list(first.shape),
@@ -132,18 +137,19 @@ class Worker:
         return torch.tensor(ids, device=self.device.torch_device)
 
     def write(self, pages: torch.Tensor) -> None:
-        index = self._index(self.src_ids)
+        """The pages into the source blocks: kernels only, so that behind a long kernel the host
+        does not wait (an index uploaded from pageable memory would wait for the stream)."""
         for layer, blocks in enumerate(self.blocks):
-            blocks.index_copy_(0, index, pages[layer])
+            blocks.index_copy_(0, self._src_index, pages[layer])
 
     def read(self, ids: list[int]) -> torch.Tensor:
         index = self._index(ids)
         return torch.stack([blocks.index_select(0, index) for blocks in self.blocks])
 
-    def fill(self, ids: list[int], byte: int) -> None:
-        index = self._index(ids)
+    def fill_destination(self, byte: int) -> None:
+        """Every byte of the destination blocks set to `byte` (kernels only, as `write`)."""
         for blocks in self.blocks:
-            blocks.view(torch.uint8).index_fill_(0, index, byte)
+            blocks.view(torch.uint8).index_fill_(0, self._dst_index, byte)
 
     def store(self, request_id: str, hashes: list[bytes], event: torch.cuda.Event | None) -> float:
         """STORE the source blocks; seconds from submit to finished."""
@@ -220,8 +226,17 @@ def run_case(worker: Worker, scheduler: LMCacheMPSchedulerAdapter, url: str, rou
     report = worker.report
     report.baseline_store_gbps, report.baseline_retrieve_gbps = baseline
     worker.register()
+    # Every kernel the ordering round enqueues behind its long one, run once: CUDA loads a
+    # kernel's module at its first launch, and the load waits for the device, long kernel included.
+    worker.write(worker.random_pages())
+    worker.fill_destination(0)
+    worker.device.synchronize()
     report.ordering_checked = worker.device.name == "cuda"
     report.ordering_store_s, report.ordering_retrieve_s = _round(worker, scheduler, url, 0, ordering=True)
+    if report.ordering_checked and not (report.ordering_store_pending and report.ordering_retrieve_pending):
+        report.failures.append(f"{report.name}: the long kernel had finished before the ordering "
+                               "round's STORE or RETRIEVE was sent, so its event ordered nothing "
+                               "(raise --delay-cycles)")
     timed = [_round(worker, scheduler, url, r, ordering=False) for r in range(1, rounds + 1)]
     report.rounds = rounds + 1
     if timed:
@@ -245,18 +260,22 @@ def _round(worker: Worker, scheduler: LMCacheMPSchedulerAdapter, url: str, numbe
         worker.write(pages)
         device.synchronize()
         event = device.record_event()
+    if ordering:
+        worker.report.ordering_store_pending = device.pending(event)
     store_s = worker.store(request_id, hashes, event)
     _check_stored(url, objects_before, [worker])
     lookup(scheduler, request_id, hashes, worker.chunks * worker.chunk_size, worker.report)
     ids = [-1 if ordering and i % SKIP_EVERY == 1 else b for i, b in enumerate(worker.dst_ids)]
-    worker.fill(worker.dst_ids, 0xFF)
+    worker.fill_destination(0xFF)
     device.synchronize()
     if ordering:  # cleared after the RETRIEVE went out: the daemon must write after the clearing
         with device.behind_long_kernel():
-            worker.fill(worker.dst_ids, 0)
+            worker.fill_destination(0)
             event = device.record_event()
     else:
         event = device.record_event()
+    if ordering:
+        worker.report.ordering_retrieve_pending = device.pending(event)
     retrieve_s = worker.retrieve(request_id, hashes, ids, event)
     worker.check_retrieved(request_id, pages, ids, 0 if ordering else 0xFF)
     _check_no_leases(url, worker.report, request_id)
@@ -292,7 +311,7 @@ def run_together(workers: list[Worker], schedulers: list[LMCacheMPSchedulerAdapt
     for worker in workers[len(schedulers):]:  # ranks: one LOOKUP answers for every rank
         worker.report.chunks_hit = workers[0].report.chunks_hit
     for worker in workers:
-        worker.fill(worker.dst_ids, 0xFF)
+        worker.fill_destination(0xFF)
     device.synchronize()
     events = _events(device, len(workers), shared_event)
     with ThreadPoolExecutor(len(workers)) as pool:

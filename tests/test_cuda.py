@@ -87,6 +87,8 @@ def test_selftest_on_cuda_stores_what_the_event_guards_and_measures(tmp_path: Pa
     for name in CASES:
         report = figures["cases"][name]
         assert report["ordering_checked"] is True, name
+        # The events were still pending when the requests went out: the order was the daemon's doing.
+        assert report["ordering_store_pending"] and report["ordering_retrieve_pending"], name
         # The store waited for the kernel; the timed rounds did not have one to wait for.
         assert report["ordering_store_s"] > report["request_bytes"] / report["store_gbps"] / 1e9, name
     (pin,) = figures["pin"]
