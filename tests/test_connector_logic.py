@@ -492,3 +492,39 @@ def test_settings() -> None:
     assert ConnectorSettings.from_extra_config({"lmcache.mp.lookup_wait_ms": "0.5"}).lookup_wait_ms == 0.5
     with pytest.raises(ValueError, match="lookup_wait_ms"):
         ConnectorSettings.from_extra_config({"lmcache.mp.lookup_wait_ms": -1})
+
+
+@pytest.mark.daemon_args(*DAEMON_ARGS)
+def test_kv_role_consumer_never_stores_and_producer_never_loads(daemon: DaemonProcess) -> None:
+    """vLLM's `kv_role`: a "kv_consumer" loads what another engine stored but stores nothing of
+    its own; a "kv_producer" stores, and neither looks up nor loads (no LOOKUP reaches the daemon)."""
+    settings = ConnectorSettings(url=daemon.url, reconnect_interval_s=0.3, load_mode="async")
+    both = SchedulerSide(settings, "m", 1, 0, BLOCK)
+    consumer = SchedulerSide(settings, "m", 1, 0, BLOCK, stores=False)
+    producer = SchedulerSide(settings, "m", 1, 0, BLOCK, loads=False)
+    worker = Worker(settings, seed=5)
+    try:
+        rng = random.Random(11)
+        shared = [rng.randrange(1000) for _ in range(2 * CHUNK + 3)]
+        store_prompt(both, worker, request("both", shared), {"both": list(range(1, 10))})
+        assert status(daemon.url).objects == 2
+
+        own = [rng.randrange(1000) for _ in range(2 * CHUNK + 3)]
+        mine = request("consumer-own", own)
+        assert match(consumer, mine) == (0, False)
+        meta = consumer.build_connector_meta(step({"consumer-own": list(range(10, 19))},
+                                                  new=((mine, 0, mine.num_prompt_tokens),)))
+        assert meta.stores == {}  # nothing planned, so nothing can reach the daemon
+        assert match(consumer, request("consumer-hit", shared)) == (2 * CHUNK, True)
+
+        lookups_before = status(daemon.url).lookup_chunks_total
+        hit = request("producer", shared)
+        assert match(producer, hit) == (0, False)  # the daemon holds it, but a producer never loads
+        meta = producer.build_connector_meta(step({"producer": list(range(20, 29))},
+                                                  new=((hit, 0, hit.num_prompt_tokens),)))
+        assert meta.loads == {} and meta.stores["producer"].block_hashes == block_hashes(shared)[:8]
+        assert status(daemon.url).lookup_chunks_total == lookups_before
+    finally:
+        worker.side.shutdown()
+        for side in (both, consumer, producer):
+            side.shutdown()

@@ -123,16 +123,19 @@ class LMCacheMPDaemonConnector(KVConnectorBase_V1, SupportsHMA):
             return
         block_size = kv_cache_config.hash_block_size
         replicated = replicated_kv(vllm_config, kv_cache_config)
-        logger.info("LMCacheMPDaemonConnector (%s) from %s: daemon %s, model %s, block size %d, "
-                    "rank %d of world size %d%s, %d KV cache group(s)%s", role.name, __file__, settings.url,
+        logger.info("LMCacheMPDaemonConnector (%s, %s) from %s: daemon %s, model %s, block size %d, "
+                    "rank %d of world size %d%s, %d KV cache group(s)%s", role.name,
+                    self._kv_transfer_config.kv_role, __file__, settings.url,
                     model_name, block_size, parallel.rank, parallel.world_size,
                     " (KV the same on every rank: stored once)" if replicated else "", len(groups),
                     "".join(f"; group {g.index}: {len(g.layer_names)} layers, "
                             f"{'full' if g.sliding_window is None else f'window {g.sliding_window}'}"
                             for g in groups if len(groups) > 1))
         if role == KVConnectorRole.SCHEDULER:
+            transfer = self._kv_transfer_config
             self._scheduler = SchedulerSide(settings, model_name, parallel.world_size, parallel.rank,
-                                            block_size, groups)
+                                            block_size, groups, loads=transfer.is_kv_consumer,
+                                            stores=transfer.is_kv_producer)
         else:
             self._worker = WorkerSide(settings, vllm_config, model_name, parallel.world_size,
                                       parallel.rank, block_size, groups, replicated)

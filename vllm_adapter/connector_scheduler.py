@@ -89,8 +89,12 @@ class SchedulerSide:
     """Per-request bookkeeping for one engine; called only from EngineCore's thread."""
 
     def __init__(self, settings: ConnectorSettings, model_name: str, world_size: int, rank: int,
-                 block_size: int, groups: list[KVGroup] | None = None):
+                 block_size: int, groups: list[KVGroup] | None = None, *, loads: bool = True,
+                 stores: bool = True):
+        """`loads` / `stores`: vLLM's `kv_role` (a "kv_consumer" never stores, a "kv_producer"
+        never looks up nor loads; "kv_both" does both)."""
         groups = groups or [KVGroup(0, (), None, model_name)]
+        self._loads, self._stores = loads, stores
         self._block_size = block_size
         self._groups = groups
         self._sliding = [group for group in groups if group.sliding_window is not None]
@@ -193,8 +197,10 @@ class SchedulerSide:
 
     def _poll_lookup(self, state: _RequestState, wait: bool) -> int | None:
         request = state.request
+        if not self._loads or request.skip_reading_prefix_cache:
+            return 0  # no lookup either: its hits would only be leased for nothing
         adapter = self._daemon()
-        if adapter is None or request.skip_reading_prefix_cache:
+        if adapter is None:
             return 0
         if not state.lookup_sent:
             adapter.maybe_submit_lookup_request(request.request_id, block_hashes=list(request.block_hashes))
@@ -272,8 +278,8 @@ class SchedulerSide:
         self._pending_loads, self._pending_sync_loads = {}, set()
         for req_id in preempted:  # its blocks are freed, and recomputed in new ones
             self._drop_holds(req_id)
-        if self._connected() is None:
-            return meta  # never connected yet: nobody to store to
+        if not self._stores or self._connected() is None:
+            return meta  # a consumer's, or never connected yet: nobody to store to
         # Stores are planned even while the heartbeat says the daemon is away: a store costs
         # vLLM nothing (the worker drops it at once if it is not registered), and right after
         # a restart the heartbeat lags by a step while the worker has registered again.
