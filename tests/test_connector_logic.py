@@ -528,3 +528,42 @@ def test_kv_role_consumer_never_stores_and_producer_never_loads(daemon: DaemonPr
         worker.side.shutdown()
         for side in (both, consumer, producer):
             side.shutdown()
+
+
+@pytest.mark.daemon_args(*DAEMON_ARGS)
+def test_per_request_switches_skip_a_requests_load_or_its_stores(
+        halves: tuple[SchedulerSide, Worker], daemon: DaemonProcess,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """`kv_transfer_params` {"lmcache.mp.skip_load": true} / {"lmcache.mp.skip_save": true}: that
+    request alone neither looks up nor loads / stores nothing; a value other than true or false
+    is ignored with a warning."""
+    scheduler, worker = halves
+    rng = random.Random(13)
+    tokens = [rng.randrange(1000) for _ in range(2 * CHUNK + 3)]
+    tables = {"no-save": list(range(1, 10)), "bad": list(range(10, 19))}
+
+    no_save = request("no-save", tokens)
+    no_save.kv_transfer_params = {"lmcache.mp.skip_save": True}
+    assert match(scheduler, no_save) == (0, False)
+    meta = scheduler.build_connector_meta(step(tables, new=((no_save, 0, no_save.num_prompt_tokens),)))
+    assert meta.stores == {}
+    assert scheduler.request_finished(no_save) is False
+
+    bad = request("bad", tokens)
+    bad.kv_transfer_params = {"lmcache.mp.skip_save": "yes"}
+    assert match(scheduler, bad) == (0, False)
+    assert "is not true or false; ignored" in caplog.text
+    store_meta = scheduler.build_connector_meta(step(tables, new=((bad, 0, bad.num_prompt_tokens),)))
+    assert list(store_meta.stores) == ["bad"]  # stored as any request
+    worker.run(store_meta)
+    scheduler.request_finished(bad)
+    worker.collect({"bad"})
+    worker.wait_reported("sent", "bad")
+    assert status(daemon.url).objects == 2
+
+    lookups_before = status(daemon.url).lookup_chunks_total
+    no_load = request("no-load", tokens)
+    no_load.kv_transfer_params = {"lmcache.mp.skip_load": True}
+    assert match(scheduler, no_load) == (0, False)  # the daemon holds both chunks
+    assert status(daemon.url).lookup_chunks_total == lookups_before
+    assert match(scheduler, request("plain", tokens)) == (2 * CHUNK, True)

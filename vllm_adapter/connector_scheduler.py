@@ -42,9 +42,28 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+# Per-request switches, in the request's `kv_transfer_params` (the OpenAI API's field of that
+# name, or `SamplingParams.extra_args["kv_transfer_params"]` offline): true skips the request's
+# lookup and load, or its stores (a one-off prompt that would only churn the cache).
+SKIP_LOAD, SKIP_SAVE = "lmcache.mp.skip_load", "lmcache.mp.skip_save"
+
+
+def _request_switch(request: Request, key: str) -> bool:
+    """The request's `key` switch: a JSON true or false; anything else is ignored, with a warning."""
+    params = getattr(request, "kv_transfer_params", None) or {}
+    value = params.get(key, False) if isinstance(params, dict) else False
+    if isinstance(value, bool):
+        return value
+    logger.warning("request %s: kv_transfer_params %s=%r is not true or false; ignored",
+                   request.request_id, key, value)
+    return False
+
+
 @dataclass
 class _RequestState:
     request: Request  # vLLM's live object: its block hashes grow as tokens complete blocks
+    loads: bool = True  # looked up and loaded: the engine's kv_role and the request's switch
+    stores: bool = True  # its chunks stored: likewise
     lookup_sent: bool = False
     hit_tokens: int | None = None  # tokens the daemon holds for this prompt, once known
     local_tokens: int = 0  # vLLM's own (block-aligned) prefix hit offered with that answer
@@ -184,7 +203,9 @@ class SchedulerSide:
     def _state(self, request: Request) -> _RequestState:
         state = self._requests.get(request.request_id)
         if state is None:
-            state = self._requests[request.request_id] = _RequestState(request)
+            state = self._requests[request.request_id] = _RequestState(
+                request, loads=self._loads and not _request_switch(request, SKIP_LOAD),
+                stores=self._stores and not _request_switch(request, SKIP_SAVE))
         return state
 
     def _hit_tokens(self, state: _RequestState, wait: bool = False) -> int | None:
@@ -197,7 +218,7 @@ class SchedulerSide:
 
     def _poll_lookup(self, state: _RequestState, wait: bool) -> int | None:
         request = state.request
-        if not self._loads or request.skip_reading_prefix_cache:
+        if not state.loads or request.skip_reading_prefix_cache:
             return 0  # no lookup either: its hits would only be leased for nothing
         adapter = self._daemon()
         if adapter is None:
@@ -291,7 +312,7 @@ class SchedulerSide:
         computed_before += zip(cached.req_ids, cached.num_computed_tokens, strict=True)
         for req_id, before in computed_before:
             state = self._requests.get(req_id)
-            if state is None:
+            if state is None or not state.stores:
                 continue
             computed = before + scheduler_output.num_scheduled_tokens[req_id]
             ops = self._plan_store(state, computed, block_state)
@@ -379,9 +400,12 @@ class SchedulerSide:
         if self._holds is not None:
             self._holds.finish(request.request_id)
         adapter = self._link.get()
-        if adapter is not None:
+        if adapter is not None and state is not None and state.lookup_sent:
             adapter.cleanup_lookup_result(request.request_id)
-            adapter.end_session(request.request_id)  # aborted requests too: release any leases
+        if adapter is not None and (state is None or state.lookup_sent or state.has_stores):
+            # Releases the request's leases (aborted requests too) and its session; a request
+            # that neither looked up nor stored has neither: no message.
+            adapter.end_session(request.request_id)
         return state is not None and state.has_stores
 
     def shutdown(self) -> None:
