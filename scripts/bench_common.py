@@ -128,9 +128,10 @@ class EngineProcess:
             raise RuntimeError(f"engine exited or gave no result in {self._timeout_s:.0f} s; see {self.log}")
         return result
 
-    def turn(self) -> dict[str, Any]:
+    def turn(self, line: str = "go") -> dict[str, Any]:
+        """Send the child one line (what its next request is, where it needs telling); its result."""
         assert self._proc.stdin is not None
-        self._proc.stdin.write("go\n")
+        self._proc.stdin.write(line + "\n")
         self._proc.stdin.flush()
         return self.result()
 
