@@ -193,17 +193,22 @@ def test_sync_loads_complete_before_the_forward_pass(daemon: DaemonProcess) -> N
 
 
 @pytest.mark.daemon_args(*DAEMON_ARGS)
-def test_auto_loads_synchronously_only_while_nothing_else_computes(daemon: DaemonProcess) -> None:
+def test_auto_loads_synchronously_where_nothing_else_computes_or_the_load_is_small(
+        daemon: DaemonProcess) -> None:
     """load_mode "auto" (the default): a hit whose request comes to an engine that computes
     nothing else loads before its forward pass, one step sooner. A whole-prompt hit (which a
-    sync load would cut a chunk short), and any hit while another request computes, load
-    asynchronously. Both kinds in one step: they go out as the step begins, before vLLM
-    prepares its inputs (and, without sync loads, vLLM calls start_load_kv only after the
-    forward pass); the sync load is in place when start_load_kv returns, the async one is
-    reported done by transfer_results."""
-    settings = ConnectorSettings(url=daemon.url, reconnect_interval_s=0.3)
-    assert settings.load_mode == "auto"
-    scheduler, worker = SchedulerSide(settings, "m", 1, 0, BLOCK), Worker(settings, seed=4)
+    sync load would cut a chunk short), and a hit over `sync_load_max_mb` while another request
+    computes, load asynchronously; a smaller one, sync. Both kinds in one step: they go out as
+    the step begins, before vLLM prepares its inputs (and, without sync loads, vLLM calls
+    start_load_kv only after the forward pass); the sync load is in place when start_load_kv
+    returns, the async one is reported done by transfer_results."""
+    settings = ConnectorSettings(url=daemon.url, reconnect_interval_s=0.3, sync_load_max_mb=1.0)
+    assert ConnectorSettings().load_mode == "auto"
+    # 2 chunks of 1 MiB each: over the 1 MiB limit; the same 2 chunks at a tenth of the bytes, under.
+    big = 2**20 // CHUNK
+    scheduler = SchedulerSide(settings, "m", 1, 0, BLOCK, kv_bytes_per_token=big)
+    worker = Worker(settings, seed=4)
+    small = SchedulerSide(settings, "m", 1, 0, BLOCK, kv_bytes_per_token=big // 10)
     try:
         tokens = list(range(900, 900 + 2 * CHUNK + 1))
         tables = {"w": list(range(5)), "s": list(range(20, 25)), "x": list(range(40, 44))}
@@ -226,12 +231,15 @@ def test_auto_loads_synchronously_only_while_nothing_else_computes(daemon: Daemo
         worker.wait_reported("received", "x")
         assert "s" not in worker.reported["received"] and worker.reported["failed"] == {}
 
-        assert match(scheduler, request("b", tokens)) == (2 * CHUNK, True)  # "s" computes
+        assert match(scheduler, request("b", tokens)) == (2 * CHUNK, True)  # "s" computes: 2 MiB
+        small.build_connector_meta(step(tables, new=((request("other", tokens), 0, 1),)))
+        assert match(small, request("b2", tokens)) == (2 * CHUNK, False)  # "other" computes: 0.2 MiB
         scheduler.request_finished(alone)
         assert match(scheduler, request("c", tokens)) == (2 * CHUNK, False)  # nothing computes
     finally:
         worker.side.shutdown()
         scheduler.shutdown()
+        small.shutdown()
 
 
 @pytest.mark.daemon_args(*DAEMON_ARGS)

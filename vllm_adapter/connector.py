@@ -43,7 +43,7 @@ from lmcache_mp.transfer.shm_move import AllocateInSharedMemory
 from vllm_adapter.connector_common import ConnectorSettings, LMCacheMPConnectorMetadata
 from vllm_adapter.connector_scheduler import SchedulerSide
 from vllm_adapter.connector_worker import WorkerSide
-from vllm_adapter.kv_groups import UnsupportedKVGroups, kv_groups
+from vllm_adapter.kv_groups import UnsupportedKVGroups, kv_bytes_per_token, kv_groups
 from vllm_adapter.model_identity import model_identity
 
 if TYPE_CHECKING:
@@ -135,7 +135,8 @@ class LMCacheMPDaemonConnector(KVConnectorBase_V1, SupportsHMA):
             transfer = self._kv_transfer_config
             self._scheduler = SchedulerSide(settings, model_name, parallel.world_size, parallel.rank,
                                             block_size, groups, loads=transfer.is_kv_consumer,
-                                            stores=transfer.is_kv_producer)
+                                            stores=transfer.is_kv_producer,
+                                            kv_bytes_per_token=kv_bytes_per_token(kv_cache_config))
         else:
             self._worker = WorkerSide(settings, vllm_config, model_name, parallel.world_size,
                                       parallel.rank, block_size, groups, replicated)

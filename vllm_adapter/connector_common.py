@@ -33,6 +33,10 @@ _PREFIX = "lmcache.mp."
 LOAD_MODES = ("auto", "async", "sync")
 
 
+def _not_negative(value: float) -> str | None:
+    return None if value >= 0 else "must be 0 or more"
+
+
 def _within_a_second(value: float) -> str | None:
     return None if 0 <= value <= 1000 else "must be within 0-1000"
 
@@ -61,8 +65,15 @@ class ConnectorSettings:
         "auto", "`async`: loads run while the engine steps on; `sync`: a request's load runs right before "
         "its forward pass (one scheduler step sooner, lower TTFT for requests arriving alone, but the "
         "step's other requests wait for the copy; a whole-prompt hit leaves the last chunk to vLLM); "
-        "`auto`: sync while no other request computes (nobody waits for the copy) and the hit is not a "
-        "whole-prompt one, async otherwise", choices=LOAD_MODES)
+        "`auto`: sync where the hit is not a whole-prompt one and either no other request computes "
+        "(nobody waits for the copy) or the load is at most `sync_load_max_mb` (the others wait "
+        "milliseconds, where an async load would cost the request a whole step), async otherwise",
+        choices=LOAD_MODES)
+    sync_load_max_mb: float = setting(
+        256.0, "in `auto` load mode, the largest load (MiB of KV on each rank) that runs synchronously "
+        "while other requests compute: they wait for its copy (at ~35 GB/s pool to H100, 256 MiB is "
+        "~7 ms; at ~6 GB/s on a CPU, ~40 ms), where an async load would cost its own request a whole "
+        "scheduler step; 0 loads asynchronously whenever anything else computes", check=_not_negative)
     lookup_wait_ms: float = setting(
         DEFAULT_LOOKUP_WAIT_MS, "how long the scheduler may wait in one step, across requests, for lookups "
         "still in flight: a lookup answered within it lets its request be scheduled, its load planned, in "

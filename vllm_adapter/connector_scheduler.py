@@ -109,9 +109,10 @@ class SchedulerSide:
 
     def __init__(self, settings: ConnectorSettings, model_name: str, world_size: int, rank: int,
                  block_size: int, groups: list[KVGroup] | None = None, *, loads: bool = True,
-                 stores: bool = True):
+                 stores: bool = True, kv_bytes_per_token: int = 0):
         """`loads` / `stores`: vLLM's `kv_role` (a "kv_consumer" never stores, a "kv_producer"
-        never looks up nor loads; "kv_both" does both)."""
+        never looks up nor loads; "kv_both" does both). `kv_bytes_per_token`: what a load copies
+        per token on each rank (0: unknown, every load counts as small)."""
         groups = groups or [KVGroup(0, (), None, model_name)]
         self._loads, self._stores = loads, stores
         self._block_size = block_size
@@ -120,6 +121,8 @@ class SchedulerSide:
         self._world_size = world_size
         self._save_decode_cache = settings.save_decode_cache
         self._load_mode = settings.load_mode
+        self._kv_bytes_per_token = kv_bytes_per_token
+        self._sync_load_max_bytes = settings.sync_load_max_mb * 2**20
         self._lookup_wait_s = settings.lookup_wait_ms / 1000
         self._lookup_wait_left = self._lookup_wait_s  # this step's, across requests
         self._reconnect_interval_s = settings.reconnect_interval_s
@@ -178,21 +181,25 @@ class SchedulerSide:
         if hit is None:
             return None, True  # lookup pending: vLLM skips the request this step, asks again
         state.local_tokens = num_computed_tokens
-        sync = self._loads_synchronously(request, hit)
+        sync = self._loads_synchronously(request, hit, hit - num_computed_tokens)
         if sync:
             hit = self._sync_hit(request, hit)
         new = max(0, hit - num_computed_tokens)
         state.sync_load = sync
         return new, new > 0 and not sync
 
-    def _loads_synchronously(self, request: Request, hit: int) -> bool:
-        """Whether the request's load runs right before its forward pass (`load_mode`). "auto"
-        takes the sync load's step sooner when it costs nothing: when no other request computes
-        (a sync load holds up the whole step's forward pass, so running requests would pay for
-        it; asynchronous, it runs while they step on), and when the load loses no hit."""
+    def _loads_synchronously(self, request: Request, hit: int, tokens: int) -> bool:
+        """Whether the request's load (of `tokens`) runs right before its forward pass
+        (`load_mode`). "auto" takes the sync load's step sooner where it loses no hit and costs
+        little: where no other request computes (a sync load holds up the step's forward pass),
+        or where the copy is small (`sync_load_max_mb`). An async load costs its request a whole
+        step: under load, a step of other requests' prefills (seconds on a CPU), which made
+        returning turns slower than recomputing (issue 28)."""
         if self._load_mode != "auto":
             return self._load_mode == "sync"
-        return not self._computing and self._sync_hit(request, hit) == hit
+        if self._sync_hit(request, hit) != hit:
+            return False
+        return not self._computing or tokens * self._kv_bytes_per_token <= self._sync_load_max_bytes
 
     def _sync_hit(self, request: Request, hit: int) -> int:
         """vLLM must compute at least one token itself: a sync load stops a chunk short of a

@@ -111,6 +111,13 @@ def kv_groups(kv_cache_config: KVCacheConfig, model_name: str) -> list[KVGroup]:
     return result
 
 
+def kv_bytes_per_token(kv_cache_config: KVCacheConfig) -> int:
+    """Bytes of KV one token takes on this rank, every layer of every group: what a load copies
+    per token."""
+    return sum(group.kv_cache_spec.page_size_bytes * len(group.layer_names) // group.kv_cache_spec.block_size
+               for group in kv_cache_config.kv_cache_groups)
+
+
 def skip_null_blocks(block_ids: list[int]) -> list[int]:
     """A load's block ids with the null blocks marked `SKIP_BLOCK` (the daemon leaves those alone)."""
     return [SKIP_BLOCK if b == NULL_BLOCK_ID else b for b in block_ids]
