@@ -2,6 +2,7 @@
 """Concurrent serving benchmark: two vLLM API servers share one daemon, many sessions at once.
 
     .venv/bin/python scripts/bench_concurrent.py [--out bench-out] [--quick] [--sessions N] [--turns N]
+        [--no-saturate | --saturate-sessions N --saturate-reps N]
 
 What it runs: the random-weight fp32 Llama of bench_serving.py, one lmcache-mp daemon whose pool
 holds the whole working set, and four OpenAI-compatible API servers on loopback (`python -m
@@ -23,20 +24,37 @@ think time (`--think-s`) later. Each turn goes to server pair 0 or 1 at random (
 returning turn often lands on the engine that never saw its session: only the shared daemon can
 then spare its prefill.
 
-Lock step: every turn is sent at the same moment to connector k and baseline k (same prompt), and
-the session's next turn waits for both answers, so both sides see the same load. TTFT is the
-client's: request sent to the first streamed chunk with a token. Throughput is a side's work over
-its busy time (the union of the intervals in which it had a request outstanding): in lock step the
-wall time is common to both sides, the busy time is not.
+Phase 1, lock step (TTFT): every turn is sent at the same moment to connector k and baseline k
+(same prompt), and the session's next turn waits for both answers, so both sides see the same load.
+TTFT is the client's: request sent to the first streamed chunk with a token. The table also gives
+each side's work over its busy time (the union of the intervals in which it had a request
+outstanding), a secondary figure: in lock step the faster side waits for the slower one, and with
+arrival gaps and think time the servers are mostly idle, so it cannot show capacity.
 
-Checks (exit 1 if one fails): no HTTP error or timeout; the baseline's answer tokens equal the
-connector's on every turn. Targets (MET/MISS): returning turns' TTFT p50 >= 3x lower with the
-connector; throughput >= 1.5x; first turns (misses for both) no more than 3% worse in TTFT p50 and
-throughput; cross-engine returning turns find cached tokens (usage `prompt_tokens_details`).
-Prints a table, writes concurrent.json and concurrent.png and the servers' and daemon's logs to
---out. On 2 cores under light load the four servers start together in 40-100 s and the whole
-default run takes 1.2-2.2 min, --quick (6 sessions x 2 turns, 512-token contexts; 4 sessions
-would leave vLLM's cache above a quarter of the working set) ~1.1 min; minutes more under load.
+Phase 2, saturated throughput (on unless --no-saturate): each side alone at full load, closed loop.
+All `--saturate-sessions` sessions (default 16, `--saturate-turns` turns, default --turns) start at
+once and send their next turn as soon as the previous answer arrives (no gaps, no think time),
+routed at random to the side's two servers as before, each continuing with its own answers. The
+sides take turns on the machine, connector then baseline, `--saturate-reps` times (default 2),
+while the other side's servers idle; a phase starts once the daemon has settled after the one
+before. Repetition r's two phases share a fresh workload (seed SEED + 1 + r): the connector's first
+turns miss in the daemon too, and the pool is sized for every phase's working set. Throughput is
+completed requests (prompt tokens) over the phase's wall time, first request sent to last answer;
+per side the median over repetitions.
+
+Checks (exit 1 if one fails): no HTTP error or timeout in any phase; the baseline's answer tokens
+equal the connector's on every turn, in the lock step and between the two phases of each saturated
+repetition (same seed, greedy); nothing left in the daemon (lease, session, transfer) once a
+phase's turns are answered. Targets (MET/MISS): returning turns' TTFT p50 >= 3x lower with the
+connector (lock step); saturated throughput >= 1.5x, requests/s and prompt tokens/s (not evaluated
+with --no-saturate); first turns (misses for both) no more than 3% worse in TTFT p50 and busy-time
+throughput (lock step); cross-engine returning turns find cached tokens (usage
+`prompt_tokens_details`). Prints the tables, writes concurrent.json and concurrent.png and the
+servers' and daemon's logs to --out. On 2 cores the four servers start together in 40-100 s, the
+lock step takes ~0.5 min and the four saturated phases 9-16 s each; the whole default run took
+2 min (load average 5), --quick (6 sessions x 2 turns, 512-token contexts, 8 saturated sessions,
+phases of ~4 s; 4 sessions would leave vLLM's cache above a quarter of the working set) 1.2 min;
+minutes more under heavier load.
 """
 
 from __future__ import annotations
@@ -45,91 +63,57 @@ import argparse
 import json
 import math
 import os
-import random
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bench_common import BLOCK, CHUNK, ENGINE_ENV, REPO, available_gib, build_model, llm_args
+from bench_load import (
+    PAIRS,
+    SIDES,
+    LoadGenerator,
+    Phase,
+    Turn,
+    Workload,
+    closed_loop,
+    make_workload,
+    mismatches,
+    phase_wall_s,
+)
 from bench_openai import (
     ApiServer,
-    Completion,
     busy_s,
     log_findings,
     log_sizes,
     percentile,
     start_server,
     stop_servers,
-    stream_completion,
     wait_healthy,
 )
 from bench_report import finish
-from bench_serving import (
-    ANSWER_TOKENS,
-    DTYPE,
-    KV_BYTES_PER_TOKEN,
-    MAX_CACHE_SHARE,
-    MESSAGE_TOKENS,
-    MODEL_FLAGS,
-    TARGET_SPEEDUP,
-    VOCAB_IDS,
-)
+from bench_serving import DTYPE, KV_BYTES_PER_TOKEN, MAX_CACHE_SHARE, MODEL_FLAGS, TARGET_SPEEDUP
 
-SIDES = ("connector", "baseline")
-PAIRS = 2  # server pairs (connector k, baseline k)
 TARGET_THROUGHPUT, MISS_PATH_SLACK = 1.5, 0.03
 SERVER_GIB = 2.5  # an API server, its EngineCore and worker with the bench model: ~2 GiB measured
+# How long the daemon may take to let go of every lease, session and transfer once the last turn is
+# answered: the engines release them as their requests finish, a moment after the answer.
+SETTLE_S = 60.0
+THROUGHPUT = ("requests_per_s", "prompt_tokens_per_s")  # the saturated phases' figures, per side
 
 
-@dataclass(frozen=True)
-class Workload:
-    contexts: list[list[int]]  # per session
-    messages: list[list[list[int]]]  # per session, per turn
-    arrivals: list[float]  # per session: seconds after the start
-    thinks: list[list[float]]  # per session, per turn: seconds after the previous answers
-    routes: list[list[int]]  # per session, per turn: the server pair
-    warmup: list[int]  # one untimed request per server first, shared with no session
-
-    @property
-    def sessions(self) -> int:
-        return len(self.contexts)
-
-    def final_tokens(self, session: int) -> int:
-        """The session's conversation after its last answer (answers have a fixed length)."""
-        msgs = self.messages[session]
-        return len(self.contexts[session]) + sum(map(len, msgs)) + len(msgs) * ANSWER_TOKENS
-
-
-def make_workload(sessions: int, turns: int, context: int, mean_gap_s: float, think_s: float,
-                  seed: int = 0) -> Workload:
-    rng = random.Random(seed)
-
-    def tokens(n: int) -> list[int]:
-        return [rng.randrange(*VOCAB_IDS) for _ in range(n)]
-
-    contexts = [tokens(rng.randint(context * 3 // 4, context * 5 // 4)) for _ in range(sessions)]
-    messages = [[tokens(rng.randint(*MESSAGE_TOKENS)) for _ in range(turns)] for _ in range(sessions)]
-    gaps = [rng.expovariate(1 / mean_gap_s) if mean_gap_s > 0 else 0.0 for _ in range(sessions)]
-    arrivals = [sum(gaps[:i]) for i in range(sessions)]  # the first session starts at once
-    thinks = [[rng.expovariate(1 / think_s) if think_s > 0 else 0.0 for _ in range(turns)]
-              for _ in range(sessions)]
-    routes = [[rng.randrange(PAIRS) for _ in range(turns)] for _ in range(sessions)]
-    return Workload(contexts, messages, arrivals, thinks, routes, tokens(context))
-
-
-def cache_plan(work: Workload, share: float) -> tuple[int, int, int]:
+def cache_plan(work: Workload, share: float, others: list[Workload]) -> tuple[int, int, int]:
     """(working set, vLLM's cache, max model length) in tokens: the cache holds `share` of the
-    working set, and at least the longest conversation (vLLM refuses a cache that cannot)."""
-    working_set = sum(work.final_tokens(s) for s in range(work.sessions))
-    longest = -(-max(work.final_tokens(s) for s in range(work.sessions)) // BLOCK) * BLOCK
-    return working_set, max(longest, int(share * working_set) // BLOCK * BLOCK), longest
+    lock-step working set, and at least the longest conversation of any phase (`others`: the
+    saturated phases' workloads), which vLLM refuses a cache that cannot hold."""
+    longest = max(w.longest() for w in [work, *others])
+    max_len = -(-longest // BLOCK) * BLOCK
+    return work.working_set(), max(max_len, int(share * work.working_set()) // BLOCK * BLOCK), max_len
 
 
 def connector_config(url: str, extras: list[str]) -> dict[str, Any]:
@@ -176,96 +160,6 @@ def start_servers(servers: dict[str, list[ApiServer]], model: str, args: argpars
     wait_healthy([s for pairs in servers.values() for s in pairs], args.start_timeout_s)
 
 
-class LoadGenerator:
-    """Sends the workload: a thread per session, and every turn to all sides' server k at once."""
-
-    def __init__(self, work: Workload, servers: dict[str, list[ApiServer]], timeout_s: float):
-        self.work, self.servers, self.timeout_s = work, servers, timeout_s
-        self.turns: list[Turn] = []
-        self._lock = threading.Lock()
-        self.stopping = threading.Event()
-        self._pool = ThreadPoolExecutor(max_workers=2 * len(servers) * max(1, work.sessions))
-        self.t0 = time.monotonic()
-
-    def lock_step(self, pair: int, prompt: list[int], first: str) -> dict[str, Completion]:
-        """One request to each side's server `pair`, submitted together (`first` side first)."""
-        order = sorted(self.servers, key=lambda side: side != first)
-        futures = {side: self._pool.submit(stream_completion, self.servers[side][pair].url, prompt,
-                                           ANSWER_TOKENS, self.timeout_s) for side in order}
-        return {side: f.result() for side, f in futures.items()}
-
-    def warm_up(self) -> None:
-        """One untimed request per server (first-use costs belong to no figure), pairs in lock step."""
-        for pair in range(PAIRS):
-            for side, done in self.lock_step(pair, self.work.warmup, SIDES[pair % 2]).items():
-                if done.error:
-                    raise RuntimeError(f"warm-up request to {side} {pair} failed: {done.error}")
-                print(f"  warm-up {side} {pair}: TTFT {done.ttft_s * 1e3:.0f} ms, "
-                      f"{(done.done_at - done.sent_at) * 1e3:.0f} ms in all", flush=True)
-
-    def run(self) -> list[Turn]:
-        self.t0 = time.monotonic()
-        threads = [threading.Thread(target=self._session, args=(s,), daemon=True)
-                   for s in range(self.work.sessions)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            while thread.is_alive():  # join in slices: Ctrl-C reaches the main thread
-                thread.join(1.0)
-        self._pool.shutdown()
-        return sorted(self.turns, key=lambda t: t.sent_s)
-
-    def _session(self, session: int) -> None:
-        work = self.work
-        if self.stopping.wait(max(0.0, self.t0 + work.arrivals[session] - time.monotonic())):
-            return  # interrupted before it arrived
-        history, served = list(work.contexts[session]), set[int]()
-        for turn, pair in enumerate(work.routes[session]):
-            if self.stopping.wait(work.thinks[session][turn] if turn else 0.0):
-                return
-            prompt = history + work.messages[session][turn]
-            sent = time.monotonic() - self.t0
-            done = self.lock_step(pair, prompt, SIDES[(session + turn) % 2])  # who goes first alternates
-            record = Turn(session, turn, pair, bool(turn) and pair not in served, sent, len(prompt), done)
-            with self._lock:
-                self.turns.append(record)
-            print(f"  {sent:7.1f} s  {record.describe()}", flush=True)
-            # The reference answer continues the history; a turn nobody answered ends the session.
-            answer = next((c.token_ids for side in reversed(SIDES) if (c := done.get(side)) and not c.error),
-                          None)
-            if answer is None:
-                return
-            history, served = prompt + answer, served | {pair}
-
-
-@dataclass
-class Turn:
-    """One turn of one session as every side answered it."""
-
-    session: int
-    turn: int
-    pair: int
-    cross: bool  # a returning turn on a server pair that never served its session before
-    sent_s: float  # after the load's start
-    prompt_tokens: int
-    done: dict[str, Completion]  # per side
-
-    def describe(self) -> str:
-        kind = "first" if not self.turn else "cross" if self.cross else "same"
-        sides = "; ".join(f"{side} " + (f"ERROR {c.error}" if c.error else
-                                        f"TTFT {c.ttft_s * 1e3:.0f} ms cached {c.cached_tokens}")
-                          for side, c in self.done.items())
-        return (f"session {self.session} turn {self.turn} ({kind}, {self.prompt_tokens} tokens) "
-                f"-> pair {self.pair}: {sides}")
-
-    def as_json(self) -> dict[str, Any]:
-        return {"session": self.session, "turn": self.turn, "pair": self.pair, "cross_engine": self.cross,
-                "sent_s": self.sent_s, "prompt_tokens": self.prompt_tokens,
-                **{side: {"ttft_s": c.ttft_s, "wall_s": c.done_at - c.sent_at, "error": c.error,
-                          "cached_tokens": c.cached_tokens, "token_ids": c.token_ids}
-                   for side, c in self.done.items()}}
-
-
 def group_figures(turns: list[Turn], side: str) -> dict[str, float]:
     done = [t.done[side] for t in turns if not t.done[side].error]
     busy = busy_s([(c.sent_at, c.done_at) for c in done])
@@ -308,8 +202,10 @@ def analyse(turns: list[Turn], expected: int) -> dict[str, Any]:
     return fig
 
 
-def print_table(fig: dict[str, Any], result: dict[str, Any], wall_s: float) -> None:
-    print(f"\n{'side':<11}{'turns':<11}{'n':>4}{'TTFT p50':>10}{'p99 ms':>9}{'wall p50':>10}{'cached':>8}"
+def print_table(fig: dict[str, Any], result: dict[str, Any]) -> None:
+    print("\nlock step: both sides sent every turn at once (req/s and prompt tok/s over each side's busy "
+          "time: secondary, the saturated phase measures capacity)")
+    print(f"{'side':<11}{'turns':<11}{'n':>4}{'TTFT p50':>10}{'p99 ms':>9}{'wall p50':>10}{'cached':>8}"
           f"{'busy s':>8}{'req/s':>7}{'prompt tok/s':>14}")
     for side, groups in fig["sides"].items():
         for group, g in groups.items():
@@ -320,7 +216,8 @@ def print_table(fig: dict[str, Any], result: dict[str, Any], wall_s: float) -> N
         print("baseline / connector, TTFT: " + ", ".join(
             f"{k.removesuffix('_ttft_p50').removesuffix('_ttft_p99')} {k[-3:]} {v:.2f}x"
             for k, v in fig["ratios"].items() if "ttft" in k))
-        print(f"connector / baseline, throughput: {fig['ratios']['requests_per_s']:.2f}x requests/s, "
+        print(f"connector / baseline, lock-step busy-time throughput (secondary): "
+              f"{fig['ratios']['requests_per_s']:.2f}x requests/s, "
               f"{fig['ratios']['prompt_tokens_per_s']:.2f}x prompt tokens/s "
               f"(first turns {fig['ratios']['first_requests_per_s']:.2f}x)")
         for m in fig["mismatches"]:
@@ -336,17 +233,61 @@ def print_table(fig: dict[str, Any], result: dict[str, Any], wall_s: float) -> N
               f"external hits {c['vllm:external_prefix_cache_hits']:.0f}, "
               f"preemptions {c['vllm:num_preemptions']:.0f}")
     d = result["daemon"]
-    print(f"daemon: {d['objects']} objects, {d['pool_used_bytes'] / 2**20:.0f} MiB used, lookups found "
-          f"{d['lookup_hits_total']} of {d['lookup_chunks_total']} chunks; wall time {wall_s:.0f} s")
+    print(f"daemon after the lock step: {d['objects']} objects, {d['pool_used_bytes'] / 2**20:.0f} MiB used, "
+          f"lookups found {d['lookup_hits_total']} of {d['lookup_chunks_total']} chunks")
 
 
-def draw(turns: list[Turn], path: Path) -> None:
+def analyse_saturated(phases: list[Phase], expected_per_phase: int) -> dict[str, Any]:
+    """Per side the median over repetitions of requests/s and prompt tokens/s (over phase wall
+    time), their ratio, and the paired phases' (same seed, one per side) answer mismatches."""
+    sides = list(dict.fromkeys(p.side for p in phases))
+    figs = {side: [p.figures() for p in phases if p.side == side] for side in sides}
+    sat: dict[str, Any] = {
+        "median": {side: {k: statistics.median(f[k] for f in fs) for k in THROUGHPUT}
+                   for side, fs in figs.items()},
+        "errors": sum(int(f["errors"]) for fs in figs.values() for f in fs),
+        "answered": sum(int(f["n"]) for fs in figs.values() for f in fs),
+        "expected": expected_per_phase * len(phases)}
+    if len(sides) < 2:
+        return sat
+    sat["mismatches"] = [{"rep": c.rep, "seed": c.seed, **m}
+                         for c in phases if c.side == "connector"
+                         for b in phases if b.side == "baseline" and b.seed == c.seed
+                         for m in mismatches(c.turns, b.turns)]
+    con, base = (sat["median"][side] for side in SIDES)
+    sat["ratios"] = {k: con[k] / base[k] for k in con}  # > 1: the connector is better
+    return sat
+
+
+def print_saturated(phases: list[Phase], sat: dict[str, Any], work: Workload) -> None:
+    print(f"\nsaturated, closed loop, each side alone in turn ({work.sessions} sessions x {work.turns} turns "
+          "per phase, all at once, no think time; req/s and prompt tok/s over the phase's wall time)")
+    print(f"{'side':<11}{'rep':>3}{'seed':>5}{'n':>5}{'wall s':>8}{'req/s':>7}{'prompt tok/s':>14}"
+          f"{'TTFT p50':>10}{'req p50':>9}{'ext hits':>10}{'preempt':>9}")
+    for p in phases:
+        f = p.figures()
+        print(f"{p.side:<11}{p.rep:>3}{p.seed:>5}{f['n']:>5.0f}{f['wall_s']:>8.1f}{f['requests_per_s']:>7.2f}"
+              f"{f['prompt_tokens_per_s']:>14.0f}{f['ttft_p50_ms']:>10.0f}{f['request_p50_ms']:>9.0f}"
+              f"{f['external_hits']:>10.0f}{f['preemptions']:>9.0f}")
+    for side, m in sat["median"].items():
+        print(f"{side} median: {m['requests_per_s']:.2f} requests/s, "
+              f"{m['prompt_tokens_per_s']:.0f} prompt tokens/s")
+    if "ratios" in sat:
+        print(f"connector / baseline, saturated throughput (medians): {sat['ratios']['requests_per_s']:.2f}x "
+              f"requests/s, {sat['ratios']['prompt_tokens_per_s']:.2f}x prompt tokens/s")
+        for m in sat["mismatches"]:
+            print(f"MISMATCH saturated rep {m['rep']} session {m['session']} turn {m['turn']}: "
+                  f"connector {m['connector']} baseline {m['baseline']}")
+    print(f"saturated: errors {sat['errors']}; turns answered {sat['answered']} of {sat['expected']}")
+
+
+def draw(turns: list[Turn], phases: list[Phase], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
     sides = list(turns[0].done) if turns else []
     for side in sides:
         for returning, marker in ((False, "o"), (True, "^")):
@@ -354,14 +295,18 @@ def draw(turns: list[Turn], path: Path) -> None:
                    if bool(t.turn) == returning and not t.done[side].error]
             ax1.scatter([p[0] for p in pts], [p[1] for p in pts], marker=marker, s=14,
                         label=f"{side} {'returning' if returning else 'first'}")
-    ax1.set(yscale="log", xlabel="sent at (s)", ylabel="TTFT (ms)")
+    ax1.set(yscale="log", xlabel="sent at (s)", ylabel="TTFT (ms)", title="lock step")
     ax1.legend(fontsize=7)
     groups = {f"{side}\n{kind}": [t.done[side].ttft_s * 1e3 for t in turns
                                    if bool(t.turn) == (kind == "returning") and not t.done[side].error]
               for side in sides for kind in ("first", "returning")}
     ax2.boxplot(list(groups.values()), whis=(0, 100))
     ax2.set_xticks(range(1, len(groups) + 1), list(groups), fontsize=7)
-    ax2.set(yscale="log", ylabel="TTFT (ms)")
+    ax2.set(yscale="log", ylabel="TTFT (ms)", title="lock step")
+    ax3.bar(range(len(phases)), [p.figures()["requests_per_s"] for p in phases],
+            color=["tab:blue" if p.side == "connector" else "tab:orange" for p in phases])
+    ax3.set_xticks(range(len(phases)), [f"{p.side}\nrep {p.rep}" for p in phases], fontsize=7)
+    ax3.set(ylabel="requests/s", title="saturated, closed loop")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -382,45 +327,93 @@ def memory_check(n_servers: int, pool_gb: float) -> None:
         raise SystemExit("FAIL: not enough memory for the servers and the daemon's pool")
 
 
-def run(args: argparse.Namespace, work: Workload, cache_tokens: int, max_len: int,
-        pool_gb: float) -> dict[str, Any]:
-    """Start the daemon and the servers, warm up, send the workload; stop everything in any case."""
-    from lmcache_mp.launcher import daemon_status, start_daemon
+def run(args: argparse.Namespace, work: Workload, saturate: list[tuple[int, Workload]], cache_tokens: int,
+        max_len: int, pool_gb: float) -> dict[str, Any]:
+    """Start the daemon and the servers, warm up, send the lock-step workload, then the saturated
+    phases; stop everything in any case."""
+    from lmcache_mp.launcher import start_daemon
 
+    stopping = threading.Event()  # set on the way out: no session sends another turn
     with tempfile.TemporaryDirectory(prefix="lmc-concurrent-") as tmp:
         build_model(Path(tmp) / "model", DTYPE, MODEL_FLAGS)
         daemon = start_daemon(Path(tmp), "--chunk-size", str(CHUNK), "--l1-size-gb", str(pool_gb),
                               ready_timeout=300)
         servers: dict[str, list[ApiServer]] = {}
-        gen: LoadGenerator | None = None
         try:
             model = str(Path(tmp) / "model")
             start_servers(servers, model, args, cache_tokens, max_len, daemon.url, args.out)
             rss = {s.name: s.rss_bytes() / 2**30 for pairs in servers.values() for s in pairs}
             print("resident memory: " + ", ".join(f"{n} {g:.2f} GiB" for n, g in rss.items()), flush=True)
-            gen = LoadGenerator(work, servers, args.request_timeout_s)
+            gen = LoadGenerator(work, servers, args.request_timeout_s, stopping)
             print("warm-up: one request per server...", flush=True)
             gen.warm_up()
-            before = all_counters(servers)
-            print(f"sending {work.sessions} sessions x {len(work.messages[0])} turns...", flush=True)
             logs = {"daemon.log": daemon.log_path, **{s.log.name: s.log for p in servers.values() for s in p}}
             start = log_sizes(logs)
-            turns = gen.run()
-            counters = metric_diff(before, all_counters(servers))
-            status = daemon_status(daemon.url)
-            end = log_sizes(logs)
-            return {"turns": turns, "counters": counters, "rss_gib": rss,
-                    "logs": log_findings(logs, start, end),
-                    "daemon": {"objects": status.objects, "pool_used_bytes": status.pool_used_bytes,
-                               "lookup_chunks_total": status.lookup_chunks_total,
-                               "lookup_hits_total": status.lookup_hits_total}}
+            result = lock_step_phase(gen, servers, daemon.url)
+            result["phases"] = saturated_phases(saturate, servers, args.request_timeout_s, daemon.url,
+                                                stopping)
+            return {**result, "rss_gib": rss, "logs": log_findings(logs, start, log_sizes(logs))}
         finally:
             print("stopping the servers and the daemon...", flush=True)
-            if gen:
-                gen.stopping.set()  # interrupted: no session sends another turn
+            stopping.set()
             stop_servers([s for pairs in servers.values() for s in pairs])
             daemon.stop(timeout=60)
             shutil.copy(daemon.log_path, args.out / "daemon.log")
+
+
+def lock_step_phase(gen: LoadGenerator, servers: dict[str, list[ApiServer]],
+                    daemon_url: str) -> dict[str, Any]:
+    """The lock-step workload: its turns, the servers' counters over it, the daemon settled after it."""
+    before = all_counters(servers)
+    print(f"lock step: sending {gen.work.sessions} sessions x {gen.work.turns} turns...", flush=True)
+    turns = gen.run()
+    counters = metric_diff(before, all_counters(servers))
+    return {"turns": turns, "counters": counters, "daemon": status_figures(settled(daemon_url))}
+
+
+def saturated_phases(works: list[tuple[int, Workload]], servers: dict[str, list[ApiServer]], timeout_s: float,
+                     daemon_url: str, stopping: threading.Event) -> list[Phase]:
+    """Each (seed, workload) in closed loop on each side alone, connector first, while the other
+    side's servers idle: both sides meet the same machine in turn. A phase starts once the daemon
+    has settled after the one before (the connector's last stores done): no phase pays for another."""
+    phases: list[Phase] = []
+    for rep, (seed, work) in enumerate(works):
+        for side, pairs in servers.items():
+            print(f"saturated: {side} alone, repetition {rep} (seed {seed}), {work.sessions} sessions x "
+                  f"{work.turns} turns at once...", flush=True)
+            before = all_counters(servers)
+            turns = closed_loop(work, side, pairs, timeout_s, stopping)
+            daemon = status_figures(settled(daemon_url))
+            diff = metric_diff(before, all_counters(servers))
+            counters = {s.name: diff[s.name] for s in pairs}
+            phase = Phase(side, rep, seed, turns, phase_wall_s(turns), counters, daemon)
+            f = phase.figures()
+            print(f"  {f['n']:.0f} answered, {f['errors']:.0f} errors in {f['wall_s']:.1f} s: "
+                  f"{f['requests_per_s']:.2f} requests/s, {f['prompt_tokens_per_s']:.0f} prompt tokens/s, "
+                  f"TTFT p50 {f['ttft_p50_ms']:.0f} ms", flush=True)
+            phases.append(phase)
+    return phases
+
+
+def status_figures(status: Any) -> dict[str, int]:
+    """What the report keeps of the daemon's STATUS."""
+    return {name: int(getattr(status, name)) for name in (
+        "objects", "pool_used_bytes", "lookup_chunks_total", "lookup_hits_total", "leases", "sessions",
+        "transfers_running")}
+
+
+def settled(url: str, deadline_s: float = SETTLE_S) -> Any:
+    """The daemon's STATUS once every answered request has let go of it: no lease, session or
+    transfer left (the engines release them as requests finish, a moment after the answer), or as
+    it is at the deadline: then something leaked, which the verdicts report."""
+    from lmcache_mp.launcher import daemon_status
+
+    end = time.monotonic() + deadline_s
+    while True:
+        status = daemon_status(url)
+        if not (status.leases or status.sessions or status.transfers_running) or time.monotonic() > end:
+            return status
+        time.sleep(0.2)
 
 
 def parse_args() -> argparse.Namespace:
@@ -445,11 +438,39 @@ def parse_args() -> argparse.Namespace:
                    "nobind: none, one OpenMP thread each")
     p.add_argument("--start-timeout-s", type=float, default=1800, help="deadline for all servers' /health")
     p.add_argument("--request-timeout-s", type=float, default=900, help="one request's deadline")
-    p.add_argument("--seed", type=int, default=0, help="seed of the contexts, messages, arrivals and routes")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the lock-step contexts, messages, arrivals and routes; saturated "
+                   "repetition r uses SEED + 1 + r")
+    p.set_defaults(saturate=True)  # SUPPRESS below: "(default: True)" would read as skipping them
+    p.add_argument("--no-saturate", dest="saturate", action="store_false", default=argparse.SUPPRESS,
+                   help="skip the saturated throughput phases, run by default (without them the throughput "
+                   "target is not evaluated)")
+    p.add_argument("--saturate-sessions", type=int, default=16,
+                   help="sessions per saturated phase, all started at once (closed loop, no think time)")
+    p.add_argument("--saturate-turns", type=int, default=0, help="turns per saturated session; 0: --turns")
+    p.add_argument("--saturate-reps", type=int, default=2,
+                   help="repetitions of the saturated pair of phases (connector alone, then baseline alone)")
     args = p.parse_args()
     if args.quick:
         args.sessions, args.turns, args.context_tokens, args.mean_gap_s = 6, 2, 512, 0.5
+        args.saturate_sessions = 8
+    args.saturate_turns = args.saturate_turns or args.turns
     return args
+
+
+def saturate_workloads(args: argparse.Namespace) -> list[tuple[int, Workload]]:
+    """(seed, workload) per repetition, both sides' phases of a repetition sharing it: fresh contexts
+    each time (a seed of its own), so the connector's first turns miss in the daemon too."""
+    seeds = [args.seed + 1 + rep for rep in range(args.saturate_reps)] if args.saturate else []
+    return [(seed, make_workload(args.saturate_sessions, args.saturate_turns, args.context_tokens,
+                                 mean_gap_s=0.0, think_s=0.0, seed=seed)) for seed in seeds]
+
+
+def pool_plan(work: Workload, saturate: list[tuple[int, Workload]]) -> tuple[int, float]:
+    """(tokens the daemon is sent, its pool in GiB): every phase's contexts are fresh, so the pool
+    holds the lock step's working set and every saturated connector phase's; twice that, in half GiB."""
+    tokens = work.working_set() + sum(w.working_set() for _, w in saturate)
+    return tokens, max(0.5, math.ceil(4 * tokens * KV_BYTES_PER_TOKEN / 2**30) / 2)
 
 
 def main() -> int:
@@ -459,12 +480,16 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     work = make_workload(args.sessions, args.turns, args.context_tokens, args.mean_gap_s, args.think_s,
                          args.seed)
-    working_set, cache_tokens, max_len = cache_plan(work, args.cache_share)
+    saturate = saturate_workloads(args)
+    working_set, cache_tokens, max_len = cache_plan(work, args.cache_share, [w for _, w in saturate])
     share = cache_tokens / working_set
-    pool_gb = max(0.5, math.ceil(4 * working_set * KV_BYTES_PER_TOKEN / 2**30) / 2)  # 2x, in half GiB
-    print(f"{args.sessions} sessions x {args.turns} turns; working set {working_set:,} tokens "
+    daemon_tokens, pool_gb = pool_plan(work, saturate)
+    print(f"lock step: {args.sessions} sessions x {args.turns} turns; working set {working_set:,} tokens "
           f"({working_set * KV_BYTES_PER_TOKEN / 2**20:.0f} MiB of KV); vLLM's cache {cache_tokens:,} tokens "
-          f"per server: {share:.1%} of it; daemon pool {pool_gb} GiB", flush=True)
+          f"per server: {share:.1%} of it", flush=True)
+    print(f"saturated: {len(saturate)} x (connector, baseline) phases of {args.saturate_sessions} sessions x "
+          f"{args.saturate_turns} turns; daemon pool {pool_gb} GiB for {daemon_tokens:,} tokens "
+          f"({daemon_tokens * KV_BYTES_PER_TOKEN / 2**20:.0f} MiB) in all", flush=True)
     if share >= MAX_CACHE_SHARE:
         print(f"FAIL: vLLM's cache must hold under {MAX_CACHE_SHARE:.0%} of the working set: more sessions, "
               "or a smaller --cache-share, please")
@@ -472,46 +497,82 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     memory_check(PAIRS * (1 if args.no_baseline else 2), pool_gb)
     started = time.monotonic()
-    result = run(args, work, cache_tokens, max_len, pool_gb)
+    result = run(args, work, saturate, cache_tokens, max_len, pool_gb)
     wall_s = time.monotonic() - started
     figures = analyse(result["turns"], work.sessions * args.turns)
-    print_table(figures, result, wall_s)
-    checks, correctness = verdicts(figures)
+    print_table(figures, result)
+    phases: list[Phase] = result["phases"]
+    sat = analyse_saturated(phases, args.saturate_sessions * args.saturate_turns) if phases else {}
+    if phases:
+        print_saturated(phases, sat, saturate[0][1])
+    else:
+        print("\nsaturated phases skipped (--no-saturate): the throughput target is not evaluated")
+    print(f"wall time {wall_s:.0f} s")
+    settles = {"lock step": result["daemon"], **{f"saturated {p.side} rep {p.rep}": p.daemon for p in phases}}
+    checks, correctness = verdicts(figures, sat, settles)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     finish(args.out, "concurrent", checks,
            {"config": config, "working_set_tokens": working_set, "vllm_cache_tokens": cache_tokens,
             "cache_share": share, "max_model_len": max_len, "pool_gb": pool_gb, "wall_s": wall_s,
-            "figures": figures, "checks": checks, "server_counters": result["counters"],
+            "figures": figures, "saturated": sat, "checks": checks, "server_counters": result["counters"],
             "daemon": result["daemon"], "rss_gib": result["rss_gib"], "logs": result["logs"],
-            "turns": [t.as_json() for t in result["turns"]]},
-           lambda path: draw(result["turns"], path))
+            "turns": [t.as_json() for t in result["turns"]], "phases": [p.as_json() for p in phases]},
+           lambda path: draw(result["turns"], phases, path))
     return 0 if all(correctness.values()) else 1
 
 
-def verdicts(fig: dict[str, Any]) -> tuple[dict[str, bool], dict[str, bool]]:
-    """(every check and target, the correctness checks alone)."""
-    correctness = {f"every turn answered, no HTTP error or timeout ({fig['errors']} errors, "
+def verdicts(fig: dict[str, Any], sat: dict[str, Any],
+             settles: dict[str, dict[str, int]]) -> tuple[dict[str, bool], dict[str, bool]]:
+    """(every check and target, the correctness checks alone). `fig`: the lock step's figures, `sat`:
+    the saturated phases' (empty if none ran), `settles`: the daemon's settled STATUS after each phase."""
+    correctness = {f"lock step: every turn answered, no HTTP error or timeout ({fig['errors']} errors, "
                    f"{fig['answered']} of {fig['expected']} turns)": fig["errors"] == 0
-                   and fig["answered"] == fig["expected"]}
+                   and fig["answered"] == fig["expected"], **daemon_check(settles)}
+    if sat:
+        correctness[f"saturated: every turn answered, no HTTP error or timeout ({sat['errors']} errors, "
+                    f"{sat['answered']} of {sat['expected']} turns)"] = \
+            sat["errors"] == 0 and sat["answered"] == sat["expected"]
+    if "ratios" in sat:
+        correctness[f"saturated: answer tokens equal between the paired connector and baseline phases "
+                    f"({len(sat['mismatches'])} turns differ)"] = not sat["mismatches"]
     if "ratios" not in fig:
         return correctness, correctness
+    correctness[f"lock step: baseline's answer tokens equal the connector's ({len(fig['mismatches'])} turns "
+                "differ)"] = not fig["mismatches"]
+    return {**correctness, **targets(fig, sat)}, correctness
+
+
+def daemon_check(settles: dict[str, dict[str, int]]) -> dict[str, bool]:
+    """No lease, session or transfer left in the daemon once a phase's turns were all answered."""
+    left = {where: (d["leases"], d["sessions"], d["transfers_running"]) for where, d in settles.items()
+            if d["leases"] or d["sessions"] or d["transfers_running"]}
+    found = "; ".join(f"{where}: {a} leases, {b} sessions, {c} transfers"
+                      for where, (a, b, c) in left.items())
+    return {f"nothing left in the daemon once each phase's turns were answered (after up to "
+            f"{SETTLE_S:.0f} s; {len(settles)} phase(s): {found or 'none left anything'})": not left}
+
+
+def targets(fig: dict[str, Any], sat: dict[str, Any]) -> dict[str, bool]:
+    """The issue's targets: TTFT and first-turn checks from the lock step, throughput from the
+    saturated phases (not evaluated without them: the lock step's busy time cannot show capacity)."""
     r, floor = fig["ratios"], 1 - MISS_PATH_SLACK  # one-sided: faster first turns are no cost
-    correctness[f"baseline's answer tokens equal the connector's ({len(fig['mismatches'])} turns differ)"] = \
-        not fig["mismatches"]
     cross = fig["cross_engine"]
-    targets = {
+    found = {
         f"returning turns' TTFT p50 {r['returning_ttft_p50']:.2f}x lower with the connector "
-        f"(>= {TARGET_SPEEDUP:.0f}x)": r["returning_ttft_p50"] >= TARGET_SPEEDUP,
-        f"throughput {r['requests_per_s']:.2f}x the baseline's (>= {TARGET_THROUGHPUT}x)":
-            r["requests_per_s"] >= TARGET_THROUGHPUT,
+        f"(>= {TARGET_SPEEDUP:.0f}x; lock step)": r["returning_ttft_p50"] >= TARGET_SPEEDUP}
+    if "ratios" in sat:
+        s = sat["ratios"]
+        found[f"saturated throughput {s['requests_per_s']:.2f}x requests/s, {s['prompt_tokens_per_s']:.2f}x "
+              f"prompt tokens/s the baseline's (>= {TARGET_THROUGHPUT}x; medians over repetitions)"] = \
+            min(s.values()) >= TARGET_THROUGHPUT
+    found.update({
         f"first turns' TTFT p50 {r['first_ttft_p50']:.2f}x lower with the connector "
-        f"(>= {floor:.2f}x: the miss path costs nothing)": r["first_ttft_p50"] >= floor,
-        f"first turns' throughput {r['first_requests_per_s']:.2f}x the baseline's (>= {floor:.2f}x)":
-            r["first_requests_per_s"] >= floor,
+        f"(>= {floor:.2f}x: the miss path costs nothing; lock step)": r["first_ttft_p50"] >= floor,
+        f"first turns' throughput {r['first_requests_per_s']:.2f}x the baseline's (>= {floor:.2f}x; "
+        "lock step, busy time)": r["first_requests_per_s"] >= floor,
         f"cross-engine returning turns with cached tokens on the connector side: {cross['connector_hit']} of "
-        f"{cross['n']}": cross["n"] > 0 and cross["connector_hit"] == cross["n"],
-    }
-    return {**correctness, **targets}, correctness
+        f"{cross['n']} (lock step)": cross["n"] > 0 and cross["connector_hit"] == cross["n"]})
+    return found
 
 
 if __name__ == "__main__":
