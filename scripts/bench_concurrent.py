@@ -97,7 +97,14 @@ from bench_openai import (
     wait_healthy,
 )
 from bench_report import finish
-from bench_serving import DTYPE, KV_BYTES_PER_TOKEN, MAX_CACHE_SHARE, MODEL_FLAGS, TARGET_SPEEDUP
+from bench_serving import (
+    ANSWER_TOKENS,
+    DTYPE,
+    KV_BYTES_PER_TOKEN,
+    MAX_CACHE_SHARE,
+    MODEL_FLAGS,
+    TARGET_SPEEDUP,
+)
 
 TARGET_THROUGHPUT, MISS_PATH_SLACK = 1.5, 0.03
 SERVER_GIB = 2.5  # an API server, its EngineCore and worker with the bench model: ~2 GiB measured
@@ -425,6 +432,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sessions", type=int, default=8, help="concurrent multi-turn sessions")
     p.add_argument("--turns", type=int, default=3, help="turns per session")
     p.add_argument("--context-tokens", type=int, default=1000, help="private context per session (+-25%%)")
+    p.add_argument("--answer-tokens", type=int, default=ANSWER_TOKENS,
+                   help="every answer's length (greedy, ignore_eos): longer answers grow the running "
+                   "requests while they decode, which is what makes vLLM preempt")
     p.add_argument("--mean-gap-s", type=float, default=1.0, help="mean gap between arrivals (Poisson)")
     p.add_argument("--think-s", type=float, default=1.0, help="mean think time before a session's next turn")
     p.add_argument("--max-num-seqs", type=int, default=8, help="vLLM's --max-num-seqs on every server")
@@ -463,7 +473,8 @@ def saturate_workloads(args: argparse.Namespace) -> list[tuple[int, Workload]]:
     each time (a seed of its own), so the connector's first turns miss in the daemon too."""
     seeds = [args.seed + 1 + rep for rep in range(args.saturate_reps)] if args.saturate else []
     return [(seed, make_workload(args.saturate_sessions, args.saturate_turns, args.context_tokens,
-                                 mean_gap_s=0.0, think_s=0.0, seed=seed)) for seed in seeds]
+                                 mean_gap_s=0.0, think_s=0.0, seed=seed, answer_tokens=args.answer_tokens))
+            for seed in seeds]
 
 
 def pool_plan(work: Workload, saturate: list[tuple[int, Workload]]) -> tuple[int, float]:
@@ -479,7 +490,7 @@ def main() -> int:
     # A SIGTERM (`timeout`, kill) unwinds like Ctrl-C, through the finally that stops every process.
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     work = make_workload(args.sessions, args.turns, args.context_tokens, args.mean_gap_s, args.think_s,
-                         args.seed)
+                         args.seed, args.answer_tokens)
     saturate = saturate_workloads(args)
     working_set, cache_tokens, max_len = cache_plan(work, args.cache_share, [w for _, w in saturate])
     share = cache_tokens / working_set

@@ -25,6 +25,7 @@ class Workload:
     thinks: list[list[float]]  # per session, per turn: seconds after the previous answers
     routes: list[list[int]]  # per session, per turn: the server pair
     warmup: list[int]  # one untimed request per server first, shared with no session
+    answer_tokens: int = ANSWER_TOKENS  # every answer's length (greedy, ignore_eos)
 
     @property
     def sessions(self) -> int:
@@ -37,7 +38,7 @@ class Workload:
     def final_tokens(self, session: int) -> int:
         """The session's conversation after its last answer (answers have a fixed length)."""
         msgs = self.messages[session]
-        return len(self.contexts[session]) + sum(map(len, msgs)) + len(msgs) * ANSWER_TOKENS
+        return len(self.contexts[session]) + sum(map(len, msgs)) + len(msgs) * self.answer_tokens
 
     def working_set(self) -> int:
         """Tokens of every session's whole conversation: what a cache must hold to miss nothing."""
@@ -48,7 +49,7 @@ class Workload:
 
 
 def make_workload(sessions: int, turns: int, context: int, mean_gap_s: float, think_s: float,
-                  seed: int = 0) -> Workload:
+                  seed: int = 0, answer_tokens: int = ANSWER_TOKENS) -> Workload:
     """Random-token contexts (`context` +-25%) and messages; Poisson arrivals and exponential think
     times (none where the mean is 0); each turn's server pair at random. All from `seed`."""
     rng = random.Random(seed)
@@ -63,7 +64,7 @@ def make_workload(sessions: int, turns: int, context: int, mean_gap_s: float, th
     thinks = [[rng.expovariate(1 / think_s) if think_s > 0 else 0.0 for _ in range(turns)]
               for _ in range(sessions)]
     routes = [[rng.randrange(PAIRS) for _ in range(turns)] for _ in range(sessions)]
-    return Workload(contexts, messages, arrivals, thinks, routes, tokens(context))
+    return Workload(contexts, messages, arrivals, thinks, routes, tokens(context), answer_tokens)
 
 
 @dataclass
@@ -119,7 +120,7 @@ class LoadGenerator:
         """One request to each side's server `pair`, submitted together (`first` side first)."""
         order = sorted(self.servers, key=lambda side: side != first)
         futures = {side: self._pool.submit(stream_completion, self.servers[side][pair].url, prompt,
-                                           ANSWER_TOKENS, self.timeout_s) for side in order}
+                                           self.work.answer_tokens, self.timeout_s) for side in order}
         return {side: f.result() for side, f in futures.items()}
 
     def warm_up(self) -> None:
@@ -206,7 +207,7 @@ def closed_loop(work: Workload, side: str, servers: list[ApiServer], timeout_s: 
                 return
             prompt = history + work.messages[s][turn]
             sent = time.monotonic() - t0
-            done = stream_completion(servers[pair].url, prompt, ANSWER_TOKENS, timeout_s)
+            done = stream_completion(servers[pair].url, prompt, work.answer_tokens, timeout_s)
             with lock:
                 turns.append(Turn(s, turn, pair, bool(turn) and pair not in served, sent, len(prompt),
                                   {side: done}))
