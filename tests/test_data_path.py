@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
@@ -383,3 +384,36 @@ def test_a_large_retrieve_is_split_byte_exact_and_all_or_nothing(daemon: DaemonP
         assert report.leases == 0 and report.transfers_running == 0
     finally:
         worker.shutdown()
+
+
+@pytest.mark.daemon_args("--chunk-size", str(CHUNK))
+def test_two_engines_storing_the_same_chunks_at_once_copy_each_chunk_once(daemon: DaemonProcess) -> None:
+    """Two engines of one model (two registered instances, as two vLLM servers) store the same
+    prompt's chunks at the same moment, round after round: each chunk is copied by exactly one of
+    them (STORED), the other finds it present, even while it is still being written (ALREADY_PRESENT:
+    no copy, no wait), and the pool gains exactly one object per chunk."""
+    shape = [NUM_BLOCKS, 2, BLOCK, 64]
+    copied_once = sorted([ChunkOutcome.STORED, ChunkOutcome.ALREADY_PRESENT])
+    workers = [LMCacheMPWorkerAdapter(daemon.url, None, "m", 1, 0, BLOCK) for _ in range(2)]
+    try:
+        for seed, worker in enumerate(workers):
+            worker.register_kv_caches(make_caches(shape, torch.bfloat16, LAYERS, seed=seed), "CPU_ATTN")
+        chunks = 4
+        for round_no in range(20):
+            hashes = block_hashes([round_no * 10_000 + t for t in range(chunks * CHUNK)])[1::2]
+            before = status(daemon.url).objects
+
+            def store(worker: LMCacheMPWorkerAdapter, hashes: list[bytes] = hashes,
+                      round_no: int = round_no) -> list[ChunkOutcome]:
+                keys = [IPCCacheEngineKey("m", 1, 0, chunk_hash=h, request_id=f"r{round_no}") for h in hashes]
+                request = [keys, worker.instance_id, list(range(2 * chunks)), b""]
+                return worker.mq_client.submit(RequestType.STORE, request).result(10).outcomes
+
+            with ThreadPoolExecutor(2) as pool:
+                outcomes = list(pool.map(store, workers))
+            for chunk in range(chunks):
+                assert sorted(o[chunk] for o in outcomes) == copied_once
+            assert status(daemon.url).objects == before + chunks
+    finally:
+        for worker in workers:
+            worker.shutdown()
