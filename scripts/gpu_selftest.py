@@ -59,6 +59,7 @@ from selftest_rounds import MODEL, Case, CaseReport, Worker, run_case, run_toget
 from vllm_caches import allocate_like_vllm  # noqa: E402
 
 from lmcache_mp.launcher import DaemonProcess, daemon_status, start_daemon  # noqa: E402
+from tests.helpers import free_port  # noqa: E402
 from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp  # noqa: E402
 
 KILL_WAIT_S = 240.0  # beyond the daemon's bound on a copy's completion wait
@@ -122,14 +123,15 @@ def print_progress(report: CaseReport) -> None:
           f"{verdict}", flush=True)
 
 
-def run_cases(geo: Geometry, device: Device, daemon: DaemonProcess, quick: bool) -> list[CaseReport]:
+def run_cases(geo: Geometry, device: Device, daemon: DaemonProcess, quick: bool,
+              metrics_port: int) -> list[CaseReport]:
     reports = []
     for seed, case in enumerate(cases(quick)):
         scheduler = LMCacheMPSchedulerAdapter(daemon.url, None, MODEL, 1, 0, case_block_size(case, geo))
         worker = new_worker(daemon.url, case, geo, device, seed)
         try:
             baseline = device.copy_baseline(worker.request_bytes, geo.rounds)
-            reports.append(run_case(worker, scheduler, daemon.url, geo.rounds, baseline))
+            reports.append(run_case(worker, scheduler, daemon.url, geo.rounds, baseline, metrics_port))
             print_progress(reports[-1])
         finally:
             worker.close()
@@ -164,7 +166,7 @@ def run_concurrent(geo: Geometry, device: Device, daemon: DaemonProcess, quick: 
 
 
 def kill_worker_mid_store(geo: Geometry, device: Device, daemon: DaemonProcess, quick: bool,
-                          delay_cycles: int) -> dict[str, Any]:
+                          delay_cycles: int, metrics_port: int) -> dict[str, Any]:
     """A worker process registers, STOREs its request behind a long kernel (CUDA) and is killed
     while the daemon copies or waits; then the daemon must either serve on, with the worker's
     registration dropped and a fresh round bit-exact, or have exited non-zero for its supervisor."""
@@ -193,7 +195,7 @@ def kill_worker_mid_store(geo: Geometry, device: Device, daemon: DaemonProcess, 
     scheduler = LMCacheMPSchedulerAdapter(daemon.url, None, MODEL + "-after", 1, 0, geo.block_size)
     worker = new_worker(daemon.url, cases(quick)[0], geo, device, 7, model=MODEL + "-after")
     try:
-        after = run_case(worker, scheduler, daemon.url, 0, (0.0, 0.0))
+        after = run_case(worker, scheduler, daemon.url, 0, (0.0, 0.0), metrics_port)
     finally:
         worker.close()
         scheduler.shutdown()
@@ -224,6 +226,12 @@ def print_table(reports: list[CaseReport], kill: dict[str, Any], pins: list[dict
                   f"{r.retrieve_gbps:>15.2f}{r.baseline_retrieve_gbps:>11.2f}{r.retrieve_vs_baseline:>7.0%}"
                   if r.store_gbps else f"{'(not timed: at once with another)':>63}")
         print(f"{r.name:<22}{r.request_bytes / 2**20:>9.1f}{speeds}  {r.bit_exact}")
+    print("\nmean ms of the timed rounds, as the worker saw them / inside the daemon (the rest: ZeroMQ "
+          "and the adapter's completion path)")
+    for r in reports:
+        if r.store_gbps:
+            print(f"{r.name:<22}STORE {r.store_ms_worker:7.2f} / {r.store_ms_daemon:7.2f}   "
+                  f"RETRIEVE {r.retrieve_ms_worker:7.2f} / {r.retrieve_ms_daemon:7.2f}")
     print(f"worker killed mid-STORE: {kill}")
     for pin in pins:
         if "seconds" in pin:
@@ -253,12 +261,15 @@ def main() -> int:
         return 0
     print(f"{device.description()}; {'quick' if args.quick else 'full'} geometry {geo}", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="lmc-gpu-", dir="/tmp"))  # short: Unix socket paths are limited
+    metrics_port = free_port()
     daemon = start_daemon(tmp, "--l1-size-gb", str(pool_gb(geo, cases(args.quick))), "--chunk-size",
-                          str(geo.chunk_size), ready_timeout=300, env=device.daemon_env())
+                          str(geo.chunk_size), "--metrics-port", str(metrics_port), ready_timeout=300,
+                          env=device.daemon_env())
     try:
-        reports = run_cases(geo, device, daemon, args.quick) + run_concurrent(geo, device, daemon, args.quick)
+        reports = (run_cases(geo, device, daemon, args.quick, metrics_port)
+                   + run_concurrent(geo, device, daemon, args.quick))
         print("  killing a worker mid-STORE...", flush=True)
-        kill = kill_worker_mid_store(geo, device, daemon, args.quick, args.delay_cycles)
+        kill = kill_worker_mid_store(geo, device, daemon, args.quick, args.delay_cycles, metrics_port)
     finally:
         daemon.stop(timeout=30)
     failures = [f for r in reports for f in r.failures]

@@ -22,6 +22,7 @@ import torch
 from selftest_device import Device
 
 from lmcache_mp.launcher import daemon_status
+from tests.helpers import scrape
 from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp
 
 MODEL = "gpu-selftest"
@@ -69,6 +70,13 @@ class CaseReport:
     # sent: only then does its bit-exact result prove that the daemon waited for the event.
     ordering_store_pending: bool = False
     ordering_retrieve_pending: bool = False
+    # Mean milliseconds of the timed rounds' STOREs and RETRIEVEs: as the worker saw them (submit to
+    # reported finished), and inside the daemon (decoded request to reply, from its metrics); the
+    # difference is the way there and back (ZeroMQ, the adapter's completion path).
+    store_ms_worker: float = 0.0
+    store_ms_daemon: float = 0.0
+    retrieve_ms_worker: float = 0.0
+    retrieve_ms_daemon: float = 0.0
     store_gbps: float = 0.0
     retrieve_gbps: float = 0.0
     baseline_store_gbps: float = 0.0
@@ -220,8 +228,16 @@ def _check_no_leases(url: str, report: CaseReport, request_id: str) -> None:
         report.failures.append(f"{report.name}: {request_id}: {leases} leases left after the retrieve")
 
 
+def daemon_seconds(metrics_port: int) -> dict[str, tuple[float, float]]:
+    """The daemon's total seconds and count of STOREs and RETRIEVEs so far, from its metrics."""
+    series = scrape(metrics_port)
+    return {kind: (series[f'lmcache_mp_request_seconds_sum{{type="{kind}"}}'],
+                   series[f'lmcache_mp_request_seconds_count{{type="{kind}"}}'])
+            for kind in ("STORE", "RETRIEVE")}
+
+
 def run_case(worker: Worker, scheduler: LMCacheMPSchedulerAdapter, url: str, rounds: int,
-             baseline: tuple[float, float]) -> CaseReport:
+             baseline: tuple[float, float], metrics_port: int) -> CaseReport:
     """The ordering round (with skipped blocks), then `rounds` timed ones."""
     report = worker.report
     report.baseline_store_gbps, report.baseline_retrieve_gbps = baseline
@@ -237,11 +253,18 @@ def run_case(worker: Worker, scheduler: LMCacheMPSchedulerAdapter, url: str, rou
         report.failures.append(f"{report.name}: the long kernel had finished before the ordering "
                                "round's STORE or RETRIEVE was sent, so its event ordered nothing "
                                "(raise --delay-cycles)")
+    before = daemon_seconds(metrics_port)
     timed = [_round(worker, scheduler, url, r, ordering=False) for r in range(1, rounds + 1)]
+    after = daemon_seconds(metrics_port)
     report.rounds = rounds + 1
     if timed:
         report.store_gbps = report.request_bytes / statistics.median(t[0] for t in timed) / 1e9
         report.retrieve_gbps = report.request_bytes / statistics.median(t[1] for t in timed) / 1e9
+        report.store_ms_worker = statistics.fmean(t[0] for t in timed) * 1e3
+        report.retrieve_ms_worker = statistics.fmean(t[1] for t in timed) * 1e3
+        report.store_ms_daemon, report.retrieve_ms_daemon = (
+            (after[kind][0] - before[kind][0]) / (after[kind][1] - before[kind][1]) * 1e3
+            for kind in ("STORE", "RETRIEVE"))
     return report
 
 
