@@ -8,10 +8,12 @@ from __future__ import annotations
 import gc
 import logging
 import signal
+import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -239,7 +241,7 @@ def big_worker(daemons: Callable, request: pytest.FixtureRequest
                ) -> Iterator[tuple[DaemonProcess, LMCacheMPWorkerAdapter, list[bytes]]]:
     """A worker with a BIG_BLOCKS cache (its daemon has one worker thread, or as many as the test's
     parameter says); chunk hashes for half of it."""
-    workers = getattr(request, "param", 1)  # one: see `queued_behind`; two: RETRIEVEs are split
+    workers = getattr(request, "param", 1)  # one, or two: RETRIEVEs are split
     daemon: DaemonProcess = daemons(*DAEMON_ARGS, "--max-workers", str(workers))
     worker = LMCacheMPWorkerAdapter(daemon.url, None, "m", 1, 0, BLOCK)
     try:
@@ -256,55 +258,63 @@ def keys_of(hashes: list[bytes], request_id: str) -> list[IPCCacheEngineKey]:
     return [IPCCacheEngineKey("m", 1, 0, chunk_hash=h, request_id=request_id) for h in hashes]
 
 
-def queued_behind(worker: LMCacheMPWorkerAdapter,
-                  hashes: list[bytes]) -> tuple[MessagingFuture, MessagingFuture]:
-    """A RETRIEVE of all `hashes` (stored already) into the second half of the cache, and a STORE
-    of as many other chunks from the first half: they keep the daemon's one worker thread of each
-    lane (RETRIEVEs have their own: server.py) copying for tens of ms, so what is sent right after
-    them waits in the queue, not started."""
-    client, iid, half = worker.mq_client, worker.instance_id, BIG_BLOCKS // 2
-    target = list(range(half, BIG_BLOCKS))
-    load = client.submit(RequestType.RETRIEVE, [keys_of(hashes, "busy"), iid, target, b""])
-    others = block_hashes(list(range(10**7, 10**7 + half * BLOCK)))[CHUNK // BLOCK - 1::CHUNK // BLOCK]
-    store = client.submit(RequestType.STORE, [keys_of(others, "busy"), iid, list(range(half)), b""])
-    return load, store
-
-
-def test_cancel_refuses_what_was_sent_before_it_and_nothing_after(big_worker) -> None:
+def test_cancel_refuses_what_was_sent_before_it_and_nothing_after(daemons: Callable, tmp_path: Path) -> None:
     """A RETRIEVE and a STORE queued (not started) when the CANCEL arrives are refused, and the
     RETRIEVE's leases are spent; a RETRIEVE and a STORE of the same request sent after the
-    CANCEL (vLLM storing what it recomputed) run as usual, and so do other requests."""
-    daemon, worker, hashes = big_worker
-    client, iid = worker.mq_client, worker.instance_id
-    assert ChunkOutcome.NO_SPACE not in store(client, iid, hashes, "s")
-    bpc = CHUNK // BLOCK
-    one_chunk = list(range(BIG_BLOCKS // 2, BIG_BLOCKS // 2 + bpc))
-    fresh = block_hashes(list(range(10**6, 10**6 + CHUNK)))[bpc - 1::bpc]  # not stored yet
-    assert lease(client, hashes[:1], "r") == 1 and status(daemon.url).leases == 1
+    CANCEL (vLLM storing what it recomputed) run as usual, and so do other requests.
 
-    busy_load, busy_store = queued_behind(worker, hashes)
-    load = client.submit(RequestType.RETRIEVE, [keys_of(hashes[:1], "r"), iid, one_chunk, b""])
-    save = client.submit(RequestType.STORE, [keys_of(fresh, "r"), iid, list(range(bpc)), b""])
-    started = time.monotonic()
-    assert cancel(client, iid, ["r", "never-seen"]) == 0  # nothing of them copying: answered at once
-    assert time.monotonic() - started < 1
-    assert busy_load.result(10).ok
-    assert busy_store.result(10).outcomes == [ChunkOutcome.STORED] * len(hashes)
-    result: RetrieveResult = load.result(10)
-    assert not result.ok and result.reason == "cancelled"
-    assert save.wait(10)
-    error = save.exception()
-    assert isinstance(error, ServerError) and error.code is ErrorCode.CANCELLED, error
-    assert status(daemon.url).leases == 0
-    assert count_lookup(client, fresh) == 0
+    They are queued for sure: a RETRIEVE and a STORE of another request hold each lane's one worker
+    thread mid-copy (`tests/gated_daemon.py`), and the CANCEL is answered while they still do: it
+    waits for nothing that is not its requests'."""
+    gated = [sys.executable, "-m", "tests.gated_daemon", str(tmp_path)]
+    daemon: DaemonProcess = daemons(*DAEMON_ARGS, "--max-workers", "1", command_prefix=gated)
+    worker = LMCacheMPWorkerAdapter(daemon.url, None, "m", 1, 0, BLOCK)
+    try:
+        worker.register_kv_caches(make_caches(SHAPE, torch.bfloat16, LAYERS, seed=1), "CPU_ATTN")
+        client, iid = worker.mq_client, worker.instance_id
+        bpc = CHUNK // BLOCK
+        assert store(client, iid, CHUNK_HASHES, "s") == [ChunkOutcome.STORED] * CHUNKS
+        one_chunk = TARGET[:bpc]
+        fresh = block_hashes(list(range(10**6, 10**6 + CHUNK)))[bpc - 1::bpc]  # not stored yet
+        others = block_hashes(list(range(10**7, 10**7 + CHUNK)))[bpc - 1::bpc]
+        assert lease(client, CHUNK_HASHES[:1], "r") == 1 and status(daemon.url).leases == 1
 
-    # Sent after the CANCEL: carried out.
-    assert client.submit(RequestType.STORE, [keys_of(fresh, "r"), iid, list(range(bpc)), b""]).result(10)
-    assert count_lookup(client, fresh) == 1
-    assert client.submit(RequestType.RETRIEVE, [keys_of(hashes[:1], "r"), iid, one_chunk, b""]).result(10).ok
-    # Only that instance: a CANCEL naming another instance leaves this one's requests alone.
-    assert cancel(client, iid + 1, ["r2"]) == 0
-    assert client.submit(RequestType.RETRIEVE, [keys_of(hashes[:1], "r2"), iid, one_chunk, b""]).result(10).ok
+        for lane in ("load", "store"):
+            (tmp_path / lane).touch()
+        busy = keys_of(CHUNK_HASHES, "busy-load")
+        busy_load = client.submit(RequestType.RETRIEVE, [busy, iid, TARGET, b""])
+        busy_store = client.submit(RequestType.STORE, [keys_of(others, "busy-store"), iid, SOURCE[:bpc], b""])
+        # Two requests copying (the fence counts requests, hence two request ids).
+        wait_for_status(daemon.url, lambda r: r.transfers_running == 2, "both lanes copying")
+        # Sent on the same connection, so they reach the daemon before the CANCEL, and queue.
+        load = client.submit(RequestType.RETRIEVE, [keys_of(CHUNK_HASHES[:1], "r"), iid, one_chunk, b""])
+        save = client.submit(RequestType.STORE, [keys_of(fresh, "r"), iid, list(range(bpc)), b""])
+        assert cancel(client, iid, ["r", "never-seen"]) == 0  # nothing of them copying
+        assert not busy_load.query() and not busy_store.query()
+        for lane in ("load", "store"):
+            (tmp_path / lane).unlink()
+        assert busy_load.result(10).ok
+        assert busy_store.result(10).outcomes == [ChunkOutcome.STORED]
+        result: RetrieveResult = load.result(10)
+        assert not result.ok and result.reason == "cancelled"
+        assert save.wait(10)
+        error = save.exception()
+        assert isinstance(error, ServerError) and error.code is ErrorCode.CANCELLED, error
+        assert status(daemon.url).leases == 0
+        assert count_lookup(client, fresh) == 0
+
+        # Sent after the CANCEL: carried out.
+        assert client.submit(RequestType.STORE, [keys_of(fresh, "r"), iid, list(range(bpc)), b""]).result(10)
+        assert count_lookup(client, fresh) == 1
+        assert client.submit(RequestType.RETRIEVE, [keys_of(CHUNK_HASHES[:1], "r"), iid, one_chunk, b""]
+                             ).result(10).ok
+        # Only that instance: a CANCEL naming another instance leaves this one's requests alone.
+        assert cancel(client, iid + 1, ["r2"]) == 0
+        assert client.submit(RequestType.RETRIEVE, [keys_of(CHUNK_HASHES[:1], "r2"), iid, one_chunk, b""]
+                             ).result(10).ok
+        assert status(daemon.url).transfers_running == 0
+    finally:
+        worker.shutdown()
 
 
 def cancel_while_copying(daemon: DaemonProcess, worker: LMCacheMPWorkerAdapter, request_type: RequestType,
