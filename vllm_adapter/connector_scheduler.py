@@ -192,9 +192,9 @@ class SchedulerSide:
         """Whether the request's load (of `tokens`) runs right before its forward pass
         (`load_mode`). "auto" takes the sync load's step sooner where it loses no hit and costs
         little: where no other request computes (a sync load holds up the step's forward pass),
-        or where the copy is small (`sync_load_max_mb`). An async load costs its request a whole
-        step: under load, a step of other requests' prefills (seconds on a CPU), which made
-        returning turns slower than recomputing (issue 28)."""
+        or where the copy is small (`sync_load_max_mb`): the others wait for a copy of
+        milliseconds, where an async load costs its own request a whole step (under load, a step
+        of other requests' prefills)."""
         if self._load_mode != "auto":
             return self._load_mode == "sync"
         if self._sync_hit(request, hit) != hit:
