@@ -36,6 +36,7 @@ from tests.vllm_engines import (
     HITS,
     MAX_TOKENS,
     PROBE,
+    PROMPT_CHUNKS,
     PROMPTS,
     REPO,
     STORED_CHUNKS,
@@ -77,10 +78,10 @@ def engine1(tiny_model: Path, work_dir: Path, daemon: DaemonUnderTest,
     return tokens(outputs)
 
 
-def test_engine1_matches_baseline_and_stores_prompt_chunks(engine1: list[list[int]], daemon: DaemonUnderTest,
-                                                           baseline: list[list[int]]) -> None:
+def test_engine1_matches_baseline_and_stores_every_full_chunk(
+        engine1: list[list[int]], daemon: DaemonUnderTest, baseline: list[list[int]]) -> None:
     assert engine1 == baseline[: len(PROMPTS)]
-    assert daemon.objects() == STORED_CHUNKS  # full prompt chunks only, each once
+    assert daemon.objects() == STORED_CHUNKS  # every full chunk, decoding's included, each once
 
 
 def test_engine_allocates_its_cpu_cache_in_shared_memory(engine1: list[list[int]], work_dir: Path) -> None:
@@ -287,5 +288,5 @@ def test_fresh_engine_after_a_daemon_restart_loads_from_disk(tiny_model: Path, w
         assert second.stop() == 0
     assert cached(loaded) == HITS
     assert tokens(loaded) == baseline[: len(PROMPTS)]
-    assert after.promotions_total == STORED_CHUNKS and after.corrupt_total == 0
+    assert after.promotions_total == PROMPT_CHUNKS and after.corrupt_total == 0
     assert "Traceback" not in first.log() + second.log()

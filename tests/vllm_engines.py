@@ -48,12 +48,14 @@ _BASE = _tokens(4 * CHUNK)
 PROMPTS = [
     _BASE[: 3 * CHUNK + 1],  # 3 chunks
     _BASE[: 2 * CHUNK] + _tokens(CHUNK + 1),  # shares 2 chunks with the first, then its own
-    _BASE[:CHUNK] + _tokens(50),  # 1 chunk; decoding completes its 2nd chunk: not stored
+    _BASE[:CHUNK] + _tokens(50),  # 1 chunk; decoding completes its 2nd chunk: stored too (save_decode_cache)
     _tokens(40),  # shorter than a chunk
     _BASE,  # exactly 4 chunks: a hit on the whole prompt
 ]
 HITS = [3 * CHUNK, 3 * CHUNK, CHUNK, 0, 4 * CHUNK]
-STORED_CHUNKS = 5  # distinct full prompt chunks: base 0-3, and the second prompt's 3rd
+STORED_CHUNKS = 6  # distinct full chunks: base 0-3, the second prompt's 3rd, and the third's 2nd
+# (completed while decoding: the default `save_decode_cache` stores those too)
+PROMPT_CHUNKS = 5  # of them, those of the prompts (what running PROMPTS again can hit)
 # One prompt of each prefix family: run together, none can hit what another stores.
 HEADS = [PROMPTS[0], PROMPTS[3]]
 HEAD_CHUNKS = 3
