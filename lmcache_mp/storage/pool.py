@@ -163,11 +163,24 @@ class MemoryPool:
     def reserve(self, keys: list[Hashable], nbytes: int) -> list[PoolObject | ReserveFailure]:
         """Per key, in order: ReserveFailure.ALREADY_PRESENT if the key is live (even if still
         WRITING), else a new WRITING object of `nbytes`, evicting what it must, else
-        ReserveFailure.NO_SPACE. Raises ValueError, before reserving anything, if `nbytes` can never
-        fit."""
+        ReserveFailure.NO_SPACE. A key repeated within the call gets its first answer again
+        (ALREADY_PRESENT for one it got an object for): a later key's eviction may have taken it
+        meanwhile, and one call never answers one key two ways. Raises ValueError, before
+        reserving anything, if `nbytes` can never fit."""
         with self._lock:
             size_class = self._slabs.size_class(nbytes)
-            return [self._reserve_one(key, size_class) for key in keys]
+            first: dict[Hashable, PoolObject | ReserveFailure] = {}
+            outcomes: list[PoolObject | ReserveFailure] = []
+            for key in keys:
+                earlier = first.get(key)
+                if earlier is None:
+                    outcome = first[key] = self._reserve_one(key, size_class)
+                elif isinstance(earlier, PoolObject):
+                    outcome = ReserveFailure.ALREADY_PRESENT
+                else:
+                    outcome = earlier
+                outcomes.append(outcome)
+            return outcomes
 
     def admit(self, nbytes: int) -> None:
         """Make sure objects of `nbytes` can be reserved, as the first reserve of that size would:

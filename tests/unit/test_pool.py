@@ -112,6 +112,19 @@ def test_duplicate_keys_are_already_present() -> None:
     assert pool.num_objects == 1
 
 
+def test_a_repeated_key_gets_its_first_answer_even_after_eviction() -> None:
+    """Found by the state machine: key 10, present, answered ALREADY_PRESENT, was then evicted to
+    make room for key 2 of the same call, and its repeat got a new object: one key, two answers."""
+    pool = MemoryPool(4 * KiB, slab_bytes=KiB)
+    for chain in ([1, 10], [3]):
+        objects = pool.reserve(chain, 700)
+        pool.commit(objects)  # type: ignore[arg-type]
+        pool.link(chain)
+    outcomes = pool.reserve([0, 10, 2, 10], 700)
+    assert outcomes[1] is outcomes[3] is ReserveFailure.ALREADY_PRESENT
+    assert [isinstance(outcome, PoolObject) for outcome in outcomes] == [True, False, True, False]
+
+
 def test_abort_frees_the_slot() -> None:
     pool = MemoryPool(KiB, slab_bytes=KiB)
     objects = pool.reserve(list(range(4)), 256)
