@@ -50,6 +50,7 @@ VERSION = 1
 _PREFIX = struct.Struct("<4sHHHHQ")
 _CHECKSUM = struct.Struct("<Q")
 PREFIX_SIZE = _PREFIX.size
+CHECKSUM_SIZE = _CHECKSUM.size  # the last field of a header
 _MAX_FIELD = 0xFFFF  # the u16 length fields
 
 Payload = torch.Tensor | memoryview | bytes | bytearray | np.ndarray
@@ -70,27 +71,39 @@ def as_buffer(payload: Payload) -> memoryview:
     return memoryview(payload).cast("B")
 
 
-def encode_header(key: ChunkKey, payload: Payload, slice_bytes: int = 0,
-                  between_slices: Callable[[], None] | None = None) -> bytes:
-    """The header of the object that stores `payload` under `key`. With `slice_bytes`, the
-    payload is checksummed in slices of that size, calling `between_slices` before each (a
-    background writer uses it to give way to the request path)."""
-    data = as_buffer(payload)
+def encode_head(key: ChunkKey, payload_len: int) -> bytes:
+    """The header of the object that stores `payload_len` bytes under `key`, but its checksum:
+    `encode_header` appends it; the pool writes its records in two steps (`pool_file`)."""
     fields = key.fmt.encode()
     if max(len(key.chunk_hash), len(key.fingerprint), len(fields)) > _MAX_FIELD:
         raise ValueError("chunk hash or format too long for a chunk header")
-    head = b"".join((
-        _PREFIX.pack(MAGIC, VERSION, len(key.chunk_hash), len(key.fingerprint), len(fields),
-                     data.nbytes),
-        key.chunk_hash, key.fingerprint, fields))
-    checksum = xxhash.xxh3_64()
-    checksum.update(head)
+    return b"".join((_PREFIX.pack(MAGIC, VERSION, len(key.chunk_hash), len(key.fingerprint),
+                                  len(fields), payload_len),
+                     key.chunk_hash, key.fingerprint, fields))
+
+
+def checksum(head: bytes | memoryview, payload: Payload, slice_bytes: int = 0,
+             between_slices: Callable[[], None] | None = None) -> int:
+    """The header's checksum: xxh3_64 of `head` (`encode_head`), then the payload. With
+    `slice_bytes`, the payload is hashed in slices of that size, calling `between_slices`
+    before each (a background thread uses it to give way to the request path)."""
+    data = as_buffer(payload)
+    digest = xxhash.xxh3_64()
+    digest.update(head)
     step = slice_bytes or max(data.nbytes, 1)
     for start in range(0, data.nbytes, step):
         if between_slices is not None:
             between_slices()
-        checksum.update(data[start:start + step])
-    return head + _CHECKSUM.pack(checksum.intdigest())
+        digest.update(data[start:start + step])
+    return digest.intdigest()
+
+
+def encode_header(key: ChunkKey, payload: Payload, slice_bytes: int = 0,
+                  between_slices: Callable[[], None] | None = None) -> bytes:
+    """The header of the object that stores `payload` under `key` (`checksum` says what the
+    slices are for)."""
+    head = encode_head(key, as_buffer(payload).nbytes)
+    return head + _CHECKSUM.pack(checksum(head, payload, slice_bytes, between_slices))
 
 
 def header_size_of(key: ChunkKey) -> int:
@@ -132,6 +145,25 @@ def check_header(key: ChunkKey, header: bytes | memoryview) -> int:
     if fmt.fingerprint != fingerprint:
         raise CorruptChunk("format fields do not hash to the header's fingerprint")
     return payload_len
+
+
+def read_key(header: bytes | memoryview) -> tuple[ChunkKey, int]:
+    """The key a header names and its payload length, checking what `check_header` checks but
+    the key (the pool adopting its own records after a restart does not know them)."""
+    size = header_size(header)
+    if len(header) != size:
+        raise CorruptChunk(f"header is {len(header)} bytes, its prefix says {size}")
+    _, _, hash_len, _, _, _ = _PREFIX.unpack_from(header)
+    chunk_hash = bytes(memoryview(header)[PREFIX_SIZE:PREFIX_SIZE + hash_len])
+    if not chunk_hash:
+        raise CorruptChunk("header names no chunk hash")
+    fields_at = PREFIX_SIZE + hash_len + _PREFIX.unpack_from(header)[3]
+    try:
+        fmt = _decode_format(bytes(memoryview(header)[fields_at:size - _CHECKSUM.size]))
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise CorruptChunk(f"undecodable format fields: {e}") from None
+    key = ChunkKey(chunk_hash, fmt)
+    return key, check_header(key, header)
 
 
 @functools.lru_cache(maxsize=256)

@@ -17,7 +17,8 @@ The engine sees storage only through these primitives:
     clear_tiers() -> [TierCleared]             empty every lower tier's namespace
     admit(nbytes)                              ValueError if L1 can never hold a chunk of nbytes
     stats() -> (PoolStats, [TierStats])      pool_stats(): the first alone
-    open(l1_bytes, tier_urls, ...)             build the pool and open the tiers (the daemon's way)
+    open(l1_bytes, tier_urls, ...)             build the pool (in its pool file, adopting what that
+                                               holds: warm restart) and open the tiers
     close()                                    finish queued writes (bounded), release the tiers,
                                                then the pool
 
@@ -45,10 +46,14 @@ import threading
 from collections.abc import Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from lmcache_mp.chunks import ChunkFormat, ChunkKey, PoolKey, TierCleared, TierStats, pool_key
 from lmcache_mp.storage.base import StorageTier
+from lmcache_mp.storage.chunk_format import encode_head
 from lmcache_mp.storage.pool import MemoryPool, PoolObject, PoolStats, ReserveFailure
+from lmcache_mp.storage.pool_file import open_pool_file
+from lmcache_mp.storage.pool_integrity import PoolIntegrity
 from lmcache_mp.storage.pool_memory import PinFn
 from lmcache_mp.storage.tiers import open_tier
 from lmcache_mp.storage.urls import redact_url
@@ -61,6 +66,7 @@ Hits = list[list[PoolObject]]
 
 MAX_PENDING_PROMOTIONS = 256
 SHUTDOWN_FLUSH_S = 10.0
+SHUTDOWN_SEAL_S = 10.0  # a clean stop checksums the pool file's newest chunks for up to this long
 
 
 @dataclass(eq=False)
@@ -95,6 +101,7 @@ class StorageManager:
 
     def __init__(self, pool: MemoryPool, tiers: list[tuple[str, StorageTier]], write_queue_bytes: int):
         self.pool = pool
+        self._persistent = bool(pool.stats().pool_file)
         self._tiers = [tier for _, tier in tiers]
         self._names = [name for name, _ in tiers]
         self._writers = [TierWriter(tier, name, write_queue_bytes, pool.unpin) for name, tier in tiers]
@@ -107,16 +114,20 @@ class StorageManager:
         self._readers = ThreadPoolExecutor(1, thread_name_prefix="lmcache-mp-read")
         self._pending = 0
         self._lock = threading.Lock()
+        self._integrity = PoolIntegrity(pool, self._gate.wait_for_gap) if self._persistent else None
 
     @classmethod
-    def open(cls, l1_bytes: int, tier_urls: list[str], write_queue_bytes: int,
-             pin: PinFn | None) -> StorageManager:
+    def open(cls, l1_bytes: int, tier_urls: list[str], write_queue_bytes: int, pin: PinFn | None,
+             pool_file: Path | None = None, fresh_pool: bool = False) -> StorageManager:
         """The daemon's storage: a pool of `l1_bytes` (its memory prepared in the background, so
         the daemon answers at once for any size; each prepared piece handed to `pin`, where
-        CUDA is present) and a tier per URL, in order. ValueError on a bad URL, with whatever
-        was opened closed again."""
+        CUDA is present) and a tier per URL, in order. With `pool_file`, the pool lives in that
+        file and adopts what it holds, unless `fresh_pool` (`pool_file.open_pool_file`: the pool
+        may still end up in anonymous memory, or that raises PoolFileError). ValueError on a bad
+        URL, with whatever was opened closed again."""
         # Page-aligned objects: the disk tier writes them with direct I/O, straight from the pool.
-        pool = MemoryPool(l1_bytes, align=mmap.PAGESIZE, background=True, pin=pin)
+        backing = open_pool_file(pool_file, l1_bytes, mmap.PAGESIZE, fresh=fresh_pool) if pool_file else None
+        pool = MemoryPool(l1_bytes, align=mmap.PAGESIZE, background=True, pin=pin, backing=backing)
         tiers: list[tuple[str, StorageTier]] = []
         try:
             for url in tier_urls:
@@ -151,13 +162,24 @@ class StorageManager:
         self.pool.link(keys, parent=parent_key)  # now with the new chunks in the chain
         # A queued chunk stays pinned, one pin per tier's queue, all taken before any is given
         # back: a chunk left with no pin could be evicted before the next queue takes it.
-        self.pool.commit(objects, pin=bool(self._writers))
+        self.pool.commit(objects, pin=bool(self._writers), records=self._records(fmt, hashes, slots, parent))
+        if self._integrity is not None:
+            self._integrity.poke()
         for _ in self._writers[1:]:
             self.pool.repin(objects)
         for writer in self._writers:
             for h, obj in fresh:
                 if not writer.offer(ChunkKey(h, fmt), obj):
                     self.pool.unpin([obj])
+
+    def _records(self, fmt: ChunkFormat, hashes: list[bytes], slots: list[PoolObject | ReserveFailure],
+                 parent: bytes | None) -> list[tuple[bytes, bytes] | None] | None:
+        """What the pool file keeps of each fresh slot: its parent's hash and its chunk head."""
+        if not self._persistent:
+            return None
+        parents = [parent or b"", *hashes[:-1]]
+        return [(p, encode_head(ChunkKey(h, fmt), s.nbytes))
+                for h, s, p in zip(hashes, slots, parents, strict=True) if isinstance(s, PoolObject)]
 
     @staticmethod
     def _chain(fmt: ChunkFormat, hashes: list[bytes],
@@ -348,10 +370,15 @@ class StorageManager:
     def _publish(self, chunk: list[_Source]) -> None:
         """Commit a chunk's freshly read slots, pinned like its L1 objects already are."""
         fresh = [src for src in chunk if src.tier is not None]
-        self.pool.commit([src.obj for src in fresh], pin=True)
+        self.pool.commit([src.obj for src in fresh], pin=True, records=self._promoted_records(fresh))
         with self._lock:
             for src in fresh:
                 self._promotions[src.tier] += 1  # type: ignore[index]
+
+    def _promoted_records(self, fresh: list[_Source]) -> list[tuple[bytes, bytes] | None] | None:
+        if not self._persistent:
+            return None
+        return [(b"", encode_head(src.key, src.obj.nbytes)) for src in fresh]
 
     def _release(self, chunk: list[_Source]) -> None:
         """Give back what a planned chunk holds: pins on L1 objects; slots that were read are
@@ -359,7 +386,8 @@ class StorageManager:
         self.pool.unpin([src.obj for src in chunk if src.tier is None])
         reads = [src for src in chunk if src.tier is not None]
         self.pool.abort([src.obj for src in reads if not src.filled])
-        self.pool.commit([src.obj for src in reads if src.filled])
+        filled = [src for src in reads if src.filled]
+        self.pool.commit([src.obj for src in filled], records=self._promoted_records(filled))
 
     # ---- RETRIEVE, CLEAR, status, lifecycle ---------------------------------------------------
 
@@ -414,4 +442,7 @@ class StorageManager:
             writer.close(SHUTDOWN_FLUSH_S)
         for tier in self._tiers:
             tier.close()
+        if self._integrity is not None:
+            self._integrity.close(SHUTDOWN_SEAL_S)
+            self._integrity = None
         self.pool.close()

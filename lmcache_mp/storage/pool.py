@@ -33,6 +33,13 @@ plus the ancestor walks of `_refresh` (a multi-slab span also walks the free run
 
 One lock guards all bookkeeping, the allocator's included; no method ever copies object bytes, so
 it is held briefly.
+
+Warm restart. Given a `pool_file.PoolFile`, the pool lives in that file, every slot starts with a
+record of its object (`pool_records` writes them at commit and clears them at drop, in the order
+`pool_file` explains), and a pool given a file that held one adopts its objects: READY, in their
+old recency order and chains; those whose checksum is still to be verified are invisible to
+readers until `pool_integrity`'s thread has (`take_unverified` / `verified`), which also seals new
+objects (`take_unsealed` / `sealed`).
 """
 
 from __future__ import annotations
@@ -40,16 +47,21 @@ from __future__ import annotations
 import enum
 import functools
 import itertools
+import logging
 import operator
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Hashable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from lmcache_mp.storage.pool_file import PoolFile, Record
 from lmcache_mp.storage.pool_memory import PIECE_BYTES, PinFn, PoolMemory
+from lmcache_mp.storage.pool_records import AdoptionStats, PoolRecords
 from lmcache_mp.storage.slabs import ALIGN, SizeClass, Slab, SlabAllocator, default_slab_bytes
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ALIGN", "MemoryPool", "ObjectState", "PoolObject", "PoolStats", "ReserveFailure",
            "default_slab_bytes"]
@@ -80,6 +92,8 @@ class PoolObject:
     data: torch.Tensor  # uint8 view of exactly `nbytes` of pool memory, `align`-aligned
     slab: Slab[PoolObject] = field(repr=False)
     slot: int = field(repr=False)
+    record_at: int = field(repr=False)  # where its slot (and a file-backed pool's record) starts
+    recorded: bool = field(default=False, repr=False)  # its record in the pool file is live
     state: ObjectState = ObjectState.WRITING
     pins: int = 0
     # Off its class's LRU and counted stuck in its slab: WRITING, or pinned and settled (see
@@ -103,18 +117,26 @@ class PoolStats:
     # pins above. Why pinning stopped short, if it did ("" otherwise): the rest is used unpinned.
     pinned_bytes: int
     pin_error: str
+    # The pool file (warm restart): "" for a pool in anonymous memory; what its start adopted.
+    pool_file: str = ""
+    adoption: AdoptionStats = field(default_factory=AdoptionStats)
+    unverified: int = 0  # adopted objects not yet checked (invisible to readers until then)
+    unsealed: int = 0  # committed objects whose checksum is still to be written
 
 
 class MemoryPool:
     """Fixed-capacity, thread-safe store of KV chunk objects; see the module docstring."""
 
     def __init__(self, capacity_bytes: int, *, pin: PinFn | None = None, slab_bytes: int | None = None,
-                 align: int = ALIGN, background: bool = False, piece_bytes: int = PIECE_BYTES):
+                 align: int = ALIGN, background: bool = False, piece_bytes: int = PIECE_BYTES,
+                 backing: PoolFile | None = None):
         """`align`: every object's data starts on a multiple of it (a power of two, >= ALIGN);
         the daemon asks for whole pages, which direct I/O (disk tier) needs. `pin`: page-locks each
         prepared piece (see `pool_memory`). `background`: prepare the memory on a thread of its own
         and return at once; otherwise it is all prepared before this returns. `piece_bytes`: how
-        much is prepared (and pinned) at once, about. `close` when done."""
+        much is prepared (and pinned) at once, about. `backing`: the pool file to live in (of this
+        capacity and alignment), whose objects are adopted if it held a pool (warm restart; its
+        slab size then wins over `slab_bytes`). `close` when done."""
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         if align < ALIGN or align & (align - 1):
@@ -122,11 +144,15 @@ class MemoryPool:
         self.capacity_bytes = capacity_bytes
         self.align = align
         # The only KV allocation this pool ever makes.
-        self._memory = PoolMemory(capacity_bytes, pin, piece_bytes)
+        self._memory = PoolMemory(capacity_bytes, pin, piece_bytes, backing)
         self._buffer = self._memory.tensor
         base = -self._buffer.data_ptr() % align
+        self._records = PoolRecords(backing) if backing is not None else None
+        if backing is not None and backing.slab_bytes:
+            slab_bytes = backing.slab_bytes
         self._slabs: SlabAllocator[PoolObject] = SlabAllocator(
-            capacity_bytes, base, max(0, capacity_bytes - base), align, slab_bytes)
+            capacity_bytes, base, max(0, capacity_bytes - base), align, slab_bytes,
+            backing.header_bytes if backing is not None else 0)
         self._lock = threading.Lock()
         self._index: dict[Hashable, PoolObject] = {}  # every live object, WRITING or READY
         self._readable: dict[Hashable, PoolObject] = {}  # the READY ones: what readers may pin
@@ -138,6 +164,8 @@ class MemoryPool:
         self._num_pinned = 0
         self._num_writing = 0
         self._evictions = 0
+        if backing is not None and backing.adopted:
+            self._adopt()
         if background:
             self._memory.prepare_in_background(self._piece_boundary, self._take_prepared)
         else:
@@ -168,7 +196,7 @@ class MemoryPool:
         meanwhile, and one call never answers one key two ways. Raises ValueError, before
         reserving anything, if `nbytes` can never fit."""
         with self._lock:
-            size_class = self._slabs.size_class(nbytes)
+            size_class = self._size_class(nbytes)
             first: dict[Hashable, PoolObject | ReserveFailure] = {}
             outcomes: list[PoolObject | ReserveFailure] = []
             for key in keys:
@@ -187,15 +215,20 @@ class MemoryPool:
         raises ValueError, naming the most this pool can allocate contiguously, if they never can.
         Fixes the slab size when it is still open, so a later reserve of this size never raises."""
         with self._lock:
-            self._slabs.size_class(nbytes)
+            self._size_class(nbytes)
 
-    def commit(self, objects: list[PoolObject], *, pin: bool = False) -> None:
+    def commit(self, objects: list[PoolObject], *, pin: bool = False,
+               records: list[tuple[bytes, bytes] | None] | None = None) -> None:
         """WRITING -> READY: visible to readers. With `pin`, each object also gets one pin (release it
         with `unpin`) and is never evictable in between; without, the objects become the most recently
-        used, the first of the list the most recent, and their ancestors more recent still."""
+        used, the first of the list the most recent, and their ancestors more recent still.
+        `records`, per object, for a file-backed pool: (parent's chunk hash, chunk head) to keep
+        it across a restart (`pool_records`); an object without one is not kept."""
         with self._lock:
             self._check_writing(objects)
-            for obj in objects:
+            for i, obj in enumerate(objects):
+                if self._records is not None:
+                    self._records.committed(obj, records[i] if records is not None else None)
                 obj.state = ObjectState.READY
                 self._readable[obj.key] = obj
                 self._num_writing -= 1
@@ -318,11 +351,133 @@ class MemoryPool:
                 ready_bytes=self._slabs.ready_bytes,
                 pinned_bytes=self._memory.pinned_bytes,
                 pin_error=self._memory.pin_error,
+                **self._record_stats(),
             )
 
     def close(self) -> None:
-        """Stop preparing memory and unpin it; nothing may copy into or out of the pool after."""
+        """Stop preparing memory and unpin it; nothing may copy into or out of the pool after. A
+        pool file stays, with what it holds, for the next start."""
         self._memory.close()
+        if self._records is not None:
+            self._records.file.close()
+
+    # ---- warm restart: sealing and verifying (`pool_integrity`'s thread) -------------------------
+
+    def take_unsealed(self) -> PoolObject | None:
+        """The oldest committed object whose checksum is still to be written, pinned (without
+        changing its recency: see `settle_quietly`), or None."""
+        with self._lock:
+            if self._records is None or not self._records.unsealed:
+                return None
+            obj = next(iter(self._records.unsealed))
+            del self._records.unsealed[obj]
+            self._pin_all([obj])
+            return obj
+
+    def sealed(self, obj: PoolObject) -> None:
+        """`take_unsealed`'s object has its checksum written: unpinned, in place."""
+        with self._lock:
+            self._unpin_in_place(obj)
+
+    def seal(self, obj: PoolObject, pace: Callable[[], None] | None = None) -> None:
+        """Checksum a pinned object's payload into its record (no lock held: it is pinned)."""
+        assert self._records is not None
+        self._records.file.seal(obj.record_at, obj.data, pace)
+
+    def take_unverified(self) -> tuple[PoolObject, Record] | None:
+        """The most recently used adopted object still to be verified, pinned in place, and its
+        record; None when there is none."""
+        with self._lock:
+            if self._records is None or not self._records.unverified:
+                return None
+            obj, record = self._records.unverified.popitem()
+            self._pin_all([obj])
+            return obj, record
+
+    def verified(self, obj: PoolObject, ok: bool) -> None:
+        """`take_unverified`'s object passed its check (readers see it now) or failed it (freed).
+        Nobody else pins it meanwhile: readers can't see it."""
+        with self._lock:
+            assert self._records is not None
+            self._unpin_in_place(obj)
+            if ok:
+                self._records.stats.verified_total += 1
+                self._readable[obj.key] = obj
+            else:
+                self._records.stats.dropped_total += 1
+                logger.warning("pool: adopted chunk %r failed its checksum: freed", obj.key)
+                self._remove_evictable(obj)
+
+    def _unpin_in_place(self, obj: PoolObject) -> None:
+        """Release a pin of `take_*` without making the object more recently used: it stays where
+        it was in its LRU, unless an eviction decision settled the pin meanwhile."""
+        obj.pins -= 1
+        if obj.pins == 0:
+            self._num_pinned -= 1
+            self._make_evictable([obj])
+
+    def _record_stats(self) -> dict[str, object]:
+        records = self._records
+        if records is None:
+            return {}
+        return {"pool_file": str(records.file.path), "adoption": replace(records.stats),
+                "unverified": len(records.unverified), "unsealed": len(records.unsealed)}
+
+    # ---- warm restart: adoption -------------------------------------------------------------------
+
+    def _adopt(self) -> None:
+        """Take over the objects the pool file holds (see the module docstring): READY, in their
+        order of commit (the newest the most recently used), linked to their parents."""
+        assert self._records is not None
+        records = self._records
+        found = records.scan(self._adopt_slab)
+        objects: list[PoolObject] = []
+        for item in found:
+            slab, slot, size_class = item.slab, item.slot, item.slab.size_class
+            record_at = slab.offset + slot * size_class.slot_bytes
+            data = self._buffer.narrow(0, record_at + self._slabs.header_bytes, size_class.nbytes)
+            obj = PoolObject(item.pool_key, size_class.nbytes, data, slab, slot, record_at,
+                             state=ObjectState.READY, held=False)
+            slab.objects[slot] = obj
+            slab.live += 1
+            self._index[obj.key] = obj
+            self._used += obj.nbytes
+            size_class.evictable[obj] = None
+            if records.adopted(obj, item.record):
+                self._readable[obj.key] = obj
+            objects.append(obj)
+        for item, obj in zip(found, objects, strict=True):
+            parent = self._index.get(item.parent_key) if item.parent_key is not None else None
+            if parent is not None and parent is not obj:
+                obj.parent = parent
+        self._settle_adopted_slabs()
+        self._refresh(objects[::-1])  # the newest the most recent, each chain's ancestors more so
+        logger.info("pool: adopted %d chunks (%.2f GiB) from %s, %d of them still to be verified",
+                    len(objects), self._used / 2**30, records.file.path, len(records.unverified))
+
+    def _adopt_slab(self, first: int, nbytes: int, span: int) -> Slab[PoolObject] | None:
+        try:
+            return self._slabs.adopt_slab(first, nbytes, span)
+        except ValueError:
+            return None
+
+    def _settle_adopted_slabs(self) -> None:
+        """Adopted slabs: empty ones are forgotten (freed as their memory is prepared), the others
+        are clean, and open if they have a free slot."""
+        seen: set[Slab[PoolObject]] = set()
+        for slab in [slab for slab in self._slabs.owner if slab is not None]:
+            if slab in seen:
+                continue
+            seen.add(slab)
+            if not slab.live:
+                self._slabs.owner[slab.first : slab.first + slab.span] = [None] * slab.span
+                assert self._records is not None
+                self._records.slab_released(slab)
+                continue
+            slab.free_slots = [i for i in range(len(slab.objects) - 1, -1, -1) if slab.objects[i] is None]
+            if slab.free_slots:
+                slab.size_class.open_slabs[slab] = None
+            self._clean_slabs[slab] = None
 
     # ---- prepared memory and slabs -------------------------------------------------------------
 
@@ -337,6 +492,15 @@ class MemoryPool:
     def _release_slab(self, slab: Slab[PoolObject]) -> None:
         self._clean_slabs.pop(slab, None)
         self._slabs.release(slab)
+        if self._records is not None:
+            self._records.slab_released(slab)
+
+    def _size_class(self, nbytes: int) -> SizeClass[PoolObject]:
+        """The allocator's size class; the first fixes the slab size, which a pool file keeps."""
+        size_class = self._slabs.size_class(nbytes)
+        if self._records is not None and self._slabs.slab_bytes is not None:
+            self._records.slab_bytes_fixed(self._slabs.slab_bytes)
+        return size_class
 
     # ---- reserving and eviction ----------------------------------------------------------------
 
@@ -349,10 +513,9 @@ class MemoryPool:
         slot = slab.free_slots.pop()
         if not slab.free_slots:
             del size_class.open_slabs[slab]
-        offset = slab.offset + slot * size_class.slot_bytes
-        obj = PoolObject(
-            key, size_class.nbytes, self._buffer.narrow(0, offset, size_class.nbytes), slab, slot
-        )
+        record_at = slab.offset + slot * size_class.slot_bytes
+        data = self._buffer.narrow(0, record_at + self._slabs.header_bytes, size_class.nbytes)
+        obj = PoolObject(key, size_class.nbytes, data, slab, slot, record_at)
         slab.objects[slot] = obj
         slab.live += 1
         self._stick(slab)
@@ -368,6 +531,8 @@ class MemoryPool:
                 return next(iter(size_class.open_slabs))
             slab = self._slabs.new_slab(size_class)
             if slab is not None:
+                if self._records is not None:
+                    self._records.slab_taken(slab)
                 return slab
             self._settle()
             if size_class.evictable:
@@ -520,6 +685,8 @@ class MemoryPool:
 
     def _drop(self, obj: PoolObject) -> None:
         """Free obj's slot (and its slab, if that empties). Stuck counts are the caller's job."""
+        if self._records is not None:
+            self._records.dropped(obj)  # first: its slot may be reused once this returns
         del self._index[obj.key]
         self._readable.pop(obj.key, None)
         self._used -= obj.nbytes

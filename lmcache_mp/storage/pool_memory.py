@@ -1,4 +1,5 @@
-"""The pool's memory: one anonymous mapping, prepared piece by piece from its start.
+"""The pool's memory: one mapping (anonymous, or of a pool file: `pool_file`), prepared piece by
+piece from its start.
 
 Preparing means faulting every page in (a page faulted in by a STORE's copy costs that STORE ~3x
 its copy time) and, where CUDA is present, page-locking it for DMA. For a large pool that takes
@@ -39,6 +40,8 @@ from collections.abc import Callable
 
 import torch
 
+from lmcache_mp.storage.pool_file import PoolFile
+
 logger = logging.getLogger(__name__)
 
 PIECE_BYTES = 1 << 30  # what is pinned (registered) at once, and the unit of readiness
@@ -74,14 +77,21 @@ def _round_up_page(n: int) -> int:
 
 
 class PoolMemory:
-    """A private anonymous mapping of `nbytes` and its preparation, piece by piece, in order."""
+    """A mapping of `nbytes` and its preparation, piece by piece, in order: private and anonymous,
+    or the data of `backing`, whose pieces are also allocated in its file system (fallocate) before
+    they are touched: a page of a full tmpfs would otherwise kill the daemon (SIGBUS) when written."""
 
-    def __init__(self, nbytes: int, pin: PinFn | None, piece_bytes: int) -> None:
+    def __init__(self, nbytes: int, pin: PinFn | None, piece_bytes: int,
+                 backing: PoolFile | None = None) -> None:
         self.nbytes = nbytes
         self.piece_bytes = piece_bytes
-        # Page-aligned: a mapping rather than the heap, whose large blocks start just past a page.
-        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self.tensor = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
+        self._backing = backing
+        if backing is not None:
+            self.tensor = backing.data
+        else:
+            # Page-aligned: a mapping rather than the heap, whose large blocks start past a page.
+            mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self.tensor = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
         self._pin = pin
         self._unpins: list[Callable[[], None]] = []
         # Both written only by the preparing thread: the pinned prefix of the mapping (from offset
@@ -151,6 +161,8 @@ class PoolMemory:
         """Fault in [start, end) and pin it (unless pinning failed); False, with the piece left
         unused, if stopped."""
         address = self.tensor.data_ptr()
+        if self._backing is not None:
+            os.posix_fallocate(self._backing.fd, self._backing.data_offset + start, end - start)
         with contextlib.suppress(OSError):  # a kernel without THP: 4 KiB pages, slower to fault
             _madvise(address + start, end - start, MADV_HUGEPAGE)
         for step in range(start, end, _STEP_BYTES):

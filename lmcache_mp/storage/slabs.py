@@ -54,7 +54,7 @@ def default_slab_bytes(slot_bytes: int, usable_bytes: int) -> int:
 @dataclass(eq=False)
 class SizeClass(Generic[Obj]):
     nbytes: int
-    slot_bytes: int  # nbytes rounded up to the pool's alignment
+    slot_bytes: int  # the record area (file-backed pools), then nbytes rounded up to the alignment
     span: int  # base slabs per slab
     slots_per_slab: int
     # Slabs with at least one free slot, and READY unpinned objects, least recently used first.
@@ -123,8 +123,11 @@ class SlabAllocator(Generic[Obj]):
     """The base slabs of a pool's buffer and its size classes; see the module docstring. The
     buffer's usable part is `usable` bytes from offset `base` (where `align` first falls)."""
 
-    def __init__(self, capacity_bytes: int, base: int, usable: int, align: int, slab_bytes: int | None):
+    def __init__(self, capacity_bytes: int, base: int, usable: int, align: int, slab_bytes: int | None,
+                 header_bytes: int = 0):
         self.capacity_bytes = capacity_bytes
+        # In front of every object, in its slot: a file-backed pool's record (`pool_file`).
+        self.header_bytes = header_bytes
         self.base = base
         self.usable = usable
         self.align = align
@@ -160,9 +163,10 @@ class SlabAllocator(Generic[Obj]):
 
     def _free_prepared_slabs(self) -> None:
         covered = min(len(self.owner), max(0, (self.ready_bytes - self.base) // self.slab_bytes))
-        if covered > self.ready_slabs:
-            self.free.give(self.ready_slabs, covered - self.ready_slabs)
-            self.ready_slabs = covered
+        for first in range(self.ready_slabs, covered):  # those not adopted (`adopt_slab`)
+            if self.owner[first] is None:
+                self.free.give(first, 1)
+        self.ready_slabs = max(self.ready_slabs, covered)
 
     # ---- size classes and slabs ----------------------------------------------------------------
 
@@ -178,7 +182,7 @@ class SlabAllocator(Generic[Obj]):
         size_class = self.classes.get(nbytes)
         if size_class is not None:
             return size_class
-        slot_bytes = round_up(nbytes, self.align)
+        slot_bytes = self.header_bytes + round_up(nbytes, self.align)
         if nbytes <= 0 or slot_bytes > self.usable:
             raise ValueError(f"cannot store objects of {nbytes} bytes in a pool of {self.capacity_bytes} "
                              f"bytes: it can allocate at most {self.usable} contiguous bytes")
@@ -206,6 +210,18 @@ class SlabAllocator(Generic[Obj]):
                     list(range(count - 1, -1, -1)))
         self.owner[first : first + size_class.span] = [slab] * size_class.span
         size_class.open_slabs[slab] = None
+        return slab
+
+    def adopt_slab(self, first: int, nbytes: int, span: int) -> Slab[Obj]:
+        """The slab a pool file says starts at base slab `first`, for objects of `nbytes` (whose
+        class must have `span`), taken before any base slab is free; ValueError if it can't be."""
+        size_class = self.size_class(nbytes)
+        if size_class.span != span or first + span > len(self.owner) or any(self.owner[first:first + span]):
+            raise ValueError(f"a slab of span {span} at base slab {first} for {nbytes}-byte objects "
+                             "does not fit this pool")
+        count = size_class.slots_per_slab
+        slab = Slab(first, self.base + first * self.slab_bytes, size_class, [None] * count, [])
+        self.owner[first : first + span] = [slab] * span
         return slab
 
     def release(self, slab: Slab[Obj]) -> None:

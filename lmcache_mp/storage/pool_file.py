@@ -1,0 +1,354 @@
+"""The pool's memory as a file that outlives the daemon: what a restart adopts (warm restart).
+
+Why a file in /dev/shm (tmpfs) by default: it survives the daemon (a crash, an upgrade,
+`systemctl restart`) and dies with the machine, like the KV it holds; it works wherever the daemon
+runs, under systemd or not (a memfd in systemd's file-descriptor store survives only what systemd
+restarts, and nothing started by hand). Its cost is the pages: this VM backs anonymous memory
+with transparent huge pages (`madvise`), shared memory with 4 KiB pages unless
+`/sys/kernel/mm/transparent_hugepage/shmem_enabled` says otherwise (`advise`: the pool asks for
+them), or the file lives on a hugetlbfs or a tmpfs mounted `huge=within_size` (`--pool-file`).
+docs/benchmarks.md measures what the pages cost.
+
+The file is ours alone: created 0600 (O_EXCL, O_NOFOLLOW) in a 0700 directory, locked (flock)
+while a daemon uses it, and adopted only if it is a regular file of this user, mode 0600, of the
+exact size and format the configuration asks for (`open_pool_file` says why not, in one line, and
+starts it afresh).
+
+Layout: page 0 is the superblock; then the slab table, one u64 per base slab (the size class of
+the slab starting there); then, page-aligned, the pool's memory, carved into slabs as `slabs`
+says. Every slot of a file-backed pool begins with a record area of `header_bytes` (the object's
+payload follows it), which holds one record:
+
+    u64 state   EMPTY, COMMITTED or SEALED; written last and alone (one aligned 8-byte store)
+    u64 seq     the pool's commit counter when it was committed (recency, on adoption)
+    u16 parent_len, u16 head_len
+    parent      the chunk hash of the chunk before it in its chain (empty: none known)
+    head        `chunk_format`'s header of the object (key, format, length), then its checksum,
+                which is 0 until the chunk is SEALED (computed off the request path)
+
+Crash consistency rests on one order, kept by the pool: a slot's state is EMPTY before its slot is
+handed out, its payload and record are written before its state becomes COMMITTED (before the
+STORE is answered), and the state goes back to EMPTY before the slot can be reused. A process
+killed at any instant leaves its stores in the page cache, so what a restart finds COMMITTED or
+SEALED is a chunk whose STORE completed. The states share their upper 32 bits: a state write torn
+into halves reads as EMPTY-or-invalid (never adopted) or as one of the two whole states.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import stat
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lmcache_mp.chunks import ChunkKey
+from lmcache_mp.storage import chunk_format
+
+logger = logging.getLogger(__name__)
+
+PAGE = mmap.PAGESIZE
+MAGIC = b"LMPOOL\x00\x01"
+VERSION = 1
+# magic, version, page size, file bytes, data offset, capacity, align, header bytes, table entries
+_SUPER = struct.Struct("<8sIIQQQQQQ")
+_SLAB_BYTES_AT = 128  # u64, 0 until the pool fixes its slab size (at its first reserve)
+
+EMPTY = 0
+_STATE_HIGH = 0x4C4D5053 << 32  # "SPML": shared by both live states (see the module docstring)
+COMMITTED = _STATE_HIGH | 0x544D4F43
+SEALED = _STATE_HIGH | 0x4C414553
+_RECORD = struct.Struct("<QQHH")  # state, seq, parent_len, head_len
+_SLICE_BYTES = 8 << 20  # checksummed at once, between calls of the pacer
+RECORD_MIN_BYTES = 1024  # room for a record: a model name of a few hundred characters fits
+
+
+class PoolFileError(Exception):
+    """The pool file cannot be used at all (another daemon holds it, its directory is unsafe)."""
+
+
+def header_bytes_for(align: int) -> int:
+    """The record area in front of every payload: whole `align` units, so payloads stay aligned."""
+    return -(-RECORD_MIN_BYTES // align) * align
+
+
+def _layout(capacity: int, align: int) -> tuple[int, int, int]:
+    """(table entries, data offset, file bytes) for a pool of `capacity` bytes."""
+    entries = capacity // (header_bytes_for(align) + align) + 1  # every base slab holds a slot
+    data_offset = PAGE + -(-entries * 8 // PAGE) * PAGE
+    return entries, data_offset, data_offset + capacity
+
+
+@dataclass(frozen=True)
+class Record:
+    """A live record found in a slot on adoption."""
+
+    state: int
+    seq: int
+    key: ChunkKey
+    parent: bytes  # the parent's chunk hash, b"" if none
+    head: bytes  # the chunk header, checksum included
+
+
+class PoolFile:
+    """An open, locked pool file and its mapping: `data` is the pool's memory."""
+
+    def __init__(self, path: Path, fd: int, capacity: int, align: int, adopted: bool):
+        self.path = path
+        self.fd = fd
+        self.capacity = capacity
+        self.align = align
+        self.header_bytes = header_bytes_for(align)
+        self.entries, self.data_offset, self.file_bytes = _layout(capacity, align)
+        self.adopted = adopted  # the file held a pool that this daemon now serves
+        # Mapped through a second open file description of the same inode: the mapping keeps a
+        # duplicate of the descriptor it was made from, and the lock (on `fd`) must end at `close`.
+        map_fd = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            mapping = mmap.mmap(map_fd, self.file_bytes, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(map_fd)
+        self._mapping = mapping
+        self.data = torch.frombuffer(mapping, dtype=torch.uint8, offset=self.data_offset,
+                                     count=capacity)
+        # Every aligned u64 of the file, for stores that must be one instruction (states).
+        self._words = np.frombuffer(mapping, dtype=np.uint64, count=self.file_bytes // 8)
+        self._view = memoryview(mapping)
+
+    # ---- superblock and slab table ---------------------------------------------------------------
+
+    def write_superblock(self) -> None:
+        _SUPER.pack_into(self._view, 0, MAGIC, VERSION, PAGE, self.file_bytes, self.data_offset,
+                         self.capacity, self.align, self.header_bytes, self.entries)
+
+    def superblock_mismatch(self) -> str:
+        """Why the superblock is not one this configuration wrote ("" if it is)."""
+        found = _SUPER.unpack_from(self._view, 0)
+        wanted = (MAGIC, VERSION, PAGE, self.file_bytes, self.data_offset, self.capacity, self.align,
+                  self.header_bytes, self.entries)
+        names = ("magic", "format version", "page size", "size", "data offset", "capacity",
+                 "alignment", "record size", "slab table")
+        for name, have, want in zip(names, found, wanted, strict=True):
+            if have != want:
+                return f"its {name} is {have!r}, this daemon's is {want!r}"
+        return ""
+
+    @property
+    def slab_bytes(self) -> int:
+        return int(self._words[_SLAB_BYTES_AT // 8])
+
+    @slab_bytes.setter
+    def slab_bytes(self, value: int) -> None:
+        self._words[_SLAB_BYTES_AT // 8] = value
+
+    def slab_entry(self, first: int) -> tuple[int, int]:
+        """(object bytes, span) of the slab starting at base slab `first`; (0, 0) for none."""
+        word = int(self._words[PAGE // 8 + first])
+        return word >> 20, word & 0xFFFFF
+
+    def set_slab_entry(self, first: int, nbytes: int, span: int) -> None:
+        if span >= 1 << 20 or nbytes >= 1 << 44:
+            raise ValueError(f"slab of span {span} for {nbytes}-byte objects does not fit the slab table")
+        self._words[PAGE // 8 + first] = nbytes << 20 | span
+
+    def clear_slab_entry(self, first: int) -> None:
+        self._words[PAGE // 8 + first] = 0
+
+    # ---- records ---------------------------------------------------------------------------------
+
+    def set_state(self, record_at: int, state: int) -> None:
+        """One aligned 8-byte store; `record_at` is the record's offset in `data`."""
+        self._words[(self.data_offset + record_at) // 8] = state
+
+    def write_record(self, record_at: int, seq: int, parent: bytes, head: bytes) -> bool:
+        """Write a record's body (state untouched): `head` is `chunk_format.encode_head`'s, its
+        checksum (0 until sealed) is appended. False if it does not fit the record area."""
+        head += bytes(chunk_format.CHECKSUM_SIZE)
+        if _RECORD.size + len(parent) + len(head) > self.header_bytes:
+            return False
+        at = self.data_offset + record_at
+        view = self._view
+        _RECORD.pack_into(view, at, int(self._words[at // 8]), seq, len(parent), len(head))
+        body = at + _RECORD.size
+        view[body:body + len(parent)] = parent
+        view[body + len(parent):body + len(parent) + len(head)] = head
+        return True
+
+    def read_record(self, record_at: int, payload_len: int) -> Record | None:
+        """The live record at `record_at` of an object of `payload_len` bytes, or None (empty, or
+        anything that does not parse as one: never adopted)."""
+        at = self.data_offset + record_at
+        state, seq, parent_len, head_len = _RECORD.unpack_from(self._view, at)
+        if state not in (COMMITTED, SEALED) or _RECORD.size + parent_len + head_len > self.header_bytes:
+            return None
+        body = at + _RECORD.size
+        parent = bytes(self._view[body:body + parent_len])
+        head = bytes(self._view[body + parent_len:body + parent_len + head_len])
+        try:
+            key, length = chunk_format.read_key(head)
+        except chunk_format.CorruptChunk:
+            return None
+        if length != payload_len:
+            return None
+        return Record(state, seq, key, parent, head)
+
+    def seal(self, record_at: int, payload: torch.Tensor, pace: Callable[[], None] | None) -> None:
+        """Checksum a COMMITTED record's payload into its head, then mark it SEALED. `pace` is
+        called between slices: the request path's copies go first."""
+        at = self.data_offset + record_at
+        _, _, parent_len, head_len = _RECORD.unpack_from(self._view, at)
+        head_at = at + _RECORD.size + parent_len
+        head = self._view[head_at:head_at + head_len - chunk_format.CHECKSUM_SIZE]
+        digest = chunk_format.checksum(head, payload, _SLICE_BYTES, pace)
+        struct.pack_into("<Q", self._view, head_at + head_len - chunk_format.CHECKSUM_SIZE, digest)
+        self.set_state(record_at, SEALED)
+
+    def close(self) -> None:
+        """Release the lock (the mapping goes with the last view of it)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def verify(record: Record, payload: torch.Tensor, pace: Callable[[], None] | None = None) -> bool:
+    """Whether a SEALED record's payload is exactly what was sealed (`pace`: see `seal`)."""
+    head = record.head[:-chunk_format.CHECKSUM_SIZE]
+    (stored,) = struct.unpack_from("<Q", record.head, len(head))
+    return chunk_format.checksum(head, payload, _SLICE_BYTES, pace) == stored
+
+
+# ---- opening --------------------------------------------------------------------------------------
+
+
+def open_pool_file(path: Path, capacity: int, align: int, *, fresh: bool) -> PoolFile | None:
+    """The pool file at `path`: the existing one when it can be adopted (unless `fresh`), else a
+    new one; None (after one warning) when the file system has no room for a new one: the pool
+    then lives in anonymous memory, without warm restart. Raises PoolFileError if the directory
+    is unsafe or another daemon holds the file."""
+    _private_directory(path.parent)
+    file_bytes = _layout(capacity, align)[2]
+    if not fresh:
+        reason, fd = _existing(path, file_bytes)
+        if fd is not None:
+            pool_file = PoolFile(path, fd, capacity, align, adopted=True)
+            mismatch = pool_file.superblock_mismatch()
+            if not mismatch:
+                logger.info("pool file %s: adopting the pool it holds", path)
+                return pool_file
+            pool_file.close()
+            reason = mismatch
+        if reason:
+            logger.warning("pool file %s not adopted: %s; starting with an empty pool", path, reason)
+    elif os.path.lexists(path):
+        logger.info("pool file %s: discarded (--fresh-pool)", path)
+    return _create(path, capacity, align, file_bytes)
+
+
+def discard_pool_file(path: Path) -> bool:
+    """Remove a pool file nobody uses (`lmcache-mp clear`); False if there was none. Raises
+    PoolFileError if a daemon holds it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    except OSError as err:
+        if err.errno != errno.ELOOP:
+            raise
+        os.unlink(path)  # a symbolic link in its place: the link goes, never its target
+        return True
+    try:
+        _lock(fd, path)
+        os.unlink(path)
+    finally:
+        os.close(fd)
+    return True
+
+
+def _existing(path: Path, file_bytes: int) -> tuple[str, int | None]:
+    """(why the file at `path` is not adopted, "" if there is none), or ("", its locked fd)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return "", None
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return "it is a symbolic link", None
+        return f"it cannot be opened ({err.strerror})", None
+    st = os.fstat(fd)
+    reason = ""
+    if not stat.S_ISREG(st.st_mode):
+        reason = "it is not a regular file"
+    elif st.st_uid != os.geteuid():
+        reason = f"it belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})"
+    elif stat.S_IMODE(st.st_mode) & 0o077:
+        reason = f"its mode is {stat.S_IMODE(st.st_mode):04o}, not 0600"
+    elif st.st_size != file_bytes:
+        reason = f"it is {st.st_size} bytes, a pool of this size takes {file_bytes}"
+    if reason:
+        os.close(fd)
+        return reason, None
+    try:
+        _lock(fd, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return "", fd
+
+
+def _create(path: Path, capacity: int, align: int, file_bytes: int) -> PoolFile | None:
+    free = _free_bytes(path.parent)
+    if free is not None and free < file_bytes:
+        logger.warning("pool file %s: its file system has %.2f GiB free, the pool needs %.2f GiB; the pool "
+                       "lives in anonymous memory and is lost at a restart (give --pool-file a larger "
+                       "tmpfs, or a container a larger /dev/shm)", path, free / 2**30, file_bytes / 2**30)
+        return None
+    if os.path.lexists(path):
+        os.unlink(path)  # refused above, or --fresh-pool: the link or file goes, never a target
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        _lock(fd, path)
+        os.ftruncate(fd, file_bytes)
+        pool_file = PoolFile(path, fd, capacity, align, adopted=False)
+    except BaseException:
+        os.close(fd)
+        raise
+    os.posix_fallocate(fd, 0, pool_file.data_offset)  # the pool's memory: piece by piece
+    pool_file.write_superblock()
+    logger.info("pool file %s: created (%.2f GiB)", path, file_bytes / 2**30)
+    return pool_file
+
+
+def _lock(fd: int, path: Path) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise PoolFileError(f"pool file {path} is in use by another daemon: give this one its own "
+                            "--pool-file") from None
+
+
+def _free_bytes(directory: Path) -> int | None:
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _private_directory(directory: Path) -> None:
+    """Make `directory` (0700), or take an existing one that is ours and nobody else may write in."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(directory)
+    if not stat.S_ISDIR(st.st_mode):
+        raise PoolFileError(f"the pool file's directory {directory} is not a directory (a symbolic link?)")
+    if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o022:
+        raise PoolFileError(f"the pool file's directory {directory} (uid {st.st_uid}, mode "
+                            f"{stat.S_IMODE(st.st_mode):04o}) is not this user's alone to write in; "
+                            "remove it or choose another --pool-file")

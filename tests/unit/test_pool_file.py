@@ -1,0 +1,273 @@
+"""Warm restart at the pool's level: a pool in a file that a new pool adopts (storage/pool_file.py,
+pool_records.py, pool_integrity.py), crash consistency under SIGKILL at random instants, and the
+files that must never be adopted."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import stat
+import struct
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmcache_mp.chunks import ChunkFormat, ChunkKey
+from lmcache_mp.storage.chunk_format import encode_head
+from lmcache_mp.storage.pool import MemoryPool, ObjectState, PoolObject
+from lmcache_mp.storage.pool_file import PoolFileError, discard_pool_file, open_pool_file
+from lmcache_mp.storage.pool_integrity import PoolIntegrity
+
+CAPACITY = 1 << 20
+ALIGN = 4096
+NBYTES = 3 * ALIGN + 100
+FMT = ChunkFormat("m", 1, 0, "CPU_ATTN", "bfloat16", 2, (16, 2, 8), 16)
+
+
+@pytest.fixture
+def pool_path() -> Iterator[Path]:
+    directory = Path(tempfile.mkdtemp(prefix="lmc-pool-", dir="/dev/shm"))
+    yield directory / "pool"
+    for child in directory.iterdir():
+        child.unlink()
+    directory.rmdir()
+
+
+def open_pool(path: Path, *, fresh: bool = False, capacity: int = CAPACITY) -> MemoryPool:
+    backing = open_pool_file(path, capacity, ALIGN, fresh=fresh)
+    assert backing is not None
+    return MemoryPool(capacity, align=ALIGN, backing=backing)
+
+
+def chunk_hash(i: int) -> bytes:
+    return i.to_bytes(4, "little") * 8
+
+
+def content(i: int) -> torch.Tensor:
+    return torch.full((NBYTES,), i % 251 + 1, dtype=torch.uint8)
+
+
+def store_chain(pool: MemoryPool, first: int, count: int) -> list[PoolObject]:
+    """Chunks first..first+count-1, each the child of the one before, committed with records."""
+    hashes = [chunk_hash(i) for i in range(first, first + count)]
+    keys = [ChunkKey(h, FMT) for h in hashes]
+    objects = pool.reserve([k.ident for k in keys], NBYTES)
+    assert all(isinstance(o, PoolObject) for o in objects)
+    for i, obj in zip(range(first, first + count), objects, strict=True):
+        obj.data.copy_(content(i))  # type: ignore[union-attr]
+    parents = [chunk_hash(first - 1) if first else b"", *hashes[:-1]]
+    records = [(p, encode_head(k, NBYTES)) for p, k in zip(parents, keys, strict=True)]
+    pool.commit(objects, records=records)  # type: ignore[arg-type]
+    pool.link([k.ident for k in keys])
+    return objects  # type: ignore[return-value]
+
+
+def readable(pool: MemoryPool, i: int) -> bool:
+    objects = pool.pin([ChunkKey(chunk_hash(i), FMT).ident])
+    if objects is None:
+        return False
+    try:
+        assert torch.equal(objects[0].data, content(i)), f"chunk {i} has wrong bytes"
+    finally:
+        pool.unpin(objects)
+    return True
+
+
+def drain(pool: MemoryPool) -> None:
+    integrity = PoolIntegrity(pool, None)
+    try:
+        while integrity.step(None):
+            pass
+    finally:
+        integrity.close(0)
+
+
+def test_a_new_pool_adopts_every_chunk_bit_exact_sealed_or_not(pool_path: Path) -> None:
+    pool = open_pool(pool_path)
+    store_chain(pool, 0, 6)
+    for _ in range(4):  # seal the four oldest; the last two stay COMMITTED
+        obj = pool.take_unsealed()
+        assert obj is not None
+        pool.seal(obj)
+        pool.sealed(obj)
+    pool.close()
+    assert stat.S_IMODE(os.stat(pool_path).st_mode) == 0o600
+
+    again = open_pool(pool_path)
+    stats = again.stats()
+    assert stats.adoption.adopted_objects == 6 and stats.adoption.adopted_unsealed == 2
+    assert stats.unverified == 4 and stats.unsealed == 2
+    assert [readable(again, i) for i in range(6)] == [False] * 4 + [True] * 2  # unverified: unseen
+    drain(again)
+    assert [readable(again, i) for i in range(6)] == [True] * 6
+    stats = again.stats()
+    assert stats.adoption.verified_total == 4 and stats.unverified == stats.unsealed == 0
+    # Chains survive: the tail is evicted first (own class, LRU, ancestors more recent).
+    for i in range(6, 6 + again.capacity_bytes // NBYTES):
+        store_chain(again, 100 + i, 1)
+        if not readable(again, 5):
+            break
+    assert readable(again, 0), "the chain's head went before its tail"
+    again.close()
+
+
+def test_a_corrupted_sealed_chunk_is_a_miss_and_freed(pool_path: Path) -> None:
+    pool = open_pool(pool_path)
+    objects = store_chain(pool, 0, 3)
+    drain(pool)
+    offset = objects[1].data.data_ptr() - pool._buffer.data_ptr()
+    pool.close()
+    with open(pool_path, "r+b") as f:
+        backing = open_pool_file.__globals__["_layout"](CAPACITY, ALIGN)[1]
+        f.seek(backing + offset + 17)
+        f.write(b"\xff")
+    again = open_pool(pool_path)
+    drain(again)
+    assert [readable(again, i) for i in range(3)] == [True, False, True]
+    assert again.stats().adoption.dropped_total == 1 and again.num_objects == 2
+    again.close()
+
+
+def test_evicted_aborted_and_cleared_chunks_are_not_adopted(pool_path: Path) -> None:
+    pool = open_pool(pool_path)
+    store_chain(pool, 0, 3)
+    writing = pool.reserve([ChunkKey(chunk_hash(50), FMT).ident], NBYTES)
+    pool.abort(writing)  # type: ignore[arg-type]
+    still_writing = pool.reserve([ChunkKey(chunk_hash(51), FMT).ident], NBYTES)[0]
+    assert isinstance(still_writing, PoolObject)
+    assert pool.clear() == 3
+    store_chain(pool, 10, 2)
+    pool.close()
+    again = open_pool(pool_path)
+    assert again.num_objects == 2 and [readable(again, i) for i in (10, 11)] == [True, True]
+    again.close()
+
+
+def test_fresh_pool_discards_and_a_held_file_is_refused(pool_path: Path) -> None:
+    pool = open_pool(pool_path)
+    store_chain(pool, 0, 2)
+    with pytest.raises(PoolFileError, match="in use by another daemon"):
+        open_pool_file(pool_path, CAPACITY, ALIGN, fresh=False)
+    pool.close()
+    fresh = open_pool(pool_path, fresh=True)
+    assert fresh.num_objects == 0
+    fresh.close()
+    assert discard_pool_file(pool_path) and not pool_path.exists()
+    assert not discard_pool_file(pool_path)
+
+
+def _tamper(path: Path, how: str) -> None:
+    if how == "truncated":
+        os.truncate(path, os.path.getsize(path) - 4096)
+    elif how == "garbage":
+        with open(path, "r+b") as f:
+            f.write(os.urandom(4096))
+    elif how == "other size":
+        pass  # opened with another capacity below
+    elif how == "loose mode":
+        os.chmod(path, 0o644)
+    elif how == "other user":
+        os.chown(path, 65534, 65534)
+    elif how == "symlink":
+        target = path.with_name("target")
+        os.rename(path, target)
+        os.symlink(target, path)
+
+
+@pytest.mark.parametrize("how", ["truncated", "garbage", "other size", "loose mode", "other user",
+                                 "symlink"])
+def test_a_file_that_is_not_ours_as_written_is_never_adopted(pool_path: Path, how: str,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    if how == "other user" and os.geteuid() != 0:
+        pytest.skip("making a file of another user needs root")
+    pool = open_pool(pool_path)
+    store_chain(pool, 0, 3)
+    pool.close()
+    _tamper(pool_path, how)
+    target = pool_path.with_name("target")
+    before = target.read_bytes() if how == "symlink" else b""
+    capacity = 2 * CAPACITY if how == "other size" else CAPACITY
+    again = open_pool(pool_path, capacity=capacity)
+    assert again.num_objects == 0 and again.stats().adoption.adopted_objects == 0
+    assert "not adopted" in caplog.text
+    st = os.lstat(pool_path)
+    assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.geteuid()
+    if how == "symlink":
+        assert target.read_bytes() == before  # the link's target is never touched
+    store_chain(again, 0, 1)
+    assert readable(again, 0)
+    again.close()
+
+
+# ---- SIGKILL at random instants ------------------------------------------------------------------
+
+_REPORT = struct.Struct("<I")
+
+
+def _store_until_killed(path: Path, report_fd: int, first: int) -> None:
+    """The child: a stream of single-chunk STOREs into the adopted pool, each reported (its
+    "answer") once committed; sealing runs beside them as in the daemon."""
+    torch.set_num_threads(1)
+    pool = open_pool(path)
+    integrity = PoolIntegrity(pool, None)
+    i = first
+    while True:
+        store_chain(pool, i, 1)
+        integrity.poke()
+        os.write(report_fd, _REPORT.pack(i))
+        i += 1
+
+
+def test_sigkill_at_any_instant_loses_no_answered_chunk_and_adopts_no_torn_one(pool_path: Path) -> None:
+    rng = random.Random(1)
+    open_pool(pool_path).close()
+    answered: set[int] = set()
+    first = 0
+    trials = 200
+    for _trial in range(trials):
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            os.close(read_fd)
+            try:
+                _store_until_killed(pool_path, write_fd, first)
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                os._exit(1)
+        os.close(write_fd)
+        # Kill after a random number of answers (0 to 40), at a random point of the next STORE.
+        wanted = rng.randrange(0, 40)
+        got = b""
+        while len(got) < wanted * _REPORT.size:
+            more = os.read(read_fd, 4096)
+            assert more, "the child died"
+            got += more
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        while more := os.read(read_fd, 4096):
+            got += more
+        os.close(read_fd)
+        now = {_REPORT.unpack_from(got, at)[0] for at in range(0, len(got) - len(got) % 4, 4)}
+        answered |= now
+        pool = open_pool(pool_path)
+        drain(pool)
+        # Every adopted byte is checked; one chunk past the last answer may be there, committed
+        # but killed before its answer went out.
+        live = {i for i in range(max(now | {first - 1}) + 2) if readable(pool, i)}
+        assert pool.num_objects == len(live), "a chunk was adopted under a key never stored"
+        first = max(live | now | {first - 1}) + 1
+        # Every chunk answered in this trial and not evicted since is there. The pool holds the
+        # newest ~CAPACITY / NBYTES chunks: older ones may have been evicted, which is no loss.
+        keep = CAPACITY // (NBYTES + ALIGN) // 2
+        recent = {i for i in now if i >= first - keep}
+        assert recent <= live, f"answered chunks {sorted(recent - live)} were not adopted"
+        assert pool.stats().adoption.dropped_total == 0
+        assert all(obj.state is ObjectState.READY for obj in pool._index.values())
+        pool.close()
