@@ -24,6 +24,7 @@ from lmcache_mp.curve import ClientCurve, generate_keys
 from lmcache_mp.errors import LMCacheMPError
 from lmcache_mp.logs import configure_logging
 from lmcache_mp.mq.client import MessageQueueClient
+from lmcache_mp.pool_location import PoolFileError, default_pool_file, discard_pool_file
 from lmcache_mp.protocol import RequestType
 from lmcache_mp.status_text import render_status
 from lmcache_mp.storage.urls import redact_url
@@ -91,10 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Drop every chunk from the daemon's CPU pool (chunks under "
                                        "lease or being written stay). With --tiers, also every chunk "
                                        "of the daemon's namespace in each lower tier, all models: "
-                                       "shared tiers are emptied for every daemon that uses them.")
+                                       "shared tiers are emptied for every daemon that uses them. "
+                                       "With --pool-file, remove a stopped daemon's pool file "
+                                       "instead, and the memory it holds (a running daemon's pool "
+                                       "is emptied by plain `clear`).")
     _add_url(clear)
     clear.add_argument("--tiers", action="store_true",
                        help="also empty the lower tiers (disk, Redis); a v1 server cannot be emptied")
+    clear.add_argument("--pool-file", metavar="PATH", nargs="?", const="auto",
+                       help="remove this pool file (no daemon may be using it) instead of asking a "
+                            "daemon; without PATH, the default one of a daemon at --url")
     clear.set_defaults(func=cmd_clear, timeout=60.0)
     keygen = sub.add_parser("keygen", help="make a CURVE key pair (for the daemon or a client)",
                             description="Write NAME.key (the public key: give it to the other side) "
@@ -263,6 +270,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_clear(args: argparse.Namespace) -> int:
+    if args.pool_file is not None:
+        return _discard_pool_file(args)
+
     def clear(client: MessageQueueClient) -> tuple[int, list[TierCleared]]:
         dropped = client.submit(RequestType.CLEAR, []).result(args.timeout)
         tiers = client.submit(RequestType.CLEAR_TIERS, []).result(args.timeout) if args.tiers else []
@@ -277,6 +287,17 @@ def cmd_clear(args: argparse.Namespace) -> int:
         outcome = f"not cleared: {tier.error}" if tier.error else f"{tier.removed:,} chunks removed"
         print(f"{tier.name}: {outcome}")
     return 1 if any(tier.error for tier in tiers) else 0
+
+
+def _discard_pool_file(args: argparse.Namespace) -> int:
+    path = default_pool_file([args.url]) if args.pool_file == "auto" else Path(args.pool_file)
+    try:
+        removed = discard_pool_file(path)
+    except (PoolFileError, OSError) as err:
+        print(f"pool file {path}: not removed: {err}", file=sys.stderr)
+        return 1
+    print(f"pool file {path}: {'removed' if removed else 'there is none'}")
+    return 0
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ are `sockets.py`'s; this module applies them to the settings.
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import os
 from dataclasses import dataclass
@@ -12,8 +13,9 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from lmcache_mp.curve import ServerCurve
+from lmcache_mp.pool_location import default_pool_file
 from lmcache_mp.settings import check as check_settings
-from lmcache_mp.settings import positive, setting
+from lmcache_mp.settings import SettingError, positive, setting
 from lmcache_mp.sockets import (
     SocketAccess,
     check_authenticated,
@@ -49,13 +51,7 @@ def _chunk_size(value: int) -> str | None:
 
 
 def _pool_size(value: float) -> str | None:
-    if value <= 0:
-        return "must be positive"
-    available = available_memory_bytes()
-    if available is not None and value * 2**30 > available:
-        return (f"the machine has only {available / 2**30:.1f} GiB available: lower it "
-                "(the pool is allocated in full)")
-    return None
+    return None if value > 0 else "must be positive"
 
 
 def _known_group(value: str) -> str | None:
@@ -126,6 +122,17 @@ class ServerConfig:
         DEFAULT_L1_SIZE_GB, "CPU memory pool in GiB, prepared (faulted in; pinned with "
         "cudaHostRegister when CUDA is present) in 1 GiB pieces in the background: the daemon "
         "answers at once, STOREs find NO_SPACE beyond what is ready", check=_pool_size)
+    pool_file: str = setting(
+        "auto", "the file the CPU pool lives in, so that the next daemon adopts every "
+        "chunk it holds (warm restart: a crash, an upgrade or `systemctl restart` loses nothing). "
+        "On a tmpfs (/dev/shm), a hugetlbfs, or a tmpfs mounted huge=within_size (huge pages); "
+        "created 0600 in a 0700 directory; adopted only if it is this user's, 0600, and of this "
+        "l1_size_gb. Its memory stays allocated (shared memory) while no daemon runs, until "
+        "`lmcache-mp clear --pool-file` or a reboot. Empty: anonymous memory, lost at every restart",
+        metavar="PATH", default_text="auto: /dev/shm/lmcache-mp-$UID/pool-<digest of the runtime directory "
+        "and the first endpoint>")
+    fresh_pool: bool = setting(
+        False, "discard what the pool file holds and start with an empty pool")
     l2: list[str] = setting(
         list, "a storage tier below the CPU pool; repeat for several, fastest first. "
         "disk:///ABS/PATH?size_gb=N: a local (NVMe) directory, kept across restarts, LRU-evicted "
@@ -184,6 +191,7 @@ class ServerConfig:
         """Every check that can be made before anything starts; ValueError (one line saying
         what to change) on the first that fails."""
         check_settings(self)
+        self._check_pool_memory()
         if not self.listen:
             raise ValueError("at least one --listen endpoint is needed")
         curve = self.server_curve
@@ -202,6 +210,26 @@ class ServerConfig:
             check_free(f"tcp://{self.metrics_host}:{self.metrics_port}")
         for url in self.l2:
             check_tier_directory(url)
+
+    @property
+    def pool_path(self) -> Path | None:
+        """The pool file (`pool_file`, "auto" resolved); None for a pool in anonymous memory."""
+        if not self.pool_file:
+            return None
+        return default_pool_file(self.listen) if self.pool_file == "auto" else Path(self.pool_file)
+
+    def _check_pool_memory(self) -> None:
+        """The pool is allocated in full; a pool file it adopts holds that memory already."""
+        available = available_memory_bytes()
+        if available is None:
+            return
+        if self.pool_path is not None and not self.fresh_pool:
+            with contextlib.suppress(OSError):
+                available += os.path.getsize(self.pool_path)
+        if self.l1_size_gb * 2**30 > available:
+            raise SettingError(f"l1_size_gb (--l1-size-gb) is {self.l1_size_gb}: the machine has only "
+                               f"{available / 2**30:.1f} GiB available: lower it (the pool is allocated "
+                               "in full)")
 
     @property
     def attach_socket(self) -> Path:

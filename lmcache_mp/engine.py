@@ -84,7 +84,8 @@ class Engine:
         # Where CUDA is present, the pool is page-locked as it is prepared, for DMA.
         self.storage = StorageManager.open(
             int(config.l1_size_gb * 2**30), config.l2, int(config.write_queue_gb * 2**30),
-            pin=cuda.register_host_memory if torch.cuda.is_available() else None)
+            pin=cuda.register_host_memory if torch.cuda.is_available() else None,
+            pool_file=config.pool_path, fresh_pool=config.fresh_pool)
         self.sessions = SessionTable(self.storage.unpin, config.lease_ttl_s)
         self.fence = TransferFence(config.queue_deadline_s)
         self.keys = ChunkMapper(config.chunk_size)

@@ -4,6 +4,8 @@ Used by the tests, the benchmarks and the examples; `lmcache-mp serve` itself do
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import signal
 import subprocess
@@ -16,6 +18,7 @@ from pathlib import Path
 from lmcache_mp.curve import ClientCurve
 from lmcache_mp.errors import LMCacheMPError
 from lmcache_mp.mq.client import MessageQueueClient
+from lmcache_mp.pool_location import PoolFileError, default_pool_file, discard_pool_file
 from lmcache_mp.protocol import PHASE_SERVING, RequestType, StatusReport
 
 
@@ -25,6 +28,7 @@ class DaemonProcess:
     proc: subprocess.Popen
     log_path: Path
     started_at: float  # time.monotonic() just before the process was started
+    pool_path: Path | None = None  # its pool file (warm restart), None if it has none
 
     @property
     def socket_path(self) -> Path:
@@ -33,10 +37,39 @@ class DaemonProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0, *, keep_pool: bool = False) -> int:
+        """Signal the daemon and wait for it; then discard its pool file (the memory it holds),
+        unless `keep_pool`: the next daemon started as this one was then adopts it."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
-        return self.proc.wait(timeout)
+        code = self.proc.wait(timeout)
+        if not keep_pool:
+            self.discard_pool()
+        return code
+
+    def discard_pool(self) -> None:
+        if self.pool_path is not None:
+            with contextlib.suppress(PoolFileError):  # a daemon started on it since holds it
+                discard_pool_file(self.pool_path)
+
+
+# Every pool file a daemon started here may have left, discarded when this process exits (a daemon
+# killed without `stop` leaves its pool file behind, holding memory, by design).
+_started: list[DaemonProcess] = []
+atexit.register(lambda: [daemon.discard_pool() for daemon in _started if daemon.proc.poll() is not None])
+
+
+def _pool_path(url: str, tmp_dir: Path, args: Sequence[str]) -> Path | None:
+    """The pool file of `lmcache-mp serve --listen url ARGS` run with runtime directory `tmp_dir`."""
+    value = "auto"
+    for i, arg in enumerate(args):
+        if arg == "--pool-file":
+            value = args[i + 1]
+        elif arg.startswith("--pool-file="):
+            value = arg.partition("=")[2]
+    if not value:
+        return None
+    return default_pool_file([url], tmp_dir) if value == "auto" else Path(value)
 
 
 def start_daemon(tmp_dir: Path, *args: str, url: str | None = None, ready_timeout: float = 30.0,
@@ -57,7 +90,8 @@ def start_daemon(tmp_dir: Path, *args: str, url: str | None = None, ready_timeou
             [*command_prefix, sys.executable, "-m", "lmcache_mp.cli", "serve", "--listen", url, *args],
             stdout=log, stderr=subprocess.STDOUT, env=env,
         )
-    daemon = DaemonProcess(url, proc, log_path, started_at)
+    daemon = DaemonProcess(url, proc, log_path, started_at, _pool_path(url, tmp_dir, args))
+    _started.append(daemon)
 
     def ready(report: StatusReport) -> bool:
         return (report.phase == PHASE_SERVING or not serving) and (report.pool_ready or not pool_ready)

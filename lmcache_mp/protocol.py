@@ -103,6 +103,9 @@ class HelloReply(msgspec.Struct, gc=False):
     # exists once the daemon is serving.
     attach_socket: str
     phase: str = PHASE_SERVING
+    # Random per daemon process: a client that sees it change knows the daemon restarted, however
+    # fast (its registrations, leases and requests in flight are gone; the chunks may not be).
+    epoch: int = 0
 
 
 class KVCacheRegistration(msgspec.Struct, gc=False):
@@ -194,6 +197,19 @@ class StatusReport(msgspec.Struct, gc=False):
     # rest is used unpinned (copies stay correct, slower) and `pool_pin_error` says why.
     pool_pinned_bytes: int = 0
     pool_pin_error: str = ""
+    epoch: int = 0  # as in HELLO
+    # Warm restart: the pool file ("" for a pool in anonymous memory), what this start adopted
+    # from it (chunks, bytes, and of those the ones not yet checksummed when the last daemon died),
+    # adopted chunks checked since and dropped (failed their check), and the queues: adopted
+    # chunks still to be checked (readers can't see them yet), new chunks still to be checksummed.
+    pool_file: str = ""
+    pool_adopted_chunks: int = 0
+    pool_adopted_bytes: int = 0
+    pool_adopted_unsealed: int = 0
+    pool_verified_total: int = 0
+    pool_dropped_total: int = 0
+    pool_unverified: int = 0
+    pool_unsealed: int = 0
     objects: int = 0
     registered_instances: list[int] = []
     instances: list[InstanceInfo] = []

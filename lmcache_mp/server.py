@@ -20,6 +20,7 @@ engine's handlers (its phase, in HELLO and STATUS, goes from "starting" to "serv
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 import traceback
@@ -70,6 +71,7 @@ class Server:
         self.metrics = metrics or Metrics()
         self.codec = Codec()
         self.started_at = time.monotonic()
+        self.epoch = secrets.randbits(63)  # HELLO's and STATUS's restart epoch
         self.phase = PHASE_STARTING
         self._status_extra: Callable[[], EngineStatus] | None = None
         self._on_tick: Callable[[], None] | None = None
@@ -351,6 +353,7 @@ class Server:
             chunk_size=self.config.chunk_size,
             attach_socket=str(self.config.attach_socket),
             phase=self.phase,
+            epoch=self.epoch,
         )
 
     def _status(self) -> StatusReport:
@@ -364,6 +367,7 @@ class Server:
             endpoints=list(self.endpoints),
             phase=self.phase,
             requests_in_flight=queued,
+            epoch=self.epoch,
         )
         if self._status_extra is not None:  # the engine's fields, by name
             report = msgspec.structs.replace(report, **msgspec.structs.asdict(self._status_extra()))

@@ -28,6 +28,14 @@ class EngineStatus(msgspec.Struct, gc=False):
     pool_ready: bool
     pool_pinned_bytes: int
     pool_pin_error: str
+    pool_file: str
+    pool_adopted_chunks: int
+    pool_adopted_bytes: int
+    pool_adopted_unsealed: int
+    pool_verified_total: int
+    pool_dropped_total: int
+    pool_unverified: int
+    pool_unsealed: int
     objects: int
     registered_instances: list[int]
     instances: list[InstanceInfo]
@@ -56,6 +64,14 @@ def engine_status(engine: Engine) -> EngineStatus:
         pool_ready=pool.ready_bytes >= pool.capacity_bytes,
         pool_pinned_bytes=pool.pinned_bytes,
         pool_pin_error=pool.pin_error,
+        pool_file=pool.pool_file,
+        pool_adopted_chunks=pool.adoption.adopted_objects,
+        pool_adopted_bytes=pool.adoption.adopted_bytes,
+        pool_adopted_unsealed=pool.adoption.adopted_unsealed,
+        pool_verified_total=pool.adoption.verified_total,
+        pool_dropped_total=pool.adoption.dropped_total,
+        pool_unverified=pool.unverified,
+        pool_unsealed=pool.unsealed,
         objects=pool.num_objects,
         registered_instances=engine.registry.instance_ids(),
         instances=engine.registry.describe(),
@@ -85,6 +101,14 @@ def gauges(engine: Engine) -> dict[str, float]:
         "pool_pinned_bytes": stats.pinned_bytes,
         # 1 once pinning failed: the rest of the pool is used unpinned (slower copies to GPUs)
         "pool_pin_failed": int(bool(stats.pin_error)),
+        # Warm restart (0 without a pool file): what this start adopted, checked and dropped
+        "pool_adopted_chunks": stats.adoption.adopted_objects,
+        "pool_adopted_bytes": stats.adoption.adopted_bytes,
+        "pool_adopted_unsealed_chunks": stats.adoption.adopted_unsealed,
+        "pool_adopted_verified_total": stats.adoption.verified_total,
+        "pool_adopted_dropped_total": stats.adoption.dropped_total,
+        "pool_unverified_chunks": stats.unverified,
+        "pool_unsealed_chunks": stats.unsealed,
         "lease_sessions": sessions,
         "leases": leases,
         "lease_sessions_expired_total": engine.sessions.expired_total,

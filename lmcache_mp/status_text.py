@@ -7,6 +7,15 @@ from collections.abc import Sequence
 from lmcache_mp.protocol import StatusReport
 
 
+def _pool_file(s: StatusReport) -> str:
+    if not s.pool_file:
+        return "none: the pool is lost at a restart"
+    adopted = (f"adopted {s.pool_adopted_chunks:,} chunks ({_size(s.pool_adopted_bytes)}) at start, "
+               f"{s.pool_verified_total:,} verified, {s.pool_dropped_total:,} dropped, "
+               f"{s.pool_unverified:,} to verify" if s.pool_adopted_chunks else "started empty")
+    return f"{s.pool_file}: {adopted}; {s.pool_unsealed:,} new chunks to checksum"
+
+
 def render_status(url: str, s: StatusReport) -> str:
     hit_rate = f"{s.lookup_hits_total / s.lookup_chunks_total:.1%}" if s.lookup_chunks_total else "-"
     used = s.pool_used_bytes / s.pool_bytes if s.pool_bytes else 0.0
@@ -21,6 +30,7 @@ def render_status(url: str, s: StatusReport) -> str:
         f"up {_duration(s.uptime_s)}, chunk size {s.chunk_size} tokens, {s.phase}",
         f"pool      {_size(s.pool_used_bytes)} of {_size(s.pool_bytes)} used ({used:.0%}), "
         f"{s.objects:,} chunks; {prepared}",
+        f"pool file {_pool_file(s)}",
         f"lookups   {s.lookup_chunks_total:,} chunks asked, {s.lookup_hits_total:,} found: "
         f"hit rate {hit_rate}",
         f"leases    {s.leases:,} chunks leased by {s.sessions:,} sessions",

@@ -72,6 +72,8 @@ class WorkerRegistration:
         self._replicated = replicated
         self._name = f"vllm-worker-{keys.worker_id}"
         self.instance_id = new_instance_id() if instance_id is None else instance_id
+        self._forced_id = instance_id is not None
+        self._epoch: int | None = None  # the restart epoch (HELLO) of the daemon last registered with
         self.kv_caches: dict[str, torch.Tensor] = {}
         self._layout = ""
         self.channel: AttachChannel | None = None
@@ -129,6 +131,12 @@ class WorkerRegistration:
         hello = self._client.handshake(self._name, timeout_s=self._timeout_s)
         if hello.phase == PHASE_STARTING:  # its attach socket is not there yet
             raise ServerError(ErrorCode.STARTING, "the daemon is starting: registering once it serves")
+        if self._epoch is not None and hello.epoch != self._epoch and not self._forced_id:
+            # A restarted daemon: requests sent to the last one may still sit in the socket's queue
+            # and reach this one; they name the old id, which this daemon never knows, so they are
+            # refused rather than carried out on block ids this worker may have reused since.
+            instance_id = self.instance_id = new_instance_id()
+        self._epoch = hello.epoch
         if self.channel is not None:
             self._fences.retire(self.channel)  # the daemon drops the registration it kept alive
             self.channel = None

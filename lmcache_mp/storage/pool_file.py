@@ -37,7 +37,6 @@ into halves reads as EMPTY-or-invalid (never adopted) or as one of the two whole
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import mmap
 import os
@@ -51,6 +50,7 @@ import numpy as np
 import torch
 
 from lmcache_mp.chunks import ChunkKey
+from lmcache_mp.pool_location import PoolFileError, lock_pool_file
 from lmcache_mp.storage import chunk_format
 
 logger = logging.getLogger(__name__)
@@ -69,10 +69,6 @@ SEALED = _STATE_HIGH | 0x4C414553
 _RECORD = struct.Struct("<QQHH")  # state, seq, parent_len, head_len
 _SLICE_BYTES = 8 << 20  # checksummed at once, between calls of the pacer
 RECORD_MIN_BYTES = 1024  # room for a record: a model name of a few hundred characters fits
-
-
-class PoolFileError(Exception):
-    """The pool file cannot be used at all (another daemon holds it, its directory is unsafe)."""
 
 
 def header_bytes_for(align: int) -> int:
@@ -252,26 +248,6 @@ def open_pool_file(path: Path, capacity: int, align: int, *, fresh: bool) -> Poo
     return _create(path, capacity, align, file_bytes)
 
 
-def discard_pool_file(path: Path) -> bool:
-    """Remove a pool file nobody uses (`lmcache-mp clear`); False if there was none. Raises
-    PoolFileError if a daemon holds it."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
-    except OSError as err:
-        if err.errno != errno.ELOOP:
-            raise
-        os.unlink(path)  # a symbolic link in its place: the link goes, never its target
-        return True
-    try:
-        _lock(fd, path)
-        os.unlink(path)
-    finally:
-        os.close(fd)
-    return True
-
-
 def _existing(path: Path, file_bytes: int) -> tuple[str, int | None]:
     """(why the file at `path` is not adopted, "" if there is none), or ("", its locked fd)."""
     try:
@@ -296,7 +272,7 @@ def _existing(path: Path, file_bytes: int) -> tuple[str, int | None]:
         os.close(fd)
         return reason, None
     try:
-        _lock(fd, path)
+        lock_pool_file(fd, path)
     except BaseException:
         os.close(fd)
         raise
@@ -314,7 +290,7 @@ def _create(path: Path, capacity: int, align: int, file_bytes: int) -> PoolFile 
         os.unlink(path)  # refused above, or --fresh-pool: the link or file goes, never a target
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        _lock(fd, path)
+        lock_pool_file(fd, path)
         os.ftruncate(fd, file_bytes)
         pool_file = PoolFile(path, fd, capacity, align, adopted=False)
     except BaseException:
@@ -324,14 +300,6 @@ def _create(path: Path, capacity: int, align: int, file_bytes: int) -> PoolFile 
     pool_file.write_superblock()
     logger.info("pool file %s: created (%.2f GiB)", path, file_bytes / 2**30)
     return pool_file
-
-
-def _lock(fd: int, path: Path) -> None:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise PoolFileError(f"pool file {path} is in use by another daemon: give this one its own "
-                            "--pool-file") from None
 
 
 def _free_bytes(directory: Path) -> int | None:

@@ -69,7 +69,7 @@ class EngineUnderTest:
 
     def __init__(self, directory: Path):
         self.config = ServerConfig(listen=[f"ipc://{directory}/daemon.sock"], chunk_size=CHUNK,
-                                   l1_size_gb=POOL_GB)
+                                   l1_size_gb=POOL_GB, pool_file="")  # warm restart: test_warm_restart
         self.engine = Engine(self.config, Metrics())
         self.handle = self.engine.handlers()
         # The pool is prepared in the background (milliseconds at this size); STOREs find

@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from lmcache_mp.chunks import ChunkFormat, ChunkKey
+from lmcache_mp.pool_location import PoolFileError, discard_pool_file
 from lmcache_mp.storage.chunk_format import encode_head
 from lmcache_mp.storage.pool import MemoryPool, ObjectState, PoolObject
-from lmcache_mp.storage.pool_file import PoolFileError, discard_pool_file, open_pool_file
+from lmcache_mp.storage.pool_file import open_pool_file
 from lmcache_mp.storage.pool_integrity import PoolIntegrity
 
 CAPACITY = 1 << 20
