@@ -14,8 +14,8 @@ from urllib.parse import urlsplit
 
 from lmcache_mp.curve import ServerCurve
 from lmcache_mp.pool_location import default_pool_file
-from lmcache_mp.settings import check as check_settings
 from lmcache_mp.settings import SettingError, positive, setting
+from lmcache_mp.settings import check as check_settings
 from lmcache_mp.sockets import (
     SocketAccess,
     check_authenticated,
@@ -224,8 +224,8 @@ class ServerConfig:
         if available is None:
             return
         if self.pool_path is not None and not self.fresh_pool:
-            with contextlib.suppress(OSError):
-                available += os.path.getsize(self.pool_path)
+            with contextlib.suppress(OSError):  # what it holds, not its (sparse) size
+                available += os.stat(self.pool_path).st_blocks * 512
         if self.l1_size_gb * 2**30 > available:
             raise SettingError(f"l1_size_gb (--l1-size-gb) is {self.l1_size_gb}: the machine has only "
                                f"{available / 2**30:.1f} GiB available: lower it (the pool is allocated "

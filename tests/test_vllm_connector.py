@@ -150,15 +150,18 @@ def test_an_engine_with_another_rope_setting_shares_no_chunk(engine1: list[list[
 def test_engine_keeps_serving_while_the_daemon_restarts(engine1: list[list[int]], tiny_model: Path,
                                                         work_dir: Path, daemon: DaemonUnderTest,
                                                         baseline: list[list[int]]) -> None:
-    """One engine, four rounds: daemon up, daemon killed, daemon back empty (twice). vLLM's
-    own prefix cache is off here, so num_cached_tokens counts the daemon's hits only. The
-    worker holds the stores made while the daemon is away for `timeout_s` (2 s here): the
-    daemon restarts only after they were given up, so that it comes back empty. The worker
-    registers again by itself within the first steps after the restart."""
+    """One engine, six rounds: daemon up, daemon killed, daemon back empty (twice), then a warm
+    restart (issue 29): SIGTERM and a new daemon that adopts the pool file, a round that lets
+    the worker register again (its first steps), and the heads again, which hit what the
+    daemon before the restart stored. vLLM's own prefix cache is off here, so num_cached_tokens
+    counts the daemon's hits only. The worker holds the stores made while the daemon is away
+    for `timeout_s` (2 s here): the killed daemon comes back only after they were given up, so
+    that it comes back empty. The worker registers again by itself within the first steps after
+    each restart."""
     barrier = work_dir / "barrier"
     barrier.mkdir()
-    spec = engine_spec(tiny_model, daemon, [PROMPTS, PROMPTS, HEADS, HEADS], prefix_caching=False,
-                       barrier_dir=str(barrier))
+    spec = engine_spec(tiny_model, daemon, [PROMPTS, PROMPTS, HEADS, HEADS, [PROMPTS[3]], HEADS],
+                       prefix_caching=False, barrier_dir=str(barrier))
     spec["connector"]["lmcache.mp.timeout_s"] = 2
     engine = VllmEngine(spec, work_dir / "engine-restart.log")
     try:
@@ -176,15 +179,25 @@ def test_engine_keeps_serving_while_the_daemon_restarts(engine1: list[list[int]]
         back = engine.round(2)
         (barrier / "go-3").touch()
         again = engine.round(3)
+        stored = wait_for_status(daemon.url, lambda r: r.objects >= HEAD_CHUNKS, "the heads' chunks stored")
+        assert stored.objects == HEAD_CHUNKS  # the worker registered again by itself and stored
+        daemon.restart()
+        adopted = status(daemon.url)
+        assert (adopted.pool_adopted_chunks, adopted.objects) == (HEAD_CHUNKS, HEAD_CHUNKS)
+        (barrier / "go-4").touch()
+        engine.round(4)  # its steps register the worker again (a LOOKUP needs its caches' format)
+        wait_for_status(daemon.url, lambda r: len(r.registered_instances) == 1, "the worker registered")
+        (barrier / "go-5").touch()
+        warm = engine.round(5)
         engine.finish()
     finally:
         engine.kill()
     assert cached(up) == HITS
     assert cached(down) == [0] * len(PROMPTS)
     assert cached(back) == [0] * len(HEADS)
+    assert cached(warm) == [HITS[0], 0]  # what the daemon before the restart stored
     assert tokens(up) == tokens(down) == baseline[: len(PROMPTS)]
-    assert tokens(back) == tokens(again) == [baseline[PROMPTS.index(p)] for p in HEADS]
-    assert daemon.objects() == HEAD_CHUNKS  # the worker registered again by itself and stored
+    assert tokens(back) == tokens(again) == tokens(warm) == [baseline[PROMPTS.index(p)] for p in HEADS]
 
 
 def test_fresh_engine_after_a_daemon_restart_serves_without_hits(engine1: list[list[int]],

@@ -151,7 +151,13 @@ class DaemonUnderTest:
         return status(self.url).objects
 
     def kill(self) -> None:
+        """SIGKILL, and its pool file discarded: the next start is empty."""
         self.proc.stop(signal.SIGKILL)
+
+    def restart(self) -> None:
+        """SIGTERM, then the same daemon again, which adopts its pool file (warm restart)."""
+        assert self.proc.stop(signal.SIGTERM, keep_pool=True) == 0
+        self.start()
 
     def start(self) -> None:
         self.proc = start_daemon(self.tmp, *self.ARGS)

@@ -15,11 +15,9 @@ its slab counts it stuck, at the next eviction decision (`_settle`), so the LOOK
 whole prefix on every rank pays one increment per object, and a pin that ends before any
 eviction (the usual LOOKUP then RETRIEVE or END_SESSION) never touches the LRU.
 
-Prefixes. Keys are opaque here, but in the daemon a key names a chunk *and the whole token prefix
-before it*, and a lookup counts hits only up to the first missing chunk: a chunk whose predecessor
-is gone can never be hit. So the pool keeps parent links (`link`) and orders recency so that an
-ancestor is always more recently used than its READY unpinned descendants: eviction then eats each
-chain from its tail, and what stays is a usable prefix. The rules are `_refresh`'s.
+Prefixes. The pool keeps parent links (`link`: the chunk before each one in its chain) and orders
+recency so that eviction eats each chain from its tail, and what stays is a usable prefix: the
+rules are `pool_chains`'.
 
 Eviction, when a size class has no free slot and no free slab: its own LRU evictable object first
 (that frees a slot of the right size); failing that, whole slabs of other classes, because a slot
@@ -29,14 +27,14 @@ or, for a multi-slab span, the run of base slabs that needs the fewest cleared
 a middle chunk of a prefix; the chunks after it are then dead weight, but they are older than the
 chunks before it, so their own class evicts them before those. The slab scan runs only when slabs move
 between size classes; reserving, committing, pinning and unpinning are otherwise O(1) per object
-plus the ancestor walks of `_refresh` (a multi-slab span also walks the free runs, which are few).
+plus the ancestor walks of `pool_chains.refresh` (a multi-slab span also walks the free runs, which are few).
 
 One lock guards all bookkeeping, the allocator's included; no method ever copies object bytes, so
 it is held briefly.
 
-Warm restart. Given a `pool_file.PoolFile`, the pool lives in that file, every slot starts with a
-record of its object (`pool_records` writes them at commit and clears them at drop, in the order
-`pool_file` explains), and a pool given a file that held one adopts its objects: READY, in their
+Warm restart. Given a `pool_file.PoolFile`, the pool lives in that file, beside a record of each
+object (`pool_records` writes them at commit and clears them at drop, in the order `pool_file`
+explains), and a pool given a file that held one adopts its objects: READY, in their
 old recency order and chains; those whose checksum is still to be verified are invisible to
 readers until `pool_integrity`'s thread has (`take_unverified` / `verified`), which also seals new
 objects (`take_unsealed` / `sealed`).
@@ -44,7 +42,6 @@ objects (`take_unsealed` / `sealed`).
 
 from __future__ import annotations
 
-import enum
 import functools
 import itertools
 import logging
@@ -52,13 +49,13 @@ import operator
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
-import torch
-
+from lmcache_mp.storage.pool_chains import descends_from, refresh
 from lmcache_mp.storage.pool_file import PoolFile, Record
 from lmcache_mp.storage.pool_memory import PIECE_BYTES, PinFn, PoolMemory
-from lmcache_mp.storage.pool_records import AdoptionStats, PoolRecords
+from lmcache_mp.storage.pool_objects import ObjectState, PoolObject, PoolStats, ReserveFailure
+from lmcache_mp.storage.pool_records import PoolRecords
 from lmcache_mp.storage.slabs import ALIGN, SizeClass, Slab, SlabAllocator, default_slab_bytes
 
 logger = logging.getLogger(__name__)
@@ -68,60 +65,6 @@ __all__ = ["ALIGN", "MemoryPool", "ObjectState", "PoolObject", "PoolStats", "Res
 
 # `obj is not None` as a C-level callable (`takewhile` calls it once per key of a prefix walk).
 _is_object = functools.partial(operator.is_not, None)
-
-
-class ObjectState(enum.Enum):
-    WRITING = enum.auto()  # reserved and being filled: invisible to readers, never evicted
-    READY = enum.auto()  # committed: visible, evictable while unpinned
-    FREED = enum.auto()  # aborted, evicted or cleared: its memory may already hold another object
-
-
-class ReserveFailure(enum.Enum):
-    """Why `reserve` handed out no object for a key; the caller maps it to its own outcome code."""
-
-    ALREADY_PRESENT = enum.auto()  # the key is live, READY or still WRITING
-    NO_SPACE = enum.auto()  # nothing evictable would free a slot of the right size
-
-
-@dataclass(eq=False)
-class PoolObject:
-    """One stored chunk. Compared by identity, so the pool can key its LRU dicts by the object."""
-
-    key: Hashable
-    nbytes: int
-    data: torch.Tensor  # uint8 view of exactly `nbytes` of pool memory, `align`-aligned
-    slab: Slab[PoolObject] = field(repr=False)
-    slot: int = field(repr=False)
-    record_at: int = field(repr=False)  # where its slot (and a file-backed pool's record) starts
-    recorded: bool = field(default=False, repr=False)  # its record in the pool file is live
-    state: ObjectState = ObjectState.WRITING
-    pins: int = 0
-    # Off its class's LRU and counted stuck in its slab: WRITING, or pinned and settled (see
-    # `_settle`; a pin taken since the last eviction decision has only raised `pins`).
-    held: bool = True
-    # The chunk before this one in its chain (see `MemoryPool.link`); one that is FREED counts as
-    # None and is cleared when next met.
-    parent: PoolObject | None = field(default=None, repr=False)
-
-
-@dataclass(frozen=True)
-class PoolStats:
-    capacity_bytes: int
-    used_bytes: int
-    num_objects: int
-    num_pinned: int
-    num_writing: int
-    evictions: int  # cumulative; `clear` doesn't count
-    ready_bytes: int  # prepared so far, from the start; == capacity_bytes once the pool is ready
-    # Page-locked for DMA (cudaHostRegister, where CUDA is present), from the start: not the object
-    # pins above. Why pinning stopped short, if it did ("" otherwise): the rest is used unpinned.
-    pinned_bytes: int
-    pin_error: str
-    # The pool file (warm restart): "" for a pool in anonymous memory; what its start adopted.
-    pool_file: str = ""
-    adoption: AdoptionStats = field(default_factory=AdoptionStats)
-    unverified: int = 0  # adopted objects not yet checked (invisible to readers until then)
-    unsealed: int = 0  # committed objects whose checksum is still to be written
 
 
 class MemoryPool:
@@ -151,8 +94,7 @@ class MemoryPool:
         if backing is not None and backing.slab_bytes:
             slab_bytes = backing.slab_bytes
         self._slabs: SlabAllocator[PoolObject] = SlabAllocator(
-            capacity_bytes, base, max(0, capacity_bytes - base), align, slab_bytes,
-            backing.header_bytes if backing is not None else 0)
+            capacity_bytes, base, max(0, capacity_bytes - base), align, slab_bytes)
         self._lock = threading.Lock()
         self._index: dict[Hashable, PoolObject] = {}  # every live object, WRITING or READY
         self._readable: dict[Hashable, PoolObject] = {}  # the READY ones: what readers may pin
@@ -237,20 +179,20 @@ class MemoryPool:
                     self._num_pinned += 1
             if not pin:
                 self._make_evictable(objects)
-                self._refresh(objects)
+                refresh(objects)
 
     def link(self, keys: list[Hashable], parent: Hashable | None = None) -> None:
         """Record that keys[i - 1] is the parent of keys[i], and `parent` that of keys[0], where both
         are live (READY or WRITING); a key that isn't breaks the chain there, and no link is ever
         removed here (a parent that has been freed counts as none). Then refresh the chain (see
-        `_refresh`): its live objects and `parent` become the most recently used, in reverse
+        `pool_chains.refresh`): its live objects and `parent` become the most recently used, in reverse
         (`parent` the most recent), and their ancestors more recent still.
 
         A STORE links its keys before `reserve` too: that makes the part of its chain already here,
         and the parent, the most recent, so the reserve doesn't evict the prefix it extends."""
         with self._lock:
             prev = None if parent is None else self._index.get(parent)
-            if prev is not None and self._descends_from(prev, {self._index.get(k) for k in keys}):
+            if prev is not None and descends_from(prev, {self._index.get(k) for k in keys}):
                 prev = None  # a stale guess of the caller's (a chain stored again from its start)
             linked: list[PoolObject] = [] if prev is None else [prev]
             for key in keys:
@@ -260,7 +202,7 @@ class MemoryPool:
                         obj.parent = prev
                     linked.append(obj)
                 prev = obj
-            self._refresh(linked)
+            refresh(linked)
 
     def abort(self, objects: list[PoolObject]) -> None:
         """WRITING -> freed: the write failed and the slot is free again."""
@@ -328,7 +270,7 @@ class MemoryPool:
                     released.append(obj)
             self._num_pinned -= len(released)
             self._make_evictable(released)
-            self._refresh(released)
+            refresh(released)
 
     def clear(self) -> int:
         """Drop every READY unpinned object; returns how many. Pinned and WRITING objects stay."""
@@ -382,7 +324,7 @@ class MemoryPool:
     def seal(self, obj: PoolObject, pace: Callable[[], None] | None = None) -> None:
         """Checksum a pinned object's payload into its record (no lock held: it is pinned)."""
         assert self._records is not None
-        self._records.file.seal(obj.record_at, obj.data, pace)
+        self._records.file.seal(obj.offset, obj.data, pace)
 
     def take_unverified(self) -> tuple[PoolObject, Record] | None:
         """The most recently used adopted object still to be verified, pinned in place, and its
@@ -434,9 +376,9 @@ class MemoryPool:
         objects: list[PoolObject] = []
         for item in found:
             slab, slot, size_class = item.slab, item.slot, item.slab.size_class
-            record_at = slab.offset + slot * size_class.slot_bytes
-            data = self._buffer.narrow(0, record_at + self._slabs.header_bytes, size_class.nbytes)
-            obj = PoolObject(item.pool_key, size_class.nbytes, data, slab, slot, record_at,
+            offset = slab.offset + slot * size_class.slot_bytes
+            data = self._buffer.narrow(0, offset, size_class.nbytes)
+            obj = PoolObject(item.pool_key, size_class.nbytes, data, slab, slot, offset,
                              state=ObjectState.READY, held=False)
             slab.objects[slot] = obj
             slab.live += 1
@@ -451,7 +393,7 @@ class MemoryPool:
             if parent is not None and parent is not obj:
                 obj.parent = parent
         self._settle_adopted_slabs()
-        self._refresh(objects[::-1])  # the newest the most recent, each chain's ancestors more so
+        refresh(objects[::-1])  # the newest the most recent, each chain's ancestors more so
         logger.info("pool: adopted %d chunks (%.2f GiB) from %s, %d of them still to be verified",
                     len(objects), self._used / 2**30, records.file.path, len(records.unverified))
 
@@ -513,9 +455,9 @@ class MemoryPool:
         slot = slab.free_slots.pop()
         if not slab.free_slots:
             del size_class.open_slabs[slab]
-        record_at = slab.offset + slot * size_class.slot_bytes
-        data = self._buffer.narrow(0, record_at + self._slabs.header_bytes, size_class.nbytes)
-        obj = PoolObject(key, size_class.nbytes, data, slab, slot, record_at)
+        offset = slab.offset + slot * size_class.slot_bytes
+        data = self._buffer.narrow(0, offset, size_class.nbytes)
+        obj = PoolObject(key, size_class.nbytes, data, slab, slot, offset)
         slab.objects[slot] = obj
         slab.live += 1
         self._stick(slab)
@@ -603,9 +545,9 @@ class MemoryPool:
 
     def _make_evictable(self, objects: list[PoolObject]) -> None:
         """The objects are now READY and unpinned: evictable, as the most recently used (until
-        `_refresh` puts the call's objects in their final order). One loop, no call per object: a
+        `pool_chains.refresh` puts the call's objects in their final order). One loop, no call per object: a
         LOOKUP's leases come back by the hundred. A pin that was never settled left its object
-        on the LRU (`_refresh` moves it) and its slab clean: that slab is now the most recently
+        on the LRU (`pool_chains.refresh` moves it) and its slab clean: that slab is now the most recently
         clean, as if it had been stuck until now."""
         unstick, clean, unsettled = self._unstick, self._clean_slabs, self._unsettled
         for obj in objects:
@@ -616,59 +558,6 @@ class MemoryPool:
                 unstick(obj.slab)
             elif obj.slab in clean:
                 clean.move_to_end(obj.slab)
-
-    def _refresh(self, objects: list[PoolObject]) -> None:
-        """Make `objects` and all their ancestors the most recently used, each ancestor after its
-        descendants and `objects` in reverse (objects[0] the most recent of them); only the READY
-        unpinned ones move, but walks go through the rest. Every walk stops at an object already
-        seen, so this is O(objects + ancestors walked), and parent cycles can't trap it.
-
-        The prefix rules (module docstring), which keep every ancestor more recently used than its
-        READY unpinned descendants, so that the LRU object of a size class has no evictable
-        descendant in that class (only pinned, WRITING or gone ones) and eviction eats each chain
-        from its tail:
-        - Objects that become evictable (a commit without pin, the last unpin) are refreshed, in
-          the order of the call's list, which callers give in chunk order (`pin` and `pin_prefix`
-          return theirs in that order, `pin_prefix` chunk-major): the first chunk ends up the most
-          recent, and every READY unpinned ancestor reachable through parent links (walking
-          through pinned and WRITING ones too) more recent still, each after its descendants.
-        - `link` refreshes the chain it links, and its parent. A STORE links before reserving, so
-          that its reserve spares the prefix it extends, and again after.
-        - Pins protect objects, not prefixes: a pinned chunk's ancestors stay evictable (a lookup
-          pins the whole prefix it reads, and its unpin refreshes them)."""
-        ready = ObjectState.READY
-        for obj in reversed(self._walk_up(objects)):  # the last walk first, each nearest first
-            if obj.state is ready and obj.pins == 0:
-                obj.slab.size_class.evictable.move_to_end(obj)
-
-    def _descends_from(self, obj: PoolObject, others: set[PoolObject | None]) -> bool:
-        """Whether `obj` or one of its ancestors is in `others`: linking it as their parent would
-        close a cycle. O(ancestors)."""
-        return any(node in others for node in self._walk_up([obj]))
-
-    @staticmethod
-    def _walk_up(starts: list[PoolObject]) -> list[PoolObject]:
-        """Each start and its ancestors, stopping at the first object an earlier walk (or this
-        one) met, so no walk ever loops, even over a parent cycle; the walks in order, each
-        laid out from its farthest ancestor to its start. A parent that was freed counts as none
-        and is cleared. One loop, no call per object: an END_SESSION gives a LOOKUP's whole
-        prefix back through `_refresh`."""
-        walked: list[PoolObject] = []
-        seen: set[PoolObject] = set()
-        freed = ObjectState.FREED
-        for start in starts:
-            first = len(walked)
-            node: PoolObject | None = start
-            while node is not None and node not in seen:
-                seen.add(node)
-                walked.append(node)
-                parent = node.parent
-                if parent is not None and parent.state is freed:
-                    node.parent = parent = None
-                node = parent
-            if len(walked) - first > 1:
-                walked[first:] = reversed(walked[first:])
-        return walked
 
     def _stick(self, slab: Slab[PoolObject]) -> None:
         slab.stuck += 1

@@ -15,9 +15,13 @@ exact size and format the configuration asks for (`open_pool_file` says why not,
 starts it afresh).
 
 Layout: page 0 is the superblock; then the slab table, one u64 per base slab (the size class of
-the slab starting there); then, page-aligned, the pool's memory, carved into slabs as `slabs`
-says. Every slot of a file-backed pool begins with a record area of `header_bytes` (the object's
-payload follows it), which holds one record:
+the slab starting there); then the record table; then, page-aligned, the pool's memory, carved
+into slabs as `slabs` says, exactly as an anonymous pool's (the records take none of it). The
+record table has a RECORD_BYTES slot for every `align` bytes of the pool's memory: the record of
+the object whose data starts at offset `o` is number `o // align`. The table is sparse: a page of
+it takes memory once a record is written there (allocated first, so that a full tmpfs fails the
+allocation, and the chunk is just not kept, rather than killing the daemon with SIGBUS); objects
+of 32 KiB and more take one page of records each, smaller ones share. A record:
 
     u64 state   EMPTY, COMMITTED or SEALED; written last and alone (one aligned 8-byte store)
     u64 seq     the pool's commit counter when it was committed (recency, on adoption)
@@ -26,8 +30,8 @@ payload follows it), which holds one record:
     head        `chunk_format`'s header of the object (key, format, length), then its checksum,
                 which is 0 until the chunk is SEALED (computed off the request path)
 
-Crash consistency rests on one order, kept by the pool: a slot's state is EMPTY before its slot is
-handed out, its payload and record are written before its state becomes COMMITTED (before the
+Crash consistency rests on one order, kept by the pool: a slot's record is EMPTY before the slot
+is handed out, its payload and record are written before its state becomes COMMITTED (before the
 STORE is answered), and the state goes back to EMPTY before the slot can be reused. A process
 killed at any instant leaves its stores in the page cache, so what a restart finds COMMITTED or
 SEALED is a chunk whose STORE completed. The states share their upper 32 bits: a state write torn
@@ -58,8 +62,9 @@ logger = logging.getLogger(__name__)
 PAGE = mmap.PAGESIZE
 MAGIC = b"LMPOOL\x00\x01"
 VERSION = 1
-# magic, version, page size, file bytes, data offset, capacity, align, header bytes, table entries
-_SUPER = struct.Struct("<8sIIQQQQQQ")
+# magic, version, page size, file bytes, data offset, capacity, align, record table offset and
+# record size, slab table entries
+_SUPER = struct.Struct("<8sIIQQQQQQQ")
 _SLAB_BYTES_AT = 128  # u64, 0 until the pool fixes its slab size (at its first reserve)
 
 EMPTY = 0
@@ -68,19 +73,26 @@ COMMITTED = _STATE_HIGH | 0x544D4F43
 SEALED = _STATE_HIGH | 0x4C414553
 _RECORD = struct.Struct("<QQHH")  # state, seq, parent_len, head_len
 _SLICE_BYTES = 8 << 20  # checksummed at once, between calls of the pacer
-RECORD_MIN_BYTES = 1024  # room for a record: a model name of a few hundred characters fits
+RECORD_BYTES = 512  # room for a record: a model name of ~250 characters fits
 
 
-def header_bytes_for(align: int) -> int:
-    """The record area in front of every payload: whole `align` units, so payloads stay aligned."""
-    return -(-RECORD_MIN_BYTES // align) * align
+def _pages(nbytes: int) -> int:
+    return -(-nbytes // PAGE) * PAGE
 
 
-def _layout(capacity: int, align: int) -> tuple[int, int, int]:
-    """(table entries, data offset, file bytes) for a pool of `capacity` bytes."""
-    entries = capacity // (header_bytes_for(align) + align) + 1  # every base slab holds a slot
-    data_offset = PAGE + -(-entries * 8 // PAGE) * PAGE
-    return entries, data_offset, data_offset + capacity
+@dataclass(frozen=True)
+class _Layout:
+    entries: int  # of the slab table: every base slab holds an object of at least `align` bytes
+    records_at: int
+    data_offset: int
+    file_bytes: int
+
+
+def _layout(capacity: int, align: int) -> _Layout:
+    entries = capacity // align + 1
+    records_at = PAGE + _pages(entries * 8)
+    data_offset = records_at + _pages(entries * RECORD_BYTES)
+    return _Layout(entries, records_at, data_offset, data_offset + capacity)
 
 
 @dataclass(frozen=True)
@@ -102,9 +114,11 @@ class PoolFile:
         self.fd = fd
         self.capacity = capacity
         self.align = align
-        self.header_bytes = header_bytes_for(align)
-        self.entries, self.data_offset, self.file_bytes = _layout(capacity, align)
+        layout = _layout(capacity, align)
+        self.entries, self.records_at = layout.entries, layout.records_at
+        self.data_offset, self.file_bytes = layout.data_offset, layout.file_bytes
         self.adopted = adopted  # the file held a pool that this daemon now serves
+        self._record_pages: set[int] = set()  # pages of the record table allocated by this process
         # Mapped through a second open file description of the same inode: the mapping keeps a
         # duplicate of the descriptor it was made from, and the lock (on `fd`) must end at `close`.
         map_fd = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
@@ -122,16 +136,18 @@ class PoolFile:
     # ---- superblock and slab table ---------------------------------------------------------------
 
     def write_superblock(self) -> None:
-        _SUPER.pack_into(self._view, 0, MAGIC, VERSION, PAGE, self.file_bytes, self.data_offset,
-                         self.capacity, self.align, self.header_bytes, self.entries)
+        _SUPER.pack_into(self._view, 0, *self._superblock())
+
+    def _superblock(self) -> tuple:
+        return (MAGIC, VERSION, PAGE, self.file_bytes, self.data_offset, self.capacity, self.align,
+                self.records_at, RECORD_BYTES, self.entries)
 
     def superblock_mismatch(self) -> str:
         """Why the superblock is not one this configuration wrote ("" if it is)."""
         found = _SUPER.unpack_from(self._view, 0)
-        wanted = (MAGIC, VERSION, PAGE, self.file_bytes, self.data_offset, self.capacity, self.align,
-                  self.header_bytes, self.entries)
+        wanted = self._superblock()
         names = ("magic", "format version", "page size", "size", "data offset", "capacity",
-                 "alignment", "record size", "slab table")
+                 "alignment", "record table", "record size", "slab table")
         for name, have, want in zip(names, found, wanted, strict=True):
             if have != want:
                 return f"its {name} is {have!r}, this daemon's is {want!r}"
@@ -158,19 +174,36 @@ class PoolFile:
     def clear_slab_entry(self, first: int) -> None:
         self._words[PAGE // 8 + first] = 0
 
-    # ---- records ---------------------------------------------------------------------------------
+    # ---- records (each named by its object's data offset in the pool) ---------------------------
 
-    def set_state(self, record_at: int, state: int) -> None:
-        """One aligned 8-byte store; `record_at` is the record's offset in `data`."""
-        self._words[(self.data_offset + record_at) // 8] = state
+    def _record_at(self, offset: int) -> int:
+        return self.records_at + offset // self.align * RECORD_BYTES
 
-    def write_record(self, record_at: int, seq: int, parent: bytes, head: bytes) -> bool:
+    def set_state(self, offset: int, state: int) -> None:
+        """One aligned 8-byte store, on a record written before (its page is allocated)."""
+        self._words[self._record_at(offset) // 8] = state
+
+    def clear_state(self, offset: int) -> None:
+        """EMPTY, without allocating a record page that was never written (it reads as zeros)."""
+        at = self._record_at(offset) // 8
+        if self._words[at]:
+            self._words[at] = EMPTY
+
+    def write_record(self, offset: int, seq: int, parent: bytes, head: bytes) -> bool:
         """Write a record's body (state untouched): `head` is `chunk_format.encode_head`'s, its
-        checksum (0 until sealed) is appended. False if it does not fit the record area."""
+        checksum (0 until sealed) is appended. False if it does not fit a record, or its page
+        cannot be allocated (a full file system): the object is then not kept."""
         head += bytes(chunk_format.CHECKSUM_SIZE)
-        if _RECORD.size + len(parent) + len(head) > self.header_bytes:
+        if _RECORD.size + len(parent) + len(head) > RECORD_BYTES:
             return False
-        at = self.data_offset + record_at
+        at = self._record_at(offset)
+        page = at // PAGE
+        if page not in self._record_pages:
+            try:
+                os.posix_fallocate(self.fd, page * PAGE, PAGE)
+            except OSError:
+                return False
+            self._record_pages.add(page)
         view = self._view
         _RECORD.pack_into(view, at, int(self._words[at // 8]), seq, len(parent), len(head))
         body = at + _RECORD.size
@@ -178,13 +211,14 @@ class PoolFile:
         view[body + len(parent):body + len(parent) + len(head)] = head
         return True
 
-    def read_record(self, record_at: int, payload_len: int) -> Record | None:
-        """The live record at `record_at` of an object of `payload_len` bytes, or None (empty, or
-        anything that does not parse as one: never adopted)."""
-        at = self.data_offset + record_at
+    def read_record(self, offset: int, payload_len: int) -> Record | None:
+        """The live record of the object at `offset`, of `payload_len` bytes, or None (empty, or
+        anything that does not parse as one: never adopted). Its page counts as allocated."""
+        at = self._record_at(offset)
         state, seq, parent_len, head_len = _RECORD.unpack_from(self._view, at)
-        if state not in (COMMITTED, SEALED) or _RECORD.size + parent_len + head_len > self.header_bytes:
+        if state not in (COMMITTED, SEALED) or _RECORD.size + parent_len + head_len > RECORD_BYTES:
             return None
+        self._record_pages.add(at // PAGE)
         body = at + _RECORD.size
         parent = bytes(self._view[body:body + parent_len])
         head = bytes(self._view[body + parent_len:body + parent_len + head_len])
@@ -196,16 +230,16 @@ class PoolFile:
             return None
         return Record(state, seq, key, parent, head)
 
-    def seal(self, record_at: int, payload: torch.Tensor, pace: Callable[[], None] | None) -> None:
+    def seal(self, offset: int, payload: torch.Tensor, pace: Callable[[], None] | None) -> None:
         """Checksum a COMMITTED record's payload into its head, then mark it SEALED. `pace` is
         called between slices: the request path's copies go first."""
-        at = self.data_offset + record_at
+        at = self._record_at(offset)
         _, _, parent_len, head_len = _RECORD.unpack_from(self._view, at)
         head_at = at + _RECORD.size + parent_len
         head = self._view[head_at:head_at + head_len - chunk_format.CHECKSUM_SIZE]
         digest = chunk_format.checksum(head, payload, _SLICE_BYTES, pace)
         struct.pack_into("<Q", self._view, head_at + head_len - chunk_format.CHECKSUM_SIZE, digest)
-        self.set_state(record_at, SEALED)
+        self.set_state(offset, SEALED)
 
     def close(self) -> None:
         """Release the lock (the mapping goes with the last view of it)."""
@@ -230,9 +264,9 @@ def open_pool_file(path: Path, capacity: int, align: int, *, fresh: bool) -> Poo
     then lives in anonymous memory, without warm restart. Raises PoolFileError if the directory
     is unsafe or another daemon holds the file."""
     _private_directory(path.parent)
-    file_bytes = _layout(capacity, align)[2]
+    layout = _layout(capacity, align)
     if not fresh:
-        reason, fd = _existing(path, file_bytes)
+        reason, fd = _existing(path, layout.file_bytes)
         if fd is not None:
             pool_file = PoolFile(path, fd, capacity, align, adopted=True)
             mismatch = pool_file.superblock_mismatch()
@@ -245,7 +279,7 @@ def open_pool_file(path: Path, capacity: int, align: int, *, fresh: bool) -> Poo
             logger.warning("pool file %s not adopted: %s; starting with an empty pool", path, reason)
     elif os.path.lexists(path):
         logger.info("pool file %s: discarded (--fresh-pool)", path)
-    return _create(path, capacity, align, file_bytes)
+    return _create(path, capacity, align, layout)
 
 
 def _existing(path: Path, file_bytes: int) -> tuple[str, int | None]:
@@ -279,26 +313,29 @@ def _existing(path: Path, file_bytes: int) -> tuple[str, int | None]:
     return "", fd
 
 
-def _create(path: Path, capacity: int, align: int, file_bytes: int) -> PoolFile | None:
+def _create(path: Path, capacity: int, align: int, layout: _Layout) -> PoolFile | None:
+    # The pool's memory and the slab table, and some room for records (sparse: see the module
+    # docstring); what is not there when a record is written only loses that record.
+    needed = capacity + layout.records_at + capacity // 64
     free = _free_bytes(path.parent)
-    if free is not None and free < file_bytes:
+    if free is not None and free < needed:
         logger.warning("pool file %s: its file system has %.2f GiB free, the pool needs %.2f GiB; the pool "
                        "lives in anonymous memory and is lost at a restart (give --pool-file a larger "
-                       "tmpfs, or a container a larger /dev/shm)", path, free / 2**30, file_bytes / 2**30)
+                       "tmpfs, or a container a larger /dev/shm)", path, free / 2**30, needed / 2**30)
         return None
     if os.path.lexists(path):
         os.unlink(path)  # refused above, or --fresh-pool: the link or file goes, never a target
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         lock_pool_file(fd, path)
-        os.ftruncate(fd, file_bytes)
+        os.ftruncate(fd, layout.file_bytes)
+        os.posix_fallocate(fd, 0, layout.records_at)  # the superblock and the slab table
         pool_file = PoolFile(path, fd, capacity, align, adopted=False)
     except BaseException:
         os.close(fd)
         raise
-    os.posix_fallocate(fd, 0, pool_file.data_offset)  # the pool's memory: piece by piece
     pool_file.write_superblock()
-    logger.info("pool file %s: created (%.2f GiB)", path, file_bytes / 2**30)
+    logger.info("pool file %s: created (%.2f GiB)", path, capacity / 2**30)
     return pool_file
 
 

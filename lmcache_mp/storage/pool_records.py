@@ -23,7 +23,7 @@ from lmcache_mp.chunks import pool_key
 from lmcache_mp.storage.pool_file import COMMITTED, EMPTY, SEALED, PoolFile, Record
 
 if TYPE_CHECKING:
-    from lmcache_mp.storage.pool import PoolObject
+    from lmcache_mp.storage.pool_objects import PoolObject
     from lmcache_mp.storage.slabs import Slab
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,6 @@ class PoolRecords:
 
     def __init__(self, pool_file: PoolFile):
         self.file = pool_file
-        self.header_bytes = pool_file.header_bytes
         self.seq = 0
         self.unsealed: dict[PoolObject, None] = {}  # oldest first
         self.unverified: dict[PoolObject, Record] = {}  # least recently used first
@@ -86,14 +85,14 @@ class PoolRecords:
             return
         self.seq += 1
         parent, head = record
-        if self.file.write_record(obj.record_at, self.seq, parent, head):
-            self.file.set_state(obj.record_at, COMMITTED)
+        if self.file.write_record(obj.offset, self.seq, parent, head):
+            self.file.set_state(obj.offset, COMMITTED)
             obj.recorded = True
             self.unsealed[obj] = None
 
     def dropped(self, obj: PoolObject) -> None:
         if obj.recorded:
-            self.file.set_state(obj.record_at, EMPTY)
+            self.file.set_state(obj.offset, EMPTY)
             obj.recorded = False
         self.unsealed.pop(obj, None)
         self.unverified.pop(obj, None)
@@ -119,17 +118,17 @@ class PoolRecords:
                 continue
             slot_bytes = slab.size_class.slot_bytes
             for slot in range(slab.size_class.slots_per_slab):
-                record_at = slab.offset + slot * slot_bytes
-                record = self.file.read_record(record_at, nbytes)
+                offset = slab.offset + slot * slot_bytes
+                record = self.file.read_record(offset, nbytes)
                 if record is None:
-                    self.file.set_state(record_at, EMPTY)
+                    self.file.clear_state(offset)
                     continue
                 this = Found(record, slab, slot)
                 other = found.get(this.pool_key)
                 if other is not None:
                     self.stats.dropped_total += 1
                     older = min(this, other, key=lambda f: f.record.seq)
-                    self.file.set_state(older.slab.offset + older.slot * slot_bytes, EMPTY)
+                    self.file.clear_state(older.slab.offset + older.slot * slot_bytes)
                     if older is this:
                         continue
                 found[this.pool_key] = this

@@ -54,7 +54,7 @@ def default_slab_bytes(slot_bytes: int, usable_bytes: int) -> int:
 @dataclass(eq=False)
 class SizeClass(Generic[Obj]):
     nbytes: int
-    slot_bytes: int  # the record area (file-backed pools), then nbytes rounded up to the alignment
+    slot_bytes: int  # nbytes rounded up to the pool's alignment
     span: int  # base slabs per slab
     slots_per_slab: int
     # Slabs with at least one free slot, and READY unpinned objects, least recently used first.
@@ -123,11 +123,8 @@ class SlabAllocator(Generic[Obj]):
     """The base slabs of a pool's buffer and its size classes; see the module docstring. The
     buffer's usable part is `usable` bytes from offset `base` (where `align` first falls)."""
 
-    def __init__(self, capacity_bytes: int, base: int, usable: int, align: int, slab_bytes: int | None,
-                 header_bytes: int = 0):
+    def __init__(self, capacity_bytes: int, base: int, usable: int, align: int, slab_bytes: int | None):
         self.capacity_bytes = capacity_bytes
-        # In front of every object, in its slot: a file-backed pool's record (`pool_file`).
-        self.header_bytes = header_bytes
         self.base = base
         self.usable = usable
         self.align = align
@@ -182,7 +179,7 @@ class SlabAllocator(Generic[Obj]):
         size_class = self.classes.get(nbytes)
         if size_class is not None:
             return size_class
-        slot_bytes = self.header_bytes + round_up(nbytes, self.align)
+        slot_bytes = round_up(nbytes, self.align)
         if nbytes <= 0 or slot_bytes > self.usable:
             raise ValueError(f"cannot store objects of {nbytes} bytes in a pool of {self.capacity_bytes} "
                              f"bytes: it can allocate at most {self.usable} contiguous bytes")

@@ -20,7 +20,7 @@ from lmcache_mp.chunks import ChunkFormat, ChunkKey
 from lmcache_mp.pool_location import PoolFileError, discard_pool_file
 from lmcache_mp.storage.chunk_format import encode_head
 from lmcache_mp.storage.pool import MemoryPool, ObjectState, PoolObject
-from lmcache_mp.storage.pool_file import open_pool_file
+from lmcache_mp.storage.pool_file import _layout, open_pool_file
 from lmcache_mp.storage.pool_integrity import PoolIntegrity
 
 CAPACITY = 1 << 20
@@ -120,11 +120,9 @@ def test_a_corrupted_sealed_chunk_is_a_miss_and_freed(pool_path: Path) -> None:
     pool = open_pool(pool_path)
     objects = store_chain(pool, 0, 3)
     drain(pool)
-    offset = objects[1].data.data_ptr() - pool._buffer.data_ptr()
     pool.close()
-    with open(pool_path, "r+b") as f:
-        backing = open_pool_file.__globals__["_layout"](CAPACITY, ALIGN)[1]
-        f.seek(backing + offset + 17)
+    with open(pool_path, "r+b") as f:  # a byte of the middle chunk's payload, in the file
+        f.seek(_layout(CAPACITY, ALIGN).data_offset + objects[1].offset + 17)
         f.write(b"\xff")
     again = open_pool(pool_path)
     drain(again)
