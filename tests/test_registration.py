@@ -98,7 +98,8 @@ def test_default_instance_ids_are_random_not_the_pid(daemon: DaemonProcess, work
 
 
 def test_worker_registers_again_with_a_restarted_daemon(daemons) -> None:
-    """The new daemon has no registrations: the worker's id is free there, and it keeps it."""
+    """The worker registers with the new daemon by itself, under a new instance id (issue 29): a
+    request sent to the old daemon that reaches the new one names an id the new one never knew."""
     first = daemons(*DAEMON_ARGS)
     worker = LMCacheMPWorkerAdapter(first.url, None, "m", 1, 0, BLOCK, reregister_interval_s=0.1)
     try:
@@ -110,8 +111,8 @@ def test_worker_registers_again_with_a_restarted_daemon(daemons) -> None:
         while not worker.ensure_registered():
             assert time.monotonic() < deadline, "the worker did not register with the new daemon"
             time.sleep(0.02)
-        assert worker.instance_id == instance_id
-        assert status(second.url).registered_instances == [instance_id]
+        assert worker.instance_id != instance_id
+        assert status(second.url).registered_instances == [worker.instance_id]
     finally:
         worker.shutdown()
 

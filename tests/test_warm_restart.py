@@ -14,9 +14,10 @@ from pathlib import Path
 
 import torch
 
+from lmcache_mp.custom_types import IPCCacheEngineKey
 from lmcache_mp.errors import LMCacheMPError
 from lmcache_mp.launcher import DaemonProcess
-from lmcache_mp.protocol import ChunkOutcome
+from lmcache_mp.protocol import ChunkOutcome, ErrorCode, RequestType
 from tests.helpers import (
     BLOCK,
     CHUNK,
@@ -24,6 +25,7 @@ from tests.helpers import (
     SHAPE,
     block_hashes,
     count_lookup,
+    refusal,
     run_worker,
     status,
     store,
@@ -75,6 +77,9 @@ def test_sigterm_then_a_new_daemon_serves_every_chunk_bit_exact(daemons, short_t
     # that reach this one name an id it never knew.
     wait_for(worker.registration.ensure_registered, "the worker registered again")  # as each step does
     assert status(again.url).registered_instances == [worker.instance_id] != [old_id]
+    stale = [IPCCacheEngineKey("m", 1, 0, chunk_hash=hashes[1], request_id="s")]
+    refused = refusal(worker.mq_client, RequestType.STORE, [stale, old_id, [9, 3], b""])
+    assert refused.code is ErrorCode.UNKNOWN_INSTANCE  # what a request of the old daemon's time gets
     out = subprocess.run([sys.executable, "-m", "lmcache_mp.cli", "status", "--url", again.url],
                          capture_output=True, text=True, timeout=30)
     assert f"pool file {daemon.pool_path}: adopted 5 chunks" in out.stdout, out.stdout
