@@ -78,8 +78,9 @@ def _round_up_page(n: int) -> int:
 
 class PoolMemory:
     """A mapping of `nbytes` and its preparation, piece by piece, in order: private and anonymous,
-    or the data of `backing`, whose pieces are also allocated in its file system (fallocate) before
-    they are touched: a page of a full tmpfs would otherwise kill the daemon (SIGBUS) when written."""
+    or the data of `backing`, a pool file, whose pages MADV_POPULATE_WRITE allocates without
+    writing them (a full tmpfs then fails the call, where a plain write would kill the daemon with
+    SIGBUS; huge pages where the kernel gives them to shared memory)."""
 
     def __init__(self, nbytes: int, pin: PinFn | None, piece_bytes: int,
                  backing: PoolFile | None = None) -> None:
@@ -161,8 +162,6 @@ class PoolMemory:
         """Fault in [start, end) and pin it (unless pinning failed); False, with the piece left
         unused, if stopped."""
         address = self.tensor.data_ptr()
-        if self._backing is not None:
-            os.posix_fallocate(self._backing.fd, self._backing.data_offset + start, end - start)
         with contextlib.suppress(OSError):  # a kernel without THP: 4 KiB pages, slower to fault
             _madvise(address + start, end - start, MADV_HUGEPAGE)
         for step in range(start, end, _STEP_BYTES):
@@ -191,8 +190,15 @@ class PoolMemory:
                 _madvise(self.tensor.data_ptr() + start, end - start, MADV_POPULATE_WRITE)
                 return
             except OSError as err:
-                if err.errno != errno.EINVAL:  # a kernel before 5.14; ENOMEM and others are real
+                # EINVAL: a kernel before 5.14. ENOMEM, and EFAULT (a full tmpfs: SIGBUS on access
+                # otherwise), are real.
+                if err.errno != errno.EINVAL:
                     raise
                 self._populate = False
+        if self._backing is not None:
+            # Allocated in the file system, so that a full one fails here, not with SIGBUS at a
+            # later write; never written: the file may hold chunks to adopt.
+            os.posix_fallocate(self._backing.fd, self._backing.data_offset + start, end - start)
+            return
         # One written byte per page faults it in (the kernel zeroes it).
         self.tensor[start:end:mmap.PAGESIZE].zero_()

@@ -18,6 +18,7 @@ import torch
 
 from lmcache_mp.chunks import ChunkFormat, ChunkKey
 from lmcache_mp.pool_location import PoolFileError, discard_pool_file
+from lmcache_mp.storage import pool_memory
 from lmcache_mp.storage.chunk_format import encode_head
 from lmcache_mp.storage.pool import MemoryPool, ObjectState, PoolObject
 from lmcache_mp.storage.pool_file import _layout, open_pool_file
@@ -270,3 +271,18 @@ def test_sigkill_at_any_instant_loses_no_answered_chunk_and_adopts_no_torn_one(p
         assert pool.stats().adoption.dropped_total == 0
         assert all(obj.state is ObjectState.READY for obj in pool._index.values())
         pool.close()
+
+
+def test_a_kernel_without_populate_write_leaves_adopted_bytes_alone(pool_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before Linux 5.14 the pool faults its memory in by writing a byte per page: never into a
+    pool file, whose pages may hold the chunks it adopts (they are allocated instead)."""
+    pool = open_pool(pool_path)
+    store_chain(pool, 0, 3)
+    pool.close()
+    monkeypatch.setattr(pool_memory, "MADV_POPULATE_WRITE", 0x7FFF)  # EINVAL, as an old kernel says
+    again = open_pool(pool_path)
+    assert not again._memory._populate, "the fallback was not taken"
+    drain(again)
+    assert [readable(again, i) for i in range(3)] == [True] * 3
+    again.close()
