@@ -11,10 +11,11 @@ STOREs of 8 chunks from one worker, every chunk under its own hashes) and is sto
   worker registered as soon as the daemon served: a LOOKUP names formats through a registration),
   and every adopted chunk verified; it checks that every chunk was adopted, none dropped, and that
   the newest chunk reads back bit-exact;
-- empty: the same with --fresh-pool, to serving and to a prepared pool (what an empty start costs).
+- empty: the same with --fresh-pool, to serving and to a prepared pool (what an empty start costs),
+  and with `--pool-file ""` (anonymous memory, as before issue 29), both before the pool is filled.
 The pool file is kept between the warm runs and discarded at the end. Sizes that do not fit in the
-available memory (with 4 GiB to spare) are skipped, saying so. Target: the first hit within 2 s of
-the engine serving (this VM's engine build, mostly `import torch`, takes ~2.5 s for any start).
+available memory (with 4 GiB to spare) are skipped, saying so. Target: the first adopted hit within
+2 s of the start.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from lmcache_mp.protocol import PHASE_SERVING, RequestType, StatusReport
 from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp
 
 SPARE_GIB = 4
-TARGET_HIT_AFTER_SERVING_S = 2.0
+TARGET_FIRST_HIT_S = 2.0  # from the start, for a 16 GiB pool (issue 29)
 POLL_S = 0.005
 G = DEFAULT
 CHUNK_BYTES = G.layers * G.blocks_per_chunk * G.kv_heads * G.block * 2 * 128 * DTYPE.itemsize
@@ -131,8 +132,8 @@ def check_newest(worker: LMCacheMPWorkerAdapter, scheduler: LMCacheMPSchedulerAd
         "the adopted chunks read back other bytes than were stored"
 
 
-def empty_start(tmp: Path, size_gb: float) -> dict:
-    daemon = start_daemon(tmp, *daemon_args(size_gb, "--fresh-pool"), serving=False, pool_ready=False)
+def empty_start(tmp: Path, size_gb: float, *extra: str) -> dict:
+    daemon = start_daemon(tmp, *daemon_args(size_gb, "--fresh-pool", *extra), serving=False, pool_ready=False)
     t0 = daemon.started_at
     probe = MessageQueueClient(daemon.url)
     try:
@@ -147,6 +148,14 @@ def empty_start(tmp: Path, size_gb: float) -> dict:
 def run(size_gb: float, tmp: Path) -> dict:
     home = tmp / f"{size_gb:g}g"
     home.mkdir()
+    # Empty starts first (a large pool and its kept copy would not fit side by side): a new pool
+    # file, and an anonymous pool (`--pool-file ""`, the only pool before issue 29).
+    empty: dict[str, list[dict]] = {"empty": [], "anonymous": []}
+    for i in range(2):
+        for name, extra in (("empty", ()), ("anonymous", ("--pool-file", ""))):
+            empty_home = home / f"{name}-{i}"
+            empty_home.mkdir()
+            empty[name].append(empty_start(empty_home, size_gb, *extra))
     buffer, kv = make_kv(G)
     del buffer
     daemon: DaemonProcess = start_daemon(home, *daemon_args(size_gb, "--fresh-pool"), ready_timeout=600)
@@ -156,17 +165,15 @@ def run(size_gb: float, tmp: Path) -> dict:
         assert daemon.stop(signal.SIGTERM, timeout=120, keep_pool=True) == 0
     print(f"{size_gb:g} GiB: stored {stored * CHUNKS_PER_REQUEST} chunks of {CHUNK_BYTES / 2**20:.0f} MiB",
           flush=True)
-    warm, empty = [], []
+    warm = []
     try:
         for _ in range(2):
             warm.append(warm_start(home, size_gb, kv, stored - 1, stored))
-            empty_home = home / f"empty-{len(empty)}"
-            empty_home.mkdir()
-            empty.append(empty_start(empty_home, size_gb))
     finally:
         daemon.discard_pool()
     row = {f"warm {k}": statistics.median(r[k] for r in warm) for k in warm[0]}
-    row |= {f"empty {k}": statistics.median(r[k] for r in empty) for k in empty[0]}
+    for name, runs in empty.items():
+        row |= {f"{name} {k}": statistics.median(r[k] for r in runs) for k in runs[0]}
     for name, value in row.items():
         print(f"  {name:<22}{value:8.2f}")
     return row
@@ -178,7 +185,8 @@ def plot(figures: dict[str, dict[str, float]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = ["empty serving_s", "empty pool_ready_s", "warm serving_s", "warm first_hit_s", "warm verified_s"]
+    names = ["anonymous serving_s", "anonymous pool_ready_s", "empty serving_s", "empty pool_ready_s",
+             "warm serving_s", "warm first_hit_s", "warm verified_s"]
     fig, ax = plt.subplots(figsize=(8, 3.5))
     width = 0.8 / len(names)
     for i, name in enumerate(names):
@@ -205,9 +213,10 @@ def main() -> int:
             print(f"{size:g} GiB: skipped, {available_gib():.1f} GiB available")
             continue
         row = figures[f"{size:g} GiB"] = run(size, tmp)
-        after = row["warm first_hit_s"] - row["warm serving_s"]
-        checks[f"{size:g} GiB: first hit {after:.2f} s after serving (target <= "
-               f"{TARGET_HIT_AFTER_SERVING_S} s)"] = after <= TARGET_HIT_AFTER_SERVING_S
+        first_hit = row["warm first_hit_s"]
+        checks[f"{size:g} GiB: first adopted hit {first_hit:.2f} s after start, "
+               f"{first_hit - row['empty serving_s']:+.2f} s from an empty start's serving "
+               f"(target <= {TARGET_FIRST_HIT_S} s)"] = first_hit <= TARGET_FIRST_HIT_S
     finish(args.out, "warm_restart", checks, figures, lambda path: plot(figures, path))
     return 0
 

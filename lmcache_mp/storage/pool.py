@@ -372,7 +372,7 @@ class MemoryPool:
         order of commit (the newest the most recently used), linked to their parents."""
         assert self._records is not None
         records = self._records
-        found = records.scan(self._adopt_slab)
+        found = records.scan(self._adopt_slab, len(self._slabs.owner))
         objects: list[PoolObject] = []
         for item in found:
             slab, slot, size_class = item.slab, item.slot, item.slab.size_class

@@ -99,13 +99,15 @@ class PoolRecords:
 
     # ---- adoption ----------------------------------------------------------------------------------
 
-    def scan(self, adopt_slab: Callable[[int, int, int], Slab[PoolObject] | None]) -> list[Found]:
-        """Every live record of the file's slabs, each slab taken by `adopt_slab(first, nbytes,
-        span)` (None: its entry does not fit this pool, and it is forgotten), the newest of each
+    def scan(self, adopt_slab: Callable[[int, int, int], Slab[PoolObject] | None],
+             base_slabs: int) -> list[Found]:
+        """Every live record of the file's slabs among its first `base_slabs` (the table is sized
+        for the smallest slabs there can be), each slab taken by `adopt_slab(first, nbytes, span)`
+        (None: its entry does not fit this pool, and it is forgotten), the newest of each
         key only (an older one would be a bug's, not a crash's, but is freed all the same), oldest
         first. Slots without one are left EMPTY."""
         found: dict[Hashable, Found] = {}
-        first, count = 0, self.file.entries
+        first, count = 0, min(base_slabs, self.file.entries)
         while first < count:
             nbytes, span = self.file.slab_entry(first)
             slab = adopt_slab(first, nbytes, span) if span else None
