@@ -1,7 +1,13 @@
-"""The thread that keeps a file-backed pool's checksums: it verifies the chunks a restart adopted
-(most recently used first; until then readers can't see them) and seals the chunks committed since
-(their checksum is computed here, off the request path, so a STORE costs what it cost without a
-pool file). Between slices of either it waits for a gap in the request path's copies (`pace`).
+"""The threads that keep a file-backed pool's checksums.
+
+- The verifier, started only after an adoption: it checks the chunks a restart adopted, the most
+  recently used first (until then readers can't see them, so it runs at normal priority: every
+  chunk it has not reached yet is a miss), and ends when none is left.
+- The sealer: it computes the checksum of every chunk committed since, off the request path, so
+  that a STORE costs what it cost without a pool file. It runs only on CPU time nothing else
+  wants (SCHED_IDLE): measured, sealing at normal priority cost STOREs 3% of their speed in
+  scripts/bench_data_plane.py (2 cores; docs/benchmarks.md section 13).
+Between slices of either, they wait for a gap in the request path's copies (`pace`).
 
 A chunk committed but not yet sealed when the daemon dies is adopted on the strength of the commit
 order (`pool_file`), sealed then, and counted (`AdoptionStats.adopted_unsealed`); a clean shutdown
@@ -22,13 +28,12 @@ from lmcache_mp.storage.pool_file import verify
 
 logger = logging.getLogger(__name__)
 
-_IDLE_WAIT_S = 1.0  # a commit wakes the thread (`poke`); this only bounds a missed wake-up
+_IDLE_WAIT_S = 1.0  # a commit wakes the sealer (`poke`); this only bounds a missed wake-up
 
 
 def _yield_cpu() -> None:
-    """Run this thread only on CPU time nothing else wants (SCHED_IDLE; else the lowest nice): on a
-    busy machine checksums wait, copies do not. Measured: sealing at normal priority cost STOREs 3%
-    of their speed in scripts/bench_data_plane.py (2 cores, three daemons); see docs/benchmarks.md."""
+    """Run the calling thread only on CPU time nothing else wants (SCHED_IDLE; else the lowest
+    nice): on a busy machine checksums wait, copies do not."""
     tid = threading.get_native_id()
     try:
         os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
@@ -43,8 +48,11 @@ class PoolIntegrity:
         self._pace = pace
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="pool-integrity", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._seal_loop, name="pool-seal", daemon=True)]
+        if pool.stats().unverified:
+            self._threads.append(threading.Thread(target=self._verify_all, name="pool-verify", daemon=True))
+        for thread in self._threads:
+            thread.start()
 
     def poke(self) -> None:
         """Objects were committed: seal them."""
@@ -55,10 +63,11 @@ class PoolIntegrity:
         return self._verify_one(pace) or self._seal_one(pace)
 
     def close(self, seal_for_s: float) -> None:
-        """Stop the thread, then seal (at full speed) what is left for up to `seal_for_s`."""
+        """Stop the threads, then seal (at full speed) what is left for up to `seal_for_s`."""
         self._stop.set()
         self._wake.set()
-        self._thread.join()
+        for thread in self._threads:
+            thread.join()
         left = self._pool.stats().unsealed
         deadline = time.monotonic() + seal_for_s
         while time.monotonic() < deadline and self._seal_one(None):
@@ -66,6 +75,30 @@ class PoolIntegrity:
         if left:
             still = self._pool.stats().unsealed
             logger.info("pool: sealed %d chunks at shutdown, %d left unsealed", left - still, still)
+
+    def _verify_all(self) -> None:
+        started = time.monotonic()
+        try:
+            while not self._stop.is_set() and self._verify_one(self._pace):
+                pass
+        except Exception:  # a bug: logged; what is left stays unverified (misses), never served
+            logger.exception("pool: verifying adopted chunks failed")
+            return
+        adoption = self._pool.stats().adoption
+        logger.info("pool: verified %d adopted chunks in %.2f s, %d dropped", adoption.verified_total,
+                    time.monotonic() - started, adoption.dropped_total)
+
+    def _seal_loop(self) -> None:
+        _yield_cpu()
+        while not self._stop.is_set():
+            try:
+                busy = self._seal_one(self._pace)
+            except Exception:  # a bug: logged, and the loop goes on (the pool serves regardless)
+                logger.exception("pool: sealing a chunk failed")
+                busy = False
+            if not busy:
+                self._wake.wait(_IDLE_WAIT_S)
+                self._wake.clear()
 
     def _verify_one(self, pace: Callable[[], None] | None) -> bool:
         taken = self._pool.take_unverified()
@@ -88,15 +121,3 @@ class PoolIntegrity:
         finally:
             self._pool.sealed(obj)
         return True
-
-    def _run(self) -> None:
-        _yield_cpu()
-        while not self._stop.is_set():
-            try:
-                busy = self.step(self._pace)
-            except Exception:  # a bug: logged, and the loop goes on (the pool serves regardless)
-                logger.exception("pool integrity: a seal or check failed")
-                busy = False
-            if not busy:
-                self._wake.wait(_IDLE_WAIT_S)
-                self._wake.clear()
