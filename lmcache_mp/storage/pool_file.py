@@ -54,7 +54,7 @@ import numpy as np
 import torch
 
 from lmcache_mp.chunks import ChunkKey
-from lmcache_mp.pool_location import PoolFileError, lock_pool_file
+from lmcache_mp.pool_location import lock_pool_file
 from lmcache_mp.storage import chunk_format
 
 logger = logging.getLogger(__name__)
@@ -260,10 +260,16 @@ def verify(record: Record, payload: torch.Tensor, pace: Callable[[], None] | Non
 
 def open_pool_file(path: Path, capacity: int, align: int, *, fresh: bool) -> PoolFile | None:
     """The pool file at `path`: the existing one when it can be adopted (unless `fresh`), else a
-    new one; None (after one warning) when the file system has no room for a new one: the pool
-    then lives in anonymous memory, without warm restart. Raises PoolFileError if the directory
-    is unsafe or another daemon holds the file."""
-    _private_directory(path.parent)
+    new one; None (after one warning) when no new one can be made there (no room, no such file
+    system, a read-only one): the pool then lives in anonymous memory, without warm restart.
+    A directory that others could write in is not used either (same warning, anonymous memory):
+    they could swap the file. Raises PoolFileError if another daemon holds the file."""
+    try:
+        _private_directory(path.parent)
+    except (OSError, _UnsafeDirectory) as err:
+        logger.warning("pool file %s: %s; the pool lives in anonymous memory and is lost at a restart",
+                       path, err)
+        return None
     _log_pages(path)
     layout = _layout(capacity, align)
     if not fresh:
@@ -324,9 +330,14 @@ def _create(path: Path, capacity: int, align: int, layout: _Layout) -> PoolFile 
                        "lives in anonymous memory and is lost at a restart (give --pool-file a larger "
                        "tmpfs, or a container a larger /dev/shm)", path, free / 2**30, needed / 2**30)
         return None
-    if os.path.lexists(path):
-        os.unlink(path)  # refused above, or --fresh-pool: the link or file goes, never a target
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        if os.path.lexists(path):
+            os.unlink(path)  # refused above, or --fresh-pool: the link or file goes, never a target
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as err:
+        logger.warning("pool file %s: cannot be created (%s); the pool lives in anonymous memory and is "
+                       "lost at a restart", path, err)
+        return None
     try:
         lock_pool_file(fd, path)
         os.ftruncate(fd, layout.file_bytes)
@@ -377,13 +388,21 @@ def _free_bytes(directory: Path) -> int | None:
     return st.f_bavail * st.f_frsize
 
 
+class _UnsafeDirectory(Exception):
+    pass
+
+
 def _private_directory(directory: Path) -> None:
-    """Make `directory` (0700), or take an existing one that is ours and nobody else may write in."""
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    """Make `directory` (0700), or take an existing one that is ours and nobody else may write in;
+    OSError if it can't be made, _UnsafeDirectory if it is not safe."""
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as err:
+        raise OSError(err.errno, f"cannot make its directory: {err.strerror}") from None
     st = os.lstat(directory)
     if not stat.S_ISDIR(st.st_mode):
-        raise PoolFileError(f"the pool file's directory {directory} is not a directory (a symbolic link?)")
+        raise _UnsafeDirectory(f"its directory {directory} is not a directory (a symbolic link?)")
     if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o022:
-        raise PoolFileError(f"the pool file's directory {directory} (uid {st.st_uid}, mode "
-                            f"{stat.S_IMODE(st.st_mode):04o}) is not this user's alone to write in; "
-                            "remove it or choose another --pool-file")
+        raise _UnsafeDirectory(f"its directory {directory} (uid {st.st_uid}, mode "
+                               f"{stat.S_IMODE(st.st_mode):04o}) is not this user's alone to write in: "
+                               "remove it or choose another --pool-file")

@@ -286,3 +286,20 @@ def test_a_kernel_without_populate_write_leaves_adopted_bytes_alone(pool_path: P
     drain(again)
     assert [readable(again, i) for i in range(3)] == [True] * 3
     again.close()
+
+
+def test_a_pool_file_that_cannot_be_made_leaves_the_pool_in_anonymous_memory(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """No /dev/shm, a read-only one, a path through a file: one WARNING, and the daemon serves."""
+    assert open_pool_file(Path("/etc/hostname/lmcache-mp/pool"), CAPACITY, ALIGN, fresh=False) is None
+    assert "the pool lives in anonymous memory" in caplog.text
+
+
+def test_a_directory_others_may_write_in_is_not_used(pool_path: Path,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    os.chmod(pool_path.parent, 0o777)  # another user could swap the file for their own
+    try:
+        assert open_pool_file(pool_path, CAPACITY, ALIGN, fresh=False) is None
+    finally:
+        os.chmod(pool_path.parent, 0o700)
+    assert "is not this user's alone to write in" in caplog.text and not pool_path.exists()
