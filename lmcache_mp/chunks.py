@@ -61,15 +61,18 @@ class ChunkFormat:
     chunk_tokens: int  # tokens per chunk (the daemon's --chunk-size)
     # 16-byte digest of everything above: deterministic across processes, restarts, machines.
     fingerprint: bytes = field(init=False, repr=False, compare=False)
+    # Everything above but the fingerprint, encoded once: every stored chunk's header carries it.
+    _encoded: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "fingerprint",
-                           hashlib.blake2b(self.encode(), digest_size=16).digest())
-
-    def encode(self) -> bytes:
-        return msgspec.msgpack.encode(_FormatFields(
+        encoded = msgspec.msgpack.encode(_FormatFields(
             self.model_name, self.world_size, self.worker_id, self.layout, self.dtype,
             self.num_layers, tuple(self.page_shape), self.chunk_tokens))
+        object.__setattr__(self, "_encoded", encoded)
+        object.__setattr__(self, "fingerprint", hashlib.blake2b(encoded, digest_size=16).digest())
+
+    def encode(self) -> bytes:
+        return self._encoded
 
     @classmethod
     def decode(cls, data: bytes | memoryview) -> ChunkFormat:

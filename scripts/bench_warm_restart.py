@@ -202,8 +202,10 @@ def plot(figures: dict[str, dict[str, float]], path: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes-gb", type=float, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--out", type=Path, default=Path("bench-out"))
+    parser.add_argument("--sizes-gb", type=float, nargs="+", default=[1, 4, 16],
+                        help="pool sizes in GiB (skipped, saying so, where they do not fit)")
+    parser.add_argument("--out", type=Path, default=Path("bench-out"),
+                        help="where to write warm_restart.png and warm_restart.json")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="lmc-warm-", dir="/tmp"))

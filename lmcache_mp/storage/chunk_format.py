@@ -150,20 +150,19 @@ def check_header(key: ChunkKey, header: bytes | memoryview) -> int:
 def read_key(header: bytes | memoryview) -> tuple[ChunkKey, int]:
     """The key a header names and its payload length, checking what `check_header` checks but
     the key (the pool adopting its own records after a restart does not know them)."""
-    size = header_size(header)
-    if len(header) != size:
-        raise CorruptChunk(f"header is {len(header)} bytes, its prefix says {size}")
-    _, _, hash_len, _, _, _ = _PREFIX.unpack_from(header)
-    chunk_hash = bytes(memoryview(header)[PREFIX_SIZE:PREFIX_SIZE + hash_len])
+    header_size(header)  # magic and version
+    _, _, hash_len, fp_len, fields_len, _ = _PREFIX.unpack_from(header)
+    view = memoryview(header)
+    chunk_hash = bytes(view[PREFIX_SIZE:PREFIX_SIZE + hash_len])
     if not chunk_hash:
         raise CorruptChunk("header names no chunk hash")
-    fields_at = PREFIX_SIZE + hash_len + _PREFIX.unpack_from(header)[3]
+    fields_at = PREFIX_SIZE + hash_len + fp_len
     try:
-        fmt = _decode_format(bytes(memoryview(header)[fields_at:size - _CHECKSUM.size]))
+        fmt = _decode_format(bytes(view[fields_at:fields_at + fields_len]))
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise CorruptChunk(f"undecodable format fields: {e}") from None
     key = ChunkKey(chunk_hash, fmt)
-    return key, check_header(key, header)
+    return key, check_header(key, header)  # the length, the fingerprint, what the fields hash to
 
 
 @functools.lru_cache(maxsize=256)

@@ -43,7 +43,7 @@ import itertools
 import logging
 import mmap
 import threading
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -101,7 +101,6 @@ class StorageManager:
 
     def __init__(self, pool: MemoryPool, tiers: list[tuple[str, StorageTier]], write_queue_bytes: int):
         self.pool = pool
-        self._persistent = bool(pool.stats().pool_file)
         self._tiers = [tier for _, tier in tiers]
         self._names = [name for name, _ in tiers]
         self._writers = [TierWriter(tier, name, write_queue_bytes, pool.unpin) for name, tier in tiers]
@@ -114,7 +113,8 @@ class StorageManager:
         self._readers = ThreadPoolExecutor(1, thread_name_prefix="lmcache-mp-read")
         self._pending = 0
         self._lock = threading.Lock()
-        self._integrity = PoolIntegrity(pool, self._gate.wait_for_gap) if self._persistent else None
+        # A pool in a pool file: its records are written at commit, its checksums by this.
+        self._integrity = PoolIntegrity(pool, self._gate.wait_for_gap) if pool.stats().pool_file else None
 
     @classmethod
     def open(cls, l1_bytes: int, tier_urls: list[str], write_queue_bytes: int, pin: PinFn | None,
@@ -156,30 +156,31 @@ class StorageManager:
     def commit_store(self, fmt: ChunkFormat, hashes: list[bytes], slots: list[PoolObject | ReserveFailure],
                      parent: bytes | None) -> None:
         """Publish a STORE's filled slots (in chunk order, failures included) and queue them."""
-        fresh = [(h, s) for h, s in zip(hashes, slots, strict=True) if isinstance(s, PoolObject)]
-        objects = [obj for _, obj in fresh]
+        parents = [parent or b"", *hashes[:-1]]  # each chunk's, as the pool file keeps it
+        fresh = [(ChunkKey(h, fmt), p, s) for h, s, p in zip(hashes, slots, parents, strict=True)
+                 if isinstance(s, PoolObject)]
+        objects = [obj for _, _, obj in fresh]
         keys, parent_key = self._chain(fmt, hashes, parent)
         self.pool.link(keys, parent=parent_key)  # now with the new chunks in the chain
         # A queued chunk stays pinned, one pin per tier's queue, all taken before any is given
         # back: a chunk left with no pin could be evicted before the next queue takes it.
-        self.pool.commit(objects, pin=bool(self._writers), records=self._records(fmt, hashes, slots, parent))
+        self.pool.commit(objects, pin=bool(self._writers), records=self._records(fresh))
         if self._integrity is not None:
             self._integrity.poke()
         for _ in self._writers[1:]:
             self.pool.repin(objects)
         for writer in self._writers:
-            for h, obj in fresh:
-                if not writer.offer(ChunkKey(h, fmt), obj):
+            for key, _, obj in fresh:
+                if not writer.offer(key, obj):
                     self.pool.unpin([obj])
 
-    def _records(self, fmt: ChunkFormat, hashes: list[bytes], slots: list[PoolObject | ReserveFailure],
-                 parent: bytes | None) -> list[tuple[bytes, bytes] | None] | None:
-        """What the pool file keeps of each fresh slot: its parent's hash and its chunk head."""
-        if not self._persistent:
+    def _records(self, chunks: Iterable[tuple[ChunkKey, bytes, PoolObject]]
+                 ) -> list[tuple[bytes, bytes] | None] | None:
+        """What a pool file keeps of each (key, parent's chunk hash or b"", object) committed:
+        the parent's hash and the chunk head; None without a pool file."""
+        if self._integrity is None:
             return None
-        parents = [parent or b"", *hashes[:-1]]
-        return [(p, encode_head(ChunkKey(h, fmt), s.nbytes))
-                for h, s, p in zip(hashes, slots, parents, strict=True) if isinstance(s, PoolObject)]
+        return [(parent, encode_head(key, obj.nbytes)) for key, parent, obj in chunks]
 
     @staticmethod
     def _chain(fmt: ChunkFormat, hashes: list[bytes],
@@ -376,9 +377,7 @@ class StorageManager:
                 self._promotions[src.tier] += 1  # type: ignore[index]
 
     def _promoted_records(self, fresh: list[_Source]) -> list[tuple[bytes, bytes] | None] | None:
-        if not self._persistent:
-            return None
-        return [(b"", encode_head(src.key, src.obj.nbytes)) for src in fresh]
+        return self._records((src.key, b"", src.obj) for src in fresh)  # their parents: linked later
 
     def _release(self, chunk: list[_Source]) -> None:
         """Give back what a planned chunk holds: pins on L1 objects; slots that were read are

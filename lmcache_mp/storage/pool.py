@@ -307,7 +307,7 @@ class MemoryPool:
 
     def take_unsealed(self) -> PoolObject | None:
         """The oldest committed object whose checksum is still to be written, pinned (without
-        changing its recency: see `settle_quietly`), or None."""
+        changing its recency: see `_unpin_in_place`), or None."""
         with self._lock:
             if self._records is None or not self._records.unsealed:
                 return None
@@ -406,11 +406,7 @@ class MemoryPool:
     def _settle_adopted_slabs(self) -> None:
         """Adopted slabs: empty ones are forgotten (freed as their memory is prepared), the others
         are clean, and open if they have a free slot."""
-        seen: set[Slab[PoolObject]] = set()
-        for slab in [slab for slab in self._slabs.owner if slab is not None]:
-            if slab in seen:
-                continue
-            seen.add(slab)
+        for slab in dict.fromkeys(slab for slab in self._slabs.owner if slab is not None):
             if not slab.live:
                 self._slabs.owner[slab.first : slab.first + slab.span] = [None] * slab.span
                 assert self._records is not None
