@@ -56,6 +56,10 @@ daemon_pid=""
 [ "$rc" = 0 ] || fail "the daemon exited $rc on SIGTERM"
 rm "$work/serve.log"  # fail() shows it while the daemon runs, not after
 step "served, answered ping and status, built its engine, stopped on SIGTERM with exit 0"
+# Its pool file outlives it (warm restart): remove it as a user would, and the memory it holds.
+LMCACHE_MP_RUNTIME_DIR="$work/run" "$lmc" clear --url "$url" --pool-file >"$work/clear.out" 2>&1 \
+  && grep -q "removed" "$work/clear.out" || fail "lmcache-mp clear --pool-file: $(cat "$work/clear.out")"
+step "$(cat "$work/clear.out")"
 
 step "building the wheel and installing it alone into a fresh venv..."
 "$python" -m pip wheel "${pip_quiet[@]}" --no-deps -w "$work/dist" "$root" >/dev/null \

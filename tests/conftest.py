@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -9,9 +10,23 @@ import torch
 
 from lmcache_mp.launcher import DaemonProcess, start_daemon
 from lmcache_mp.mq import MessageQueueClient
+from lmcache_mp.pool_location import PoolFileError, default_pool_file, discard_pool_file
 from tests.helpers import BLOCK, LAYERS, SHAPE
 from tests.kv_worker import make_caches
 from vllm_adapter import LMCacheMPWorkerAdapter
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_pool_file_left() -> Iterator[None]:
+    """Daemons started outside the launcher (`lmcache-mp serve` run directly) keep their pool
+    files, as a restart needs: the ones made during the session go when it ends (those a live
+    daemon holds stay)."""
+    directory = default_pool_file([]).parent
+    before = set(directory.glob("pool-*"))
+    yield
+    for path in set(directory.glob("pool-*")) - before:
+        with contextlib.suppress(PoolFileError):
+            discard_pool_file(path)
 
 
 @pytest.fixture

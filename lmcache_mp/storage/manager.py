@@ -125,18 +125,22 @@ class StorageManager:
         file and adopts what it holds, unless `fresh_pool` (`pool_file.open_pool_file`: the pool
         may still end up in anonymous memory, or that raises PoolFileError). ValueError on a bad
         URL, with whatever was opened closed again."""
-        # Page-aligned objects: the disk tier writes them with direct I/O, straight from the pool.
-        backing = open_pool_file(pool_file, l1_bytes, mmap.PAGESIZE, fresh=fresh_pool) if pool_file else None
-        pool = MemoryPool(l1_bytes, align=mmap.PAGESIZE, background=True, pin=pin, backing=backing)
         tiers: list[tuple[str, StorageTier]] = []
+        pool: MemoryPool | None = None
         try:
             for url in tier_urls:
                 tiers.append((redact_url(url), open_tier(url)))
+            # The pool file after the tiers: a start that fails on a tier leaves no new file behind.
+            # Page-aligned objects: the disk tier writes them with direct I/O, straight from the pool.
+            backing = None if pool_file is None else open_pool_file(pool_file, l1_bytes, mmap.PAGESIZE,
+                                                                      fresh=fresh_pool)
+            pool = MemoryPool(l1_bytes, align=mmap.PAGESIZE, background=True, pin=pin, backing=backing)
             return cls(pool, tiers, write_queue_bytes)
         except BaseException:
             for _, tier in tiers:
                 tier.close()
-            pool.close()
+            if pool is not None:
+                pool.close()
             raise
 
     # ---- STORE --------------------------------------------------------------------------------
