@@ -13,6 +13,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from lmcache_mp.curve import ServerCurve
+from lmcache_mp.kv_events_publisher import replay_endpoint
 from lmcache_mp.pool_location import default_pool_file
 from lmcache_mp.settings import SettingError, positive, setting
 from lmcache_mp.settings import check as check_settings
@@ -160,6 +161,16 @@ class ServerConfig:
         DEFAULT_QUEUE_DEADLINE_S, "a queued request not started within this many seconds is "
         "refused with OVERLOADED instead of run late; keep it below the clients' timeout",
         check=positive)
+    kv_events_listen: str | None = setting(
+        None, "publish KV events for KV-aware routers (llm-d, Dynamo) on this ZeroMQ PUB endpoint: "
+        "every chunk each tier gains and loses, in vLLM's KV event format (BlockStored, "
+        "BlockRemoved, AllBlocksCleared; medium CPU for the pool, STORAGE for lower tiers), for "
+        "every engine and model the daemon serves. ipc://PATH or tcp:// under the same rules as "
+        "--listen (CURVE keys apply here too)", metavar="URL", default_text="none (not published)")
+    kv_events_replay: str | None = setting(
+        None, "the ROUTER endpoint where a subscriber that missed batches asks for them again "
+        "(vLLM's replay protocol)", metavar="URL",
+        default_text="beside kv_events_listen: PATH.replay for ipc://PATH, the next port for tcp://")
     metrics_port: int = setting(
         0, "serve Prometheus metrics over HTTP on this port; 0: off", check=_port)
     metrics_host: str = setting(
@@ -206,10 +217,24 @@ class ServerConfig:
                 self.socket_access.check_directory(path.parent)
             check_free(url)
         self.socket_access.check_directory(self.attach_socket.parent)
+        for url in self.kv_events_urls:
+            check_endpoint(url, self.insecure_remote or curve is not None)
+            check_authenticated(url, curve is not None,
+                                self.allow_unauthenticated_tcp or self.insecure_remote)
+            if url in self.listen:
+                raise ValueError(f"{url} is both a --listen and a KV events endpoint")
+            check_free(url)
         if self.metrics_port:
             check_free(f"tcp://{self.metrics_host}:{self.metrics_port}")
         for url in self.l2:
             check_tier_directory(url)
+
+    @property
+    def kv_events_urls(self) -> list[str]:
+        """The KV event PUB endpoint and its replay endpoint; [] when events are not published."""
+        if not self.kv_events_listen:
+            return []
+        return [self.kv_events_listen, self.kv_events_replay or replay_endpoint(self.kv_events_listen)]
 
     @property
     def pool_path(self) -> Path | None:

@@ -69,16 +69,17 @@ class ServerCurve:
             raise ValueError(f"{self.allowed_keys_dir} holds no client public key (*.key): no client "
                              "could connect")
 
-    def secure(self, context: zmq.Context, sock: zmq.Socket) -> ThreadAuthenticator:
-        """Make `sock` (not yet bound) a CURVE server that admits only the allowed keys; the
-        returned authenticator must be stopped after the socket is closed."""
+    def secure(self, context: zmq.Context, *socks: zmq.Socket) -> ThreadAuthenticator:
+        """Make `socks` (not yet bound, of one context) CURVE servers that admit only the allowed
+        keys; the returned authenticator (one per context) must be stopped after they are closed."""
         public, secret = load_key_pair(self.secret_key_file)
         auth = ThreadAuthenticator(context)
         auth.start()
         auth.configure_curve(domain="*", location=str(self.allowed_keys_dir))
-        sock.curve_secretkey = secret
-        sock.curve_publickey = public
-        sock.curve_server = True
+        for sock in socks:
+            sock.curve_secretkey = secret
+            sock.curve_publickey = public
+            sock.curve_server = True
         return auth
 
 

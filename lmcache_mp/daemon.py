@@ -59,7 +59,7 @@ def preload_torch_libraries() -> None:
             dlopen(path.encode(), os.RTLD_NOW | os.RTLD_LOCAL)
 
 
-def _build_engine(config: ServerConfig, metrics: Metrics) -> tuple[Engine, float]:
+def _build_engine(config: ServerConfig, metrics: Metrics, epoch: int) -> tuple[Engine, float]:
     """The engine, and how long importing it (torch) took of the build."""
     started = time.monotonic()
     preload_torch_libraries()
@@ -73,7 +73,7 @@ def _build_engine(config: ServerConfig, metrics: Metrics) -> tuple[Engine, float
     # such threads, fight each other for the cores and halve copy throughput (measured:
     # 8 vs 16 GB/s gather on 2 cores); one torch thread per worker is the faster setup.
     torch.set_num_threads(1)
-    return Engine(config, metrics), imported_s
+    return Engine(config, metrics, epoch), imported_s
 
 
 class Daemon:
@@ -116,7 +116,7 @@ class Daemon:
     def _build(self, on_built: Callable[[], None]) -> None:
         started = time.monotonic()
         try:
-            engine, self.import_s = _build_engine(self.config, self.metrics)
+            engine, self.import_s = _build_engine(self.config, self.metrics, self.server.epoch)
         except Exception as err:  # reported by the caller, which stops the daemon
             self.failure = err
         else:

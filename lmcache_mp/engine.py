@@ -27,6 +27,8 @@ from lmcache_mp.custom_types import IPCCacheEngineKey, KVCache
 from lmcache_mp.dispatch import Handler, ReplyThen
 from lmcache_mp.errors import FatalError, ServerError
 from lmcache_mp.keys import ChunkMapper, OpChunks, check_keys_for, check_same_model, invalid
+from lmcache_mp.kv_events import EventLog, EventsReply
+from lmcache_mp.kv_events_publisher import EventPublisher
 from lmcache_mp.observability import Metrics
 from lmcache_mp.protocol import (
     ChunkOutcome,
@@ -47,6 +49,7 @@ from lmcache_mp.transfer.threads import CopyThreads
 _OUTCOMES = {ReserveFailure.ALREADY_PRESENT: ChunkOutcome.ALREADY_PRESENT,
              ReserveFailure.NO_SPACE: ChunkOutcome.NO_SPACE}
 _CANCELLED = RetrieveResult(b"", False, "cancelled")
+MAX_EVENTS_PER_REPLY = 8192  # KV_EVENTS: a client asking for more gets this many, and asks again
 
 
 def _pairs(instance_id: int, request_ids: list[str | None]) -> set[Pair]:
@@ -78,14 +81,18 @@ def _operation(context: TransferContext, block_ids: list[int], event_handle: byt
 class Engine:
     """The daemon's operations over its registrations, storage and sessions (module docstring)."""
 
-    def __init__(self, config: ServerConfig, metrics: Metrics):
+    def __init__(self, config: ServerConfig, metrics: Metrics, epoch: int = 0):
+        """`epoch`: the daemon's (HELLO's), which KV_EVENTS replies carry."""
         self.chunk_size = config.chunk_size
         self.metrics = metrics
+        self.epoch = epoch
+        self.events = EventLog()
         # Where CUDA is present, the pool is page-locked as it is prepared, for DMA.
         self.storage = StorageManager.open(
             int(config.l1_size_gb * 2**30), config.l2, int(config.write_queue_gb * 2**30),
             pin=cuda.register_host_memory if torch.cuda.is_available() else None,
-            pool_file=config.pool_path, fresh_pool=config.fresh_pool)
+            pool_file=config.pool_path, fresh_pool=config.fresh_pool, events=self.events)
+        self.publisher: EventPublisher | None = None
         self.sessions = SessionTable(self.storage.unpin, config.lease_ttl_s)
         self.fence = TransferFence(config.queue_deadline_s)
         self.keys = ChunkMapper(config.chunk_size)
@@ -93,12 +100,18 @@ class Engine:
         try:
             self.registry = Registry(config.attach_socket, config.socket_access, config.chunk_size,
                                      self.storage.admit)
+            if config.kv_events_urls:
+                self.publisher = EventPublisher(self.events, *config.kv_events_urls,
+                                                curve=config.server_curve, access=config.socket_access,
+                                                on_missed=self.storage.resync)
         except BaseException:
             self.copy_threads.close()
             self.storage.close()
             raise
 
     def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
         self.registry.close()
         self.copy_threads.close()
         self.storage.close()  # the pool last, after the tiers' writers
@@ -117,6 +130,7 @@ class Engine:
             RequestType.END_SESSION: self.end_session,
             RequestType.CLEAR: self.clear,
             RequestType.CLEAR_TIERS: self.clear_tiers,
+            RequestType.KV_EVENTS: self.kv_events,
         }
 
     def register(self, instance_id: int, kv_caches: KVCache, reg: KVCacheRegistration) -> RegisterReply:
@@ -349,6 +363,17 @@ class Engine:
 
     def clear_tiers(self) -> list[TierCleared]:
         return self.storage.clear_tiers()
+
+    def kv_events(self, since: int, models: list[str], max_events: int) -> EventsReply:
+        """The event log's records of `models`' chunks from `since` (see `kv_events`)."""
+        limit = min(max(max_events, 1), MAX_EVENTS_PER_REPLY)
+        return self.events.chunk_events(since, limit, set(models), self.epoch)
+
+    def kv_events_counters(self) -> dict[str, int]:
+        """The publisher's counters (zeros without one)."""
+        if self.publisher is None:
+            return {"batches_total": 0, "events_total": 0, "dropped_total": 0, "replays_total": 0}
+        return self.publisher.counters()
 
     def tick(self) -> None:
         self.sessions.expire()

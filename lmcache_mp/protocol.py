@@ -24,6 +24,7 @@ import msgspec
 
 from lmcache_mp.chunks import TierCleared, TierStats
 from lmcache_mp.custom_types import IPCCacheEngineKey, KVCache
+from lmcache_mp.kv_events import EventsReply
 
 # Bump on any incompatible change to a schema below. Clients refuse a server whose
 # protocol version differs from theirs (see HELLO).
@@ -48,6 +49,7 @@ class RequestType(enum.IntEnum):
     RELEASE_LEASES = 13
     CLEAR_TIERS = 14
     LOOKUP_CHUNKS = 15
+    KV_EVENTS = 16
 
 
 class ErrorCode(enum.IntEnum):
@@ -226,6 +228,14 @@ class StatusReport(msgspec.Struct, gc=False):
     # RETRIEVE chunks copied by a helper thread, not the request's own (a split RETRIEVE), ever
     split_chunks: int = 0
     tiers: list[TierStats] = []  # the tiers below the pool, in order
+    # KV events (`kv_events`): the PUB and replay endpoints ([] without --kv-events-listen), the
+    # event log's next seq, and the batches and events published and the events lost (the log's
+    # ring overran the publisher; subscribers were resynced) since start.
+    kv_events_endpoints: list[str] = []
+    kv_events_seq: int = 0
+    kv_events_batches_total: int = 0
+    kv_events_published_total: int = 0
+    kv_events_dropped_total: int = 0
 
 
 class HandlerKind(enum.Enum):
@@ -317,6 +327,10 @@ PROTOCOL: dict[RequestType, RequestSpec] = {
     # Only the connection that registered the instance may send it (FORBIDDEN otherwise); one
     # for an instance not registered records nothing. A full record answers OVERLOADED.
     RequestType.CANCEL_TRANSFERS: RequestSpec((int, list[str]), int, HandlerKind.DEFERRED, CANCEL_PAYLOAD),
+    # KV_EVENTS(from seq, model names, most events) -> the event log's records (`kv_events`) of
+    # these models' chunks, and every clear, from that seq (-1: none, only where the log ends):
+    # what a connector follows to hand its engine's chunks to vLLM's KV event stream.
+    RequestType.KV_EVENTS: RequestSpec((int, list[str], int), EventsReply, HandlerKind.INLINE),
 }
 
 assert set(PROTOCOL) == set(RequestType), "every request type needs a spec"

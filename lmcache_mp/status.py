@@ -47,6 +47,11 @@ class EngineStatus(msgspec.Struct, gc=False):
     cancelled_transfers: int
     split_chunks: int
     tiers: list[TierStats]
+    kv_events_endpoints: list[str]
+    kv_events_seq: int
+    kv_events_batches_total: int
+    kv_events_published_total: int
+    kv_events_dropped_total: int
 
 
 assert set(EngineStatus.__struct_fields__) <= set(StatusReport.__struct_fields__), \
@@ -57,6 +62,7 @@ def engine_status(engine: Engine) -> EngineStatus:
     pool, tiers = engine.storage.stats()
     sessions, leases = engine.sessions.counts()
     copying, cancelled = engine.fence.counts()
+    published = engine.kv_events_counters()
     return EngineStatus(
         pool_bytes=pool.capacity_bytes,
         pool_used_bytes=pool.used_bytes,
@@ -83,6 +89,11 @@ def engine_status(engine: Engine) -> EngineStatus:
         cancelled_transfers=cancelled,
         split_chunks=engine.copy_threads.helped_chunks,
         tiers=tiers,
+        kv_events_endpoints=engine.publisher.endpoints if engine.publisher is not None else [],
+        kv_events_seq=engine.events.end,
+        kv_events_batches_total=published["batches_total"],
+        kv_events_published_total=published["events_total"],
+        kv_events_dropped_total=published["dropped_total"],
     )
 
 
@@ -114,6 +125,8 @@ def gauges(engine: Engine) -> dict[str, float]:
         "lease_sessions_expired_total": engine.sessions.expired_total,
         "retrieve_split_chunks_total": engine.copy_threads.helped_chunks,
         "registered_instances": len(engine.registry.instance_ids()),
+        "kv_events_seq": engine.events.end,
+        **{f"kv_events_{name}": value for name, value in engine.kv_events_counters().items()},
         "attach_channels": engine.registry.num_attach_channels,
     }
 

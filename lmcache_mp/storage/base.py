@@ -21,6 +21,8 @@ straight into pool memory):
     remove(key)                                forget one chunk
     clear() -> int                             forget every chunk of this deployment (all models);
                                                how many; NotImplementedError where the tier can't
+    announce()                                 tell `events` every chunk it holds (a tier with an
+                                               index; a network tier holds no list and tells none)
     stats() -> TierStats                       counters for STATUS and /metrics
     close()                                    release files, connections and locks
 
@@ -43,6 +45,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, ClassVar
 
 from lmcache_mp.chunks import ChunkKey, TierStats
+from lmcache_mp.kv_events import SourceEvents
 
 if TYPE_CHECKING:  # only in annotations: tiers are opened by URL, and their modules load torch themselves
     import torch
@@ -61,6 +64,9 @@ class StorageTier(ABC):
     # Set by the storage manager: a tier calls it between slices of a long write (write-behind
     # is background work), and it waits, briefly, while the request path copies KV.
     pacer: Callable[[], None] | None = None
+    # Set by the storage manager: where the tier tells what it gains and loses (`kv_events`), as
+    # it happens (under its own lock, where it has one, so that the order is the tier's).
+    events: SourceEvents | None = None
 
     @abstractmethod
     def contains(self, key: ChunkKey) -> bool:
@@ -106,6 +112,10 @@ class StorageTier(ABC):
         """Forget every chunk this deployment stored here (the tier's whole namespace, every
         model); how many. Writes in flight may land after it."""
         raise NotImplementedError(f"{type(self).__name__} cannot be cleared")
+
+    def announce(self) -> None:  # noqa: B027 (a default, not an abstract method)
+        """Tell `events` that every chunk the tier holds is stored (a resync). A tier with no
+        list of its chunks tells nothing: its stream carries the writes and removals it makes."""
 
     @abstractmethod
     def stats(self) -> TierStats:

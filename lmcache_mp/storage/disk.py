@@ -142,6 +142,9 @@ class DiskTier(StorageTier):
         self._capacity = capacity_bytes
         self._lock = threading.Lock()
         self._index: OrderedDict[str, tuple[int, int]] = OrderedDict()  # name -> (size, seq)
+        # The keys of indexed names, where known: those written by this process, and those
+        # `announce` read from their headers. Only a known key's removal can be told (`events`).
+        self._keys: dict[str, ChunkKey] = {}
         self._bytes = 0  # sum of the indexed sizes
         self._reserved = 0  # sizes of the writes in flight
         self._busy: set[str] = set()
@@ -239,10 +242,10 @@ class DiskTier(StorageTier):
         try:
             self._write(name, header, payload, aligned=kv_chunk.data_ptr() % disk_file.BLOCK == 0)
         except OSError as e:
-            self._end_write(name, size, stored=False)
+            self._end_write(name, key, size, stored=False)
             self._write_warnings.warning("disk tier %s: write failed, chunk not stored: %s", self._root, e)
             return
-        self._end_write(name, size, stored=True)
+        self._end_write(name, key, size, stored=True)
 
     def _reserve(self, name: str, size: int) -> list[str] | None:
         """Mark `name` busy and `size` bytes reserved, evicting what must go (those names are
@@ -268,6 +271,7 @@ class DiskTier(StorageTier):
         while self._bytes + self._reserved + size > self._capacity:
             name, (victim_size, _) = self._index.popitem(last=False)
             self._bytes -= victim_size
+            self._forget(name)
             victims.append(name)
         self._busy.update(victims)
         self._stats.evictions_total += len(victims)
@@ -302,7 +306,7 @@ class DiskTier(StorageTier):
                         self._root)
         return self._dir.create_temp(tmp, direct=False), False
 
-    def _end_write(self, name: str, size: int, stored: bool) -> None:
+    def _end_write(self, name: str, key: ChunkKey, size: int, stored: bool) -> None:
         with self._lock:
             self._busy.discard(name)
             self._reserved -= size
@@ -310,6 +314,9 @@ class DiskTier(StorageTier):
                 self._index[name] = (size, next(self._seq))
                 self._bytes += size
                 self._stats.writes_total += 1
+                self._keys[name] = key
+                if self.events is not None:
+                    self.events.stored(key)
             else:
                 self._stats.write_errors_total += 1
 
@@ -383,6 +390,7 @@ class DiskTier(StorageTier):
                 return False
             del self._index[name]
             self._bytes -= entry[0]
+            self._forget(name)
             if unlink:
                 self._busy.add(name)
             return True
@@ -421,6 +429,7 @@ class DiskTier(StorageTier):
                 if entry is None:
                     return
                 self._bytes -= entry[0]
+                self._forget(name)
                 self._busy.add(name)
             self._unlink_busy([name])
 
@@ -431,10 +440,51 @@ class DiskTier(StorageTier):
             with self._lock:
                 names = list(self._index)
                 self._index.clear()
+                for name in names:
+                    self._forget(name)
                 self._bytes = 0
                 self._busy.update(names)
             self._unlink_busy(names)
             return len(names)
+
+    def _forget(self, name: str) -> None:
+        """Under the lock: `name` left the index; its removal is told if its key is known."""
+        key = self._keys.pop(name, None)
+        if key is not None and self.events is not None:
+            self.events.removed(key)
+
+    def announce(self) -> None:
+        """Tell `events` every indexed object; the keys of those found at the start are read from
+        their headers first (one small read each; a damaged header is left to `get` to remove)."""
+        with self._dir.held() as held:
+            if not held:
+                return
+            with self._lock:
+                unknown = [(name, entry) for name, entry in self._index.items() if name not in self._keys]
+            for name, entry in unknown:
+                key = self._read_key(name)
+                with self._lock:
+                    if key is not None and self._index.get(name) == entry:
+                        self._keys[name] = key
+            with self._lock:
+                if self.events is not None:
+                    for key in self._keys.values():
+                        self.events.stored(key)
+
+    def _read_key(self, name: str) -> ChunkKey | None:
+        try:
+            fd = self._dir.open_object(name)
+        except OSError:
+            return None
+        if fd is None:
+            return None
+        try:
+            key = disk_file.read_key(fd)
+        except (CorruptChunk, OSError):
+            return None
+        finally:
+            os.close(fd)
+        return key if object_name(key) == name else None  # a file under another key's name
 
     def stats(self) -> TierStats:
         with self._lock:

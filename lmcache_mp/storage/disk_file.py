@@ -59,18 +59,27 @@ def write(fd: int, header: bytes, payload: memoryview, direct: bool,
         _write_all(fd, [payload[sliced:]])
 
 
+def read_key(fd: int) -> ChunkKey:
+    """The key the file at `fd` is named for, from its header alone (the payload unchecked).
+    CorruptChunk if the header is damaged; OSError if it cannot be read."""
+    return chunk_format.read_key(_read_header(fd))[0]
+
+
+def _read_header(fd: int) -> bytes:
+    first = os.pread(fd, _FIRST_READ, 0)
+    header_size = chunk_format.header_size(first)
+    if len(first) >= header_size:
+        return first[:header_size]
+    return first + os.pread(fd, header_size - len(first), len(first))
+
+
 def read(fd: int, key: ChunkKey, out: torch.Tensor | None) -> torch.Tensor | None:
     """The payload of the file at `fd`, checked against `key` and its checksum, in `out` (or a
     new tensor); None if `out` is not of the payload's size. CorruptChunk if the file is
     damaged, truncated or another key's; OSError if it cannot be read."""
-    first = os.pread(fd, _FIRST_READ, 0)
-    header_size = chunk_format.header_size(first)
-    if len(first) >= header_size:
-        header = first[:header_size]
-    else:
-        header = first + os.pread(fd, header_size - len(first), len(first))
+    header = _read_header(fd)
     payload_len = chunk_format.check_header(key, header)
-    offset = payload_offset(header_size)
+    offset = payload_offset(len(header))
     file_size = os.fstat(fd).st_size
     if file_size != offset + payload_len:
         raise CorruptChunk(f"file is {file_size} bytes, its header says {offset + payload_len}")

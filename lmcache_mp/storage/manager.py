@@ -16,6 +16,8 @@ The engine sees storage only through these primitives:
     clear() -> int                             drop L1's unpinned objects (lower tiers stay)
     clear_tiers() -> [TierCleared]             empty every lower tier's namespace
     admit(nbytes)                              ValueError if L1 can never hold a chunk of nbytes
+    resync()                                   the event log starts over: AllBlocksCleared, then
+                                               every chunk L1 and the indexed tiers hold
     stats() -> (PoolStats, [TierStats])      pool_stats(): the first alone
     open(l1_bytes, tier_urls, ...)             build the pool (in its pool file, adopting what that
                                                holds: warm restart) and open the tiers
@@ -24,6 +26,10 @@ The engine sees storage only through these primitives:
 
 Write-behind: a committed chunk is pinned and offered to each lower tier's `TierWriter`,
 which writes it off the request path and unpins it; a full queue skips the chunk (counted).
+
+Events: given a `kv_events.EventLog`, L1 and every tier record there what becomes readable in
+them and what stops being so; a start announces the indexed tiers' chunks on a thread of its own
+(a disk tier reads the key of each file it found from its header).
 
 Read-through: a LOOKUP pins what L1 has at once, on the socket thread. If the prefix stops
 short and the next chunk may be in a lower tier (tiers with an in-memory index are asked
@@ -49,6 +55,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from lmcache_mp.chunks import ChunkFormat, ChunkKey, PoolKey, TierCleared, TierStats, pool_key
+from lmcache_mp.kv_events import EventLog, Residence, SourceEvents
 from lmcache_mp.storage.base import StorageTier
 from lmcache_mp.storage.chunk_format import encode_head
 from lmcache_mp.storage.pool import MemoryPool, PoolObject, PoolStats, ReserveFailure
@@ -95,12 +102,20 @@ class RankSpec:
 FormatCombo = tuple[RankSpec, ...]  # one per rank, in rank order: the caches of one engine
 
 
+def _residence(tier_name: str) -> Residence:
+    """Where a lower tier's chunks are, in vLLM's event terms: a disk is this machine's storage,
+    the others are a network's."""
+    return Residence("STORAGE", "LOCAL" if tier_name.startswith("disk://") else "REMOTE", tier_name)
+
+
 class StorageManager:
     """L1 and the lower tiers as one store of chunks (see the module docstring): the engine's only
     door to storage. It owns the pool and the tiers it is given, and closes them."""
 
-    def __init__(self, pool: MemoryPool, tiers: list[tuple[str, StorageTier]], write_queue_bytes: int):
+    def __init__(self, pool: MemoryPool, tiers: list[tuple[str, StorageTier]], write_queue_bytes: int,
+                 events: EventLog | None = None):
         self.pool = pool
+        self._events = events
         self._tiers = [tier for _, tier in tiers]
         self._names = [name for name, _ in tiers]
         self._writers = [TierWriter(tier, name, write_queue_bytes, pool.unpin) for name, tier in tiers]
@@ -115,16 +130,24 @@ class StorageManager:
         self._lock = threading.Lock()
         # A pool in a pool file: its records are written at commit, its checksums by this.
         self._integrity = PoolIntegrity(pool, self._gate.wait_for_gap) if pool.stats().pool_file else None
+        self._announcer: threading.Thread | None = None
+        if events is not None:
+            for name, tier in tiers:
+                tier.events = SourceEvents(events, _residence(name))
+            self._announcer = threading.Thread(target=self._announce_tiers, name="lmcache-mp-announce",
+                                               daemon=True)
+            self._announcer.start()
 
     @classmethod
     def open(cls, l1_bytes: int, tier_urls: list[str], write_queue_bytes: int, pin: PinFn | None,
-             pool_file: Path | None = None, fresh_pool: bool = False) -> StorageManager:
+             pool_file: Path | None = None, fresh_pool: bool = False,
+             events: EventLog | None = None) -> StorageManager:
         """The daemon's storage: a pool of `l1_bytes` (its memory prepared in the background, so
         the daemon answers at once for any size; each prepared piece handed to `pin`, where
         CUDA is present) and a tier per URL, in order. With `pool_file`, the pool lives in that
         file and adopts what it holds, unless `fresh_pool` (`pool_file.open_pool_file`: the pool
         may still end up in anonymous memory, or that raises PoolFileError). ValueError on a bad
-        URL, with whatever was opened closed again."""
+        URL, with whatever was opened closed again. `events`: see the module docstring."""
         tiers: list[tuple[str, StorageTier]] = []
         pool: MemoryPool | None = None
         try:
@@ -134,8 +157,9 @@ class StorageManager:
             # Page-aligned objects: the disk tier writes them with direct I/O, straight from the pool.
             backing = None if pool_file is None else open_pool_file(pool_file, l1_bytes, mmap.PAGESIZE,
                                                                       fresh=fresh_pool)
-            pool = MemoryPool(l1_bytes, align=mmap.PAGESIZE, background=True, pin=pin, backing=backing)
-            return cls(pool, tiers, write_queue_bytes)
+            pool = MemoryPool(l1_bytes, align=mmap.PAGESIZE, background=True, pin=pin, backing=backing,
+                              events=events)
+            return cls(pool, tiers, write_queue_bytes, events)
         except BaseException:
             for _, tier in tiers:
                 tier.close()
@@ -152,6 +176,8 @@ class StorageManager:
         this reserve may cause never take the prefix it extends."""
         keys, parent_key = self._chain(fmt, hashes, parent)
         self.pool.link(keys, parent=parent_key)
+        if self._events is not None:
+            self._events.know(fmt)
         return self.pool.reserve(keys, nbytes)
 
     def abort(self, objects: list[PoolObject]) -> None:
@@ -375,6 +401,9 @@ class StorageManager:
     def _publish(self, chunk: list[_Source]) -> None:
         """Commit a chunk's freshly read slots, pinned like its L1 objects already are."""
         fresh = [src for src in chunk if src.tier is not None]
+        if self._events is not None:
+            for src in fresh:
+                self._events.know(src.key.fmt)
         self.pool.commit([src.obj for src in fresh], pin=True, records=self._promoted_records(fresh))
         with self._lock:
             for src in fresh:
@@ -409,7 +438,24 @@ class StorageManager:
         self.pool.admit(nbytes)
 
     def clear(self) -> int:
-        return self.pool.clear()
+        cleared = self.pool.clear()
+        self.resync()
+        return cleared
+
+    def resync(self) -> None:
+        """See the module docstring; a no-op without an event log."""
+        if self._events is None:
+            return
+        self._events.cleared()
+        self.pool.announce()
+        self._announce_tiers()
+
+    def _announce_tiers(self) -> None:
+        for name, tier in zip(self._names, self._tiers, strict=True):
+            try:
+                tier.announce()
+            except Exception:  # a tier's failure must not stop the others' announcements
+                logger.exception("%s: announcing its chunks to the event log failed", name)
 
     def clear_tiers(self) -> list[TierCleared]:
         results = []
@@ -419,6 +465,7 @@ class StorageManager:
                 results.append(TierCleared(name, removed=tier.clear()))
             except (NotImplementedError, OSError) as e:
                 results.append(TierCleared(name, error=str(e)))
+        self.resync()
         return results
 
     def pool_stats(self) -> PoolStats:
@@ -441,6 +488,8 @@ class StorageManager:
     def close(self) -> None:
         """Idempotent. The pool last: the tiers' writers copy out of it until they are closed."""
         self._readers.shutdown(wait=True, cancel_futures=True)
+        if self._announcer is not None:
+            self._announcer.join()
         for writer in self._writers:
             writer.close(SHUTDOWN_FLUSH_S)
         for tier in self._tiers:

@@ -38,6 +38,10 @@ explains), and a pool given a file that held one adopts its objects: READY, in t
 old recency order and chains; those whose checksum is still to be verified are invisible to
 readers until `pool_integrity`'s thread has (`take_unverified` / `verified`), which also seals new
 objects (`take_unsealed` / `sealed`).
+
+Events. Given an `kv_events.EventLog`, the pool records there every object that becomes readable
+(commit, a verified adoption) and every readable one it frees (eviction, clear, a failed check),
+under its lock, so the log's order is the pool's; `announce` records every readable object again.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import replace
 
+from lmcache_mp.kv_events import EventLog
 from lmcache_mp.storage.pool_chains import descends_from, refresh
 from lmcache_mp.storage.pool_file import PoolFile, Record
 from lmcache_mp.storage.pool_memory import PIECE_BYTES, PinFn, PoolMemory
@@ -72,14 +77,15 @@ class MemoryPool:
 
     def __init__(self, capacity_bytes: int, *, pin: PinFn | None = None, slab_bytes: int | None = None,
                  align: int = ALIGN, background: bool = False, piece_bytes: int = PIECE_BYTES,
-                 backing: PoolFile | None = None):
+                 backing: PoolFile | None = None, events: EventLog | None = None):
         """`align`: every object's data starts on a multiple of it (a power of two, >= ALIGN);
         the daemon asks for whole pages, which direct I/O (disk tier) needs. `pin`: page-locks each
         prepared piece (see `pool_memory`). `background`: prepare the memory on a thread of its own
         and return at once; otherwise it is all prepared before this returns. `piece_bytes`: how
         much is prepared (and pinned) at once, about. `backing`: the pool file to live in (of this
         capacity and alignment), whose objects are adopted if it held a pool (warm restart; its
-        slab size then wins over `slab_bytes`). `close` when done."""
+        slab size then wins over `slab_bytes`). `events`: the log of what becomes readable and
+        what stops being so (see the module docstring). `close` when done."""
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         if align < ALIGN or align & (align - 1):
@@ -91,6 +97,7 @@ class MemoryPool:
         self._buffer = self._memory.tensor
         base = -self._buffer.data_ptr() % align
         self._records = PoolRecords(backing) if backing is not None else None
+        self._events = events
         if backing is not None and backing.slab_bytes:
             slab_bytes = backing.slab_bytes
         self._slabs: SlabAllocator[PoolObject] = SlabAllocator(
@@ -173,6 +180,7 @@ class MemoryPool:
                     self._records.committed(obj, records[i] if records is not None else None)
                 obj.state = ObjectState.READY
                 self._readable[obj.key] = obj
+                self._announce(obj)
                 self._num_writing -= 1
                 if pin:
                     obj.pins = 1  # WRITING -> pinned: still held, its slab stuck on the same count
@@ -281,6 +289,12 @@ class MemoryPool:
                 self._remove_evictable(obj)
             return len(victims)
 
+    def announce(self) -> None:
+        """Record every readable object in the event log again (a resync after a clear)."""
+        with self._lock:
+            for obj in self._readable.values():
+                self._announce(obj)
+
     def stats(self) -> PoolStats:
         with self._lock:
             return PoolStats(
@@ -345,6 +359,7 @@ class MemoryPool:
             if ok:
                 self._records.stats.verified_total += 1
                 self._readable[obj.key] = obj
+                self._announce(obj)
             else:
                 self._records.stats.dropped_total += 1
                 logger.warning("pool: adopted chunk %r failed its checksum: freed", obj.key)
@@ -392,6 +407,10 @@ class MemoryPool:
             parent = self._index.get(item.parent_key) if item.parent_key is not None else None
             if parent is not None and parent is not obj:
                 obj.parent = parent
+            if self._events is not None:
+                self._events.know(item.record.key.fmt)
+                if obj.key in self._readable:
+                    self._announce(obj)
         self._settle_adopted_slabs()
         refresh(objects[::-1])  # the newest the most recent, each chain's ancestors more so
         logger.info("pool: adopted %d chunks (%.2f GiB) from %s, %d of them still to be verified",
@@ -568,12 +587,20 @@ class MemoryPool:
         del obj.slab.size_class.evictable[obj]
         self._drop(obj)
 
+    def _announce(self, obj: PoolObject) -> None:
+        """Under the lock: record a readable object, with its chain's parent, if it has one."""
+        if self._events is not None:
+            parent = obj.parent
+            parent_hash = parent.key[0] if parent is not None and parent.state is ObjectState.READY else None
+            self._events.stored(0, obj.key, parent_hash)  # type: ignore[arg-type]
+
     def _drop(self, obj: PoolObject) -> None:
         """Free obj's slot (and its slab, if that empties). Stuck counts are the caller's job."""
         if self._records is not None:
             self._records.dropped(obj)  # first: its slot may be reused once this returns
         del self._index[obj.key]
-        self._readable.pop(obj.key, None)
+        if self._readable.pop(obj.key, None) is not None and self._events is not None:
+            self._events.removed(0, obj.key)
         self._used -= obj.nbytes
         obj.state = ObjectState.FREED
         obj.parent = None  # a freed object has no chain; don't keep its ancestors alive

@@ -165,7 +165,7 @@ class NetworkTier(StorageTier):
                     self._bad[key.ident] = None
                 while len(self._bad) > BAD_KEYS_REMEMBERED:
                     self._bad.popitem(last=False)
-            self._guarded("write", "DELETE", len(corrupt), self._delete_many, corrupt)
+            self._delete(corrupt)
         return results
 
     def put(self, key: ChunkKey, kv_chunk: torch.Tensor, blocking: bool = True) -> None:
@@ -188,12 +188,20 @@ class NetworkTier(StorageTier):
         with self._lock:
             for key, _ in stored:
                 self._bad.pop(key.ident, None)
+                if self.events is not None:
+                    self.events.stored(key)
         self._count(writes=len(stored), write_errors=len(pairs) - len(stored),
                     written_bytes=sum(payload.nbytes for _, payload in stored))
         return len(stored)
 
     def remove(self, key: ChunkKey) -> None:
-        self._guarded("write", "DELETE", 1, self._delete_many, [key])
+        self._delete([key])
+
+    def _delete(self, keys: list[ChunkKey]) -> None:
+        self._guarded("write", "DELETE", len(keys), self._delete_many, keys)
+        if self.events is not None:
+            for key in keys:
+                self.events.removed(key)
 
     def clear(self) -> int:
         if not self.is_up:
