@@ -27,6 +27,7 @@ request with an error when its load fails instead of recomputing it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,7 @@ from vllm_adapter.model_identity import model_identity
 if TYPE_CHECKING:
     import torch
     from vllm.config import ParallelConfig, VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.block_pool import BlockPool
@@ -133,10 +135,12 @@ class LMCacheMPDaemonConnector(KVConnectorBase_V1, SupportsHMA):
                             for g in groups if len(groups) > 1))
         if role == KVConnectorRole.SCHEDULER:
             transfer = self._kv_transfer_config
+            events = vllm_config.kv_events_config
             self._scheduler = SchedulerSide(settings, model_name, parallel.world_size, parallel.rank,
                                             block_size, groups, loads=transfer.is_kv_consumer,
                                             stores=transfer.is_kv_producer,
-                                            kv_bytes_per_token=kv_bytes_per_token(kv_cache_config))
+                                            kv_bytes_per_token=kv_bytes_per_token(kv_cache_config),
+                                            kv_events=events is not None and events.enable_kv_cache_events)
         else:
             self._worker = WorkerSide(settings, vllm_config, model_name, parallel.world_size,
                                       parallel.rank, block_size, groups, replicated)
@@ -186,6 +190,11 @@ class LMCacheMPDaemonConnector(KVConnectorBase_V1, SupportsHMA):
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         """True keeps the request's blocks (every group's) until its stores are done."""
         return self._scheduler is not None and self._scheduler.request_finished(request), None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The daemon's stores and evictions of this engine's chunks, as vLLM's KV events (only
+        when vLLM publishes them: `--kv-events-config`)."""
+        return self._scheduler.take_events() if self._scheduler is not None else ()
 
     # ---- worker side ---------------------------------------------------------------------
     # `_worker` is None in the scheduler, and everywhere when the connector is inert.

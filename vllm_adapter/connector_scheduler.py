@@ -3,7 +3,9 @@
 It decides, per request, what the daemon holds (one LOOKUP, sent when the request arrives),
 what to load (whole chunks beyond vLLM's own prefix-cache hit; `load_mode` says whether before
 the request's forward pass or while the engine steps on) and what to store (each new full chunk
-once its KV is computed), and hands that to the workers as `LMCacheMPConnectorMetadata`. It
+once its KV is computed), and hands that to the workers as `LMCacheMPConnectorMetadata`. With
+`kv_events`, the chunks it stores are tracked, and the daemon's stores and evictions of them go
+into vLLM's KV event stream (`vllm_adapter.kv_events`). It
 waits on the daemon only within `lookup_wait_ms` per step: a lookup still pending after that
 keeps the request waiting (vLLM asks again next step), and an absent daemon means 0 hits. For a
 hybrid model each of these is done per KV cache group (`group_adapters`), and the sliding-window
@@ -27,12 +29,14 @@ from vllm_adapter.connector_common import (
     LMCacheMPConnectorMetadata,
     LMCacheMPWorkerMeta,
 )
-from vllm_adapter.group_adapters import RequestOps, SchedulerGroups, connect_groups, request_ops
+from vllm_adapter.group_adapters import RequestOps, SchedulerGroups, connect_groups, group_op, request_ops
+from vllm_adapter.kv_events import EngineEvents
 from vllm_adapter.kv_groups import NULL_BLOCK_ID, KVGroup, skip_null_blocks
 from vllm_adapter.ops import SKIP_BLOCK, LoadStoreOp
 from vllm_adapter.scheduler_adapter import LMCacheMPSchedulerAdapter
 
 if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import KVConnectorBlockState, SchedulerOutput
@@ -109,10 +113,11 @@ class SchedulerSide:
 
     def __init__(self, settings: ConnectorSettings, model_name: str, world_size: int, rank: int,
                  block_size: int, groups: list[KVGroup] | None = None, *, loads: bool = True,
-                 stores: bool = True, kv_bytes_per_token: int = 0):
+                 stores: bool = True, kv_bytes_per_token: int = 0, kv_events: bool = False):
         """`loads` / `stores`: vLLM's `kv_role` (a "kv_consumer" never stores, a "kv_producer"
         never looks up nor loads; "kv_both" does both). `kv_bytes_per_token`: what a load copies
-        per token on each rank (0: unknown, every load counts as small)."""
+        per token on each rank (0: unknown, every load counts as small). `kv_events`: vLLM
+        publishes KV events (`take_events` then reports the daemon's share)."""
         groups = groups or [KVGroup(0, (), None, model_name)]
         self._loads, self._stores = loads, stores
         self._block_size = block_size
@@ -144,6 +149,7 @@ class SchedulerSide:
         # The requests the latest step computed, but for those finished since: while any is
         # left, a load in "auto" mode is asynchronous (a sync load would stall their step).
         self._computing: set[str] = set()
+        self._events = EngineEvents(block_size) if kv_events else None
         # Give the first attempt a moment, so that the first requests already see the daemon.
         self._link.wait(CONNECT_TIMEOUT_S)
 
@@ -347,11 +353,40 @@ class SchedulerSide:
         hashes = list(request.block_hashes[start:end])
         ops = request_ops([self._group_store(group, tables[group.index][start:end], hashes)
                            for group in self._groups])
+        if self._events is not None:
+            self._track(request, ops, start)
         if self._holds is not None:
             self._holds.to_store(request.request_id, end, self._step)
         state.saved_chunks = chunks
         state.has_stores = True
         return ops
+
+    def _track(self, request: Request, ops: RequestOps, start: int) -> None:
+        """Tell the event follower the chunks of this store, with what vLLM's events say of their
+        blocks. A chunk's key is the hash of its last block (`ops.striding_block_hashes`)."""
+        assert self._events is not None
+        n, size = self._chunk_blocks, self._block_size
+        hashes, tokens = request.block_hashes, request.all_token_ids
+        lora = getattr(request, "lora_request", None)
+        for group in self._groups:
+            op = group_op(ops, group)
+            if op is None:
+                continue
+            stored = op.block_hashes or []
+            for i in range(0, len(stored), n):
+                blocks = list(stored[i:i + n])
+                # A sliding-window group's store skips the chunks it lacks: find where each starts.
+                first = start + i if group.sliding_window is None else hashes.index(blocks[0], start)
+                self._events.track(group.namespace, group.index, blocks[-1], blocks,
+                                   hashes[first - 1] if first else None,
+                                   list(tokens[first * size:(first + n) * size]), lora)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """vLLM's events for the daemon's share of this engine's blocks (see `kv_events`)."""
+        if self._events is None:
+            return []
+        adapter = self._link.get()
+        return self._events.take(adapter.mq_client if adapter is not None else None)
 
     def _group_store(self, group: KVGroup, block_ids: list[int], hashes: list[bytes]) -> LoadStoreOp | None:
         """One group's share of a store. A sliding-window group stores only the chunks all of

@@ -132,8 +132,8 @@ class StorageManager:
         self._integrity = PoolIntegrity(pool, self._gate.wait_for_gap) if pool.stats().pool_file else None
         self._announcer: threading.Thread | None = None
         if events is not None:
-            for name, tier in tiers:
-                tier.events = SourceEvents(events, _residence(name))
+            for tier in self._tiers:
+                tier.events = SourceEvents(events, _residence(tier.stats().name))
             self._announcer = threading.Thread(target=self._announce_tiers, name="lmcache-mp-announce",
                                                daemon=True)
             self._announcer.start()

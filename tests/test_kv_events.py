@@ -1,0 +1,201 @@
+"""KV events (issue 30) from the real daemon's PUB endpoint, decoded with vLLM's own classes: a
+subscriber that replays from seq 0 holds exactly what each tier holds, after a randomized run of
+stores, evictions, promotions and clears; a stalled subscriber slows no STORE and catches up
+through replay; KV_EVENTS hands a connector its models' chunks."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+from lmcache_mp.kv_events import CLEARED, REMOVED, STORED, EventsReply, external_hash
+from lmcache_mp.launcher import DaemonProcess
+from lmcache_mp.mq import MessageQueueClient
+from lmcache_mp.protocol import RequestType, StatusReport
+from tests.helpers import count_lookup, fmt, status, store, wait_for_status
+from tests.kv_event_subscriber import Subscriber
+
+CHUNK_ARGS = ("--chunk-size", "32")
+# ~13 chunks of 16 KiB in the pool, ~15 on disk: the random run evicts from both.
+SMALL = ("--l1-size-gb", "0.0002")
+DISK_GB = "0.0003"
+
+
+def events_args(tmp: Path) -> tuple[str, ...]:
+    return ("--kv-events-listen", f"ipc://{tmp / 'kv-events.sock'}")
+
+
+def published_all(report: StatusReport) -> bool:
+    """Every record the log holds is out (the disk's writes done first)."""
+    queued = sum(t.write_queue_chunks for t in report.tiers)
+    return queued == 0 and report.kv_events_published_total == report.kv_events_seq
+
+
+def subscribe(report: StatusReport) -> Subscriber:
+    pub, replay = report.kv_events_endpoints
+    return Subscriber(pub, replay)
+
+
+def random_run(client: MessageQueueClient, instance_id: int, rng: random.Random, steps: int,
+               url: str) -> list[list[bytes]]:
+    """Stores of new chains and of chains extended, lookups (promoting from disk), clears; the
+    chains stored. Each store's disk writes are waited for: a busy machine's writer would
+    otherwise skip most (its queue full), and the disk would never evict."""
+    chains: list[list[bytes]] = []
+    for step in range(steps):
+        roll = rng.random()
+        if roll < 0.6 or not chains:
+            base = rng.choice(chains) if chains and rng.random() < 0.5 else []
+            chain = base + [rng.randbytes(32) for _ in range(rng.randint(1, 4))]
+            store(client, instance_id, chain, f"r{step}")
+            chains.append(chain)
+            wait_for_status(url, lambda r: r.tiers[0].write_queue_chunks == 0, "disk writes done")
+        elif roll < 0.9:
+            count_lookup(client, rng.choice(chains))
+        elif roll < 0.97:
+            client.submit(RequestType.CLEAR, []).result(10)
+        else:
+            client.submit(RequestType.CLEAR_TIERS, []).result(10)
+    return chains
+
+
+def replayed(daemon: DaemonProcess) -> tuple[StatusReport, dict]:
+    """STATUS once every event is out, and what a subscriber replaying from 0 holds."""
+    report = wait_for_status(daemon.url, published_all, "every event published")
+    subscriber = subscribe(report)
+    try:
+        assert subscriber.replay(0) > 0
+        assert subscriber.holdings.gaps == 0
+        return report, subscriber.holdings.held
+    finally:
+        subscriber.close()
+
+
+def test_a_replay_from_zero_holds_exactly_what_each_tier_holds(daemons, short_tmp: Path, worker_for) -> None:
+    disk = short_tmp / "disk"
+    disk_url = f"disk://{disk}?size_gb={DISK_GB}"
+    args = (*CHUNK_ARGS, *SMALL, "--l2", disk_url, *events_args(short_tmp))
+    daemon: DaemonProcess = daemons(*args)
+    worker = worker_for(daemon.url)
+    client = MessageQueueClient(daemon.url, request_timeout_s=30)
+    client.handshake("tests")
+    seed = int.from_bytes(os.urandom(4), "big")
+    cpu, on_disk = ("CPU", None), ("STORAGE", f"disk://{disk}")
+    fingerprint = fmt().fingerprint.hex()
+    try:
+        chains = random_run(client, worker.instance_id, random.Random(seed), 120, daemon.url)
+        report, held = replayed(daemon)
+        assert report.tiers[0].evictions_total and report.pool_used_bytes, f"seed {seed}: nothing evicted"
+        assert set(held) <= {cpu, on_disk}
+        assert len(held[cpu]) == report.objects, f"seed {seed}"
+        files = len(list(disk.glob("??/*.kv")))
+        assert len(held[on_disk]) == report.tiers[0].objects == files, f"seed {seed}"
+        # LOOKUP agrees chunk by chunk: what the pool holds hits at once, what no tier holds
+        # misses, and what only the disk holds hits by promotion (asked last: it evicts).
+        hashes = {h for chain in chains for h in chain}
+        where = {h: {w for w in (cpu, on_disk) if (external_hash(h), fingerprint) in held[w]} for h in hashes}
+        for h in sorted(hashes, key=lambda h: cpu not in where[h]):
+            assert count_lookup(client, [h]) == int(bool(where[h])), f"seed {seed}: {where[h]}"
+    finally:
+        client.close()
+    # The next daemon (warm restart, same disk): its stream starts from nothing and announces
+    # what it adopted (once verified) and the disk's files (their keys read from their headers).
+    assert daemon.stop(keep_pool=True) == 0
+    again: DaemonProcess = daemons(*args)
+    wait_for_status(again.url, lambda r: r.pool_unverified == 0, "adopted chunks verified")
+    report, held = replayed(again)
+    assert len(held[cpu]) == report.objects > 0
+    assert len(held[on_disk]) == report.tiers[0].objects > 0
+
+
+def test_the_pool_events_name_the_chunk_by_its_hash_and_its_parent(daemons, short_tmp: Path,
+                                                                    worker_for) -> None:
+    daemon: DaemonProcess = daemons(*CHUNK_ARGS, "--l1-size-gb", "0.05", *events_args(short_tmp))
+    worker = worker_for(daemon.url)
+    client = MessageQueueClient(daemon.url, request_timeout_s=30)
+    client.handshake("tests")
+    try:
+        chain = [os.urandom(32) for _ in range(3)]
+        store(client, worker.instance_id, chain, "r")
+        report = wait_for_status(daemon.url, published_all, "every event published")
+        subscriber = subscribe(report)
+        try:
+            subscriber.replay(0)
+            assert subscriber.holdings.held[("CPU", None)] == {(external_hash(h), fmt().fingerprint.hex())
+                                                               for h in chain}
+        finally:
+            subscriber.close()
+        # What a connector asks for: its model's chunks, each with its parent, from a seq on.
+        reply: EventsReply = client.submit(RequestType.KV_EVENTS, [0, ["m"], 100]).result(10)
+        assert reply.epoch == status(daemon.url).epoch and not reply.missed
+        stored = [e for e in reply.events if e.kind == STORED]
+        assert [(e.chunk_hash, e.parent_hash, e.medium, e.model_name) for e in stored] == [
+            (chain[0], None, "CPU", "m"), (chain[1], chain[0], "CPU", "m"), (chain[2], chain[1], "CPU", "m")]
+        assert reply.events[0].kind == CLEARED  # the stream starts from nothing
+        other: EventsReply = client.submit(RequestType.KV_EVENTS, [0, ["another model"], 100]).result(10)
+        assert [e.kind for e in other.events] == [CLEARED]
+        client.submit(RequestType.CLEAR, []).result(10)
+        after: EventsReply = client.submit(RequestType.KV_EVENTS, [reply.next_seq, ["m"], 100]).result(10)
+        assert {e.chunk_hash for e in after.events if e.kind == REMOVED} == set(chain)
+        assert CLEARED in [e.kind for e in after.events]
+        now: EventsReply = client.submit(RequestType.KV_EVENTS, [-1, ["m"], 100]).result(10)
+        assert now.events == [] and now.next_seq == after.next_seq
+    finally:
+        client.close()
+
+
+def test_a_stalled_subscriber_slows_no_store_and_catches_up_by_replay(daemons, short_tmp: Path,
+                                                                      worker_for) -> None:
+    daemon: DaemonProcess = daemons(*CHUNK_ARGS, "--l1-size-gb", "0.05", *events_args(short_tmp))
+    worker = worker_for(daemon.url)
+    client = MessageQueueClient(daemon.url, request_timeout_s=30)
+    client.handshake("tests")
+    report = status(daemon.url)
+    stalled = Subscriber(*report.kv_events_endpoints, rcvhwm=1)  # never reads
+    live = subscribe(report)
+    try:
+        chains = [[os.urandom(32) for _ in range(4)] for _ in range(60)]
+        for i, chain in enumerate(chains):
+            store(client, worker.instance_id, chain, f"r{i}")
+            live.poll(0)
+        report = wait_for_status(daemon.url, published_all, "every event published")
+        assert report.kv_events_dropped_total == 0
+        # Every STORE was answered while the stalled subscriber read nothing (past its buffers
+        # ZeroMQ drops a slow subscriber's messages, never blocking the daemon). Whatever of the
+        # live stream it still gets, replay fills in the rest.
+        stalled.poll(0.2)
+        stalled.replay(stalled.holdings.next_seq)
+        expected = {(external_hash(h), fmt().fingerprint.hex()) for chain in chains for h in chain}
+        assert stalled.holdings.held[("CPU", None)] == expected
+        # A subscriber that joined late: replay from 0, then the live stream goes on.
+        live.replay(0)
+        assert live.holdings.held[("CPU", None)] == expected
+        client.submit(RequestType.CLEAR, []).result(10)
+        wait_for_status(daemon.url, published_all, "the clear published")
+        for _ in range(50):
+            if not live.poll(0.2) and not live.holdings.held[("CPU", None)]:
+                break
+        assert not live.holdings.held[("CPU", None)]
+    finally:
+        stalled.close()
+        live.close()
+        client.close()
+
+
+@pytest.mark.parametrize("where", ["tcp", "ipc"])
+def test_the_events_endpoint_follows_the_listen_rules(daemons, short_tmp: Path, where: str) -> None:
+    """tcp:// needs CURVE or --allow-unauthenticated-tcp, as --listen does; ipc:// is 0600."""
+    from lmcache_mp.config import ServerConfig
+
+    if where == "tcp":
+        config = ServerConfig(listen=[f"ipc://{short_tmp / 'd.sock'}"], kv_events_listen="tcp://127.0.0.1:5599")
+        with pytest.raises(ValueError, match="without authentication"):
+            config.validate()
+        return
+    daemon: DaemonProcess = daemons(*CHUNK_ARGS, "--l1-size-gb", "0.05", *events_args(short_tmp))
+    pub, replay = status(daemon.url).kv_events_endpoints
+    for url in (pub, replay):
+        assert os.stat(url.removeprefix("ipc://")).st_mode & 0o777 == 0o600
