@@ -131,6 +131,7 @@ class Daemon:
 
     def _serve(self, e: Engine) -> None:
         self.metrics.watch(functools.partial(status.gauges, e), functools.partial(status.tier_gauges, e))
+        self.metrics.watch_capacity(functools.partial(status.capacity_gauges, e))
         self.server.serve_engine(e.handlers(), status_extra=functools.partial(status.engine_status, e),
                                  on_tick=e.tick)
 

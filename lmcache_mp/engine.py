@@ -21,6 +21,7 @@ from contextlib import contextmanager
 import torch
 
 from lmcache_mp.cancellation import Pair, TransferFence
+from lmcache_mp.capacity_advisor import CapacityAdvisor
 from lmcache_mp.chunks import PoolKey, TierCleared, pool_key
 from lmcache_mp.config import ServerConfig
 from lmcache_mp.custom_types import IPCCacheEngineKey, KVCache
@@ -85,6 +86,7 @@ class Engine:
         """`epoch`: the daemon's (HELLO's), which KV_EVENTS replies carry."""
         self.chunk_size = config.chunk_size
         self.metrics = metrics
+        self.capacity = CapacityAdvisor()  # what other pool sizes would hit (STATUS, /metrics)
         self.epoch = epoch
         self.events = EventLog()
         # Where CUDA is present, the pool is page-locked as it is prepared, for DMA.
@@ -164,10 +166,14 @@ class Engine:
         if not combos:
             return 0  # some rank has no registered cache: nothing could be retrieved
         hits = self.storage.lookup(hashes, combos)
+        # The pool bytes of one chunk: one object per rank in the combo (the ranks of one kind of
+        # cache store chunks of one size).
+        chunk_bytes = combos[0][0].chunk_nbytes * len(combos[0])
         if isinstance(hits, list):
             # The hits are pinned already: nothing can evict them before the lease is recorded,
             # right after the reply (and before any later request, END_SESSION included, is read).
-            return ReplyThen(len(hits), lambda: self._lease(request_id, hashes, hits, world_size))
+            return ReplyThen(len(hits),
+                             lambda: self._lease(request_id, hashes, hits, world_size, chunk_bytes))
         if request_id is not None:
             self.sessions.promoting(request_id)  # before the promotion can end (`promoted`)
         answer: Future[int] = Future()
@@ -183,7 +189,7 @@ class Engine:
                     answer.set_exception(error)
                 return
             try:
-                found = self._lease(request_id, hashes, done.result(), world_size, promoted=True)
+                found = self._lease(request_id, hashes, done.result(), world_size, chunk_bytes, promoted=True)
             except BaseException as err:
                 answer.set_exception(err)
                 return
@@ -193,11 +199,13 @@ class Engine:
         return answer
 
     def _lease(self, request_id: str | None, hashes: list[bytes], hits: Hits, world_size: int,
-               promoted: bool = False) -> int:
-        """Lease a LOOKUP's hits to its request (`promoted`: a promotion's, which the sessions
-        unpin instead if the request ended while they were read)."""
+               chunk_bytes: int, promoted: bool = False) -> int:
+        """Count a LOOKUP (its chunks of `chunk_bytes` in the pool, for the capacity advisor too)
+        and lease its hits to its request (`promoted`: a promotion's, which the sessions unpin
+        instead if the request ended while they were read)."""
         objects = [o for chunk in hits for o in chunk]
         self.metrics.looked_up(len(hashes), len(hits))
+        self.capacity.record(hashes, chunk_bytes)
         if request_id is None:
             self.storage.unpin(objects)  # nobody to retrieve them: count, but lease nothing
             return len(hits)

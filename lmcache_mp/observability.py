@@ -59,6 +59,22 @@ class _LookupChunks(Collector):
         yield family
 
 
+class _CapacityCurve(Collector):
+    """lmcache_mp_capacity_predicted_hit_ratio{pool_scale="0.5"|...|"8"}: the capacity advisor's
+    predicted pool hit rate at that multiple of the pool's size, read at scrape time."""
+
+    def __init__(self, read: Callable[[], dict[str, float]]):
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily("lmcache_mp_capacity_predicted_hit_ratio",
+                                   "Pool hit rate predicted at a multiple of the pool's size",
+                                   labels=["pool_scale"])
+        for scale, ratio in self._read().items():
+            family.add_metric([scale], ratio)
+        yield family
+
+
 def _family(name: str, documentation: str, **kwargs) -> CounterMetricFamily | GaugeMetricFamily:
     """A `..._total` value only ever grows: typed as a counter, so Prometheus' rate() and
     Grafana treat restarts right; anything else is a gauge."""
@@ -102,6 +118,10 @@ class Metrics:
     def watch(self, read: Callable[[], dict[str, float]],
               read_tiers: Callable[[], dict[str, dict[str, float]]]) -> None:
         self.registry.register(_Gauges(read, read_tiers))
+
+    def watch_capacity(self, read: Callable[[], dict[str, float]]) -> None:
+        """`read()`: the predicted pool hit rate by pool scale (`status.capacity_gauges`)."""
+        self.registry.register(_CapacityCurve(read))
 
     def serve(self, host: str, port: int) -> MetricsHTTPServer:
         """Serve http://HOST:PORT/metrics on a daemon thread from now on (OSError if the port is

@@ -182,6 +182,14 @@ class InstanceInfo(msgspec.Struct, gc=False):
     kv_bytes: int  # the registered KV cache's size
 
 
+class CapacityPoint(msgspec.Struct, gc=False):
+    """The pool's hit rate predicted at a multiple of its size (`capacity_advisor.py`)."""
+
+    pool_scale: float  # of the pool's capacity
+    pool_bytes: int
+    hit_rate: float
+
+
 class StatusReport(msgspec.Struct, gc=False):
     server_version: str
     protocol_version: int
@@ -218,6 +226,10 @@ class StatusReport(msgspec.Struct, gc=False):
     # LOOKUP's chunks asked for and found since start: the hit rate
     lookup_chunks_total: int = 0
     lookup_hits_total: int = 0
+    # The pool's hit rate predicted at 0.5x to 8x its capacity, from the LOOKUPs since start, and
+    # the sampled chunk accesses it rests on (`capacity_advisor.py`: what it models, and not)
+    capacity_curve: list[CapacityPoint] = []
+    capacity_sampled_chunks: int = 0
     sessions: int = 0
     leases: int = 0
     # STOREs and RETRIEVEs copying, per (instance, request), and those pairs remembered as

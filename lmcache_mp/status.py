@@ -2,8 +2,8 @@
 
 `engine_status` reads one snapshot of the engine's parts into `EngineStatus`, whose fields are
 `protocol.StatusReport`'s by the same names (checked below): the server fills in its own fields
-and merges these (`Server._status`). `gauges` and `tier_gauges` are read by Prometheus at scrape
-time (`observability.py`): a name per series, `lmcache_mp_` prefixed there.
+and merges these (`Server._status`). `gauges`, `tier_gauges` and `capacity_gauges` are read by
+Prometheus at scrape time (`observability.py`): a name per series, `lmcache_mp_` prefixed there.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from lmcache_mp.chunks import TierStats
-from lmcache_mp.protocol import InstanceInfo, StatusReport
+from lmcache_mp.protocol import CapacityPoint, InstanceInfo, StatusReport
 
 if TYPE_CHECKING:
     from lmcache_mp.engine import Engine
@@ -41,6 +41,8 @@ class EngineStatus(msgspec.Struct, gc=False):
     instances: list[InstanceInfo]
     lookup_chunks_total: int
     lookup_hits_total: int
+    capacity_curve: list[CapacityPoint]
+    capacity_sampled_chunks: int
     sessions: int
     leases: int
     transfers_running: int
@@ -83,6 +85,8 @@ def engine_status(engine: Engine) -> EngineStatus:
         instances=engine.registry.describe(),
         lookup_chunks_total=engine.metrics.lookup_chunks_total,
         lookup_hits_total=engine.metrics.lookup_hits_total,
+        capacity_curve=engine.capacity.curve(pool.capacity_bytes),
+        capacity_sampled_chunks=engine.capacity.sampled,
         sessions=sessions,
         leases=leases,
         transfers_running=copying,
@@ -124,11 +128,18 @@ def gauges(engine: Engine) -> dict[str, float]:
         "leases": leases,
         "lease_sessions_expired_total": engine.sessions.expired_total,
         "retrieve_split_chunks_total": engine.copy_threads.helped_chunks,
+        "capacity_sampled_chunks_total": engine.capacity.sampled,
         "registered_instances": len(engine.registry.instance_ids()),
         "kv_events_seq": engine.events.end,
         **{f"kv_events_{name}": value for name, value in engine.kv_events_counters().items()},
         "attach_channels": engine.registry.num_attach_channels,
     }
+
+
+def capacity_gauges(engine: Engine) -> dict[str, float]:
+    """The predicted pool hit rates, by pool scale ("0.5" ... "8"; for /metrics, labelled)."""
+    curve = engine.capacity.curve(engine.storage.pool_stats().capacity_bytes)
+    return {f"{point.pool_scale:g}": point.hit_rate for point in curve}
 
 
 def tier_gauges(engine: Engine) -> dict[str, dict[str, float]]:

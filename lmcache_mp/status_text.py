@@ -16,6 +16,14 @@ def _pool_file(s: StatusReport) -> str:
     return f"{s.pool_file}: {adopted}; {s.pool_unsealed:,} new chunks to checksum"
 
 
+def _advice(s: StatusReport) -> str:
+    """The capacity advisor's curve: what other pool sizes would hit."""
+    if not s.capacity_sampled_chunks:
+        return "no lookups yet to predict other pool sizes' hit rates from"
+    rates = " | ".join(f"{p.pool_scale:g}x {p.hit_rate:.0%}" for p in s.capacity_curve)
+    return f"predicted pool hit rate at {rates} ({s.capacity_sampled_chunks:,} chunk lookups sampled)"
+
+
 def render_status(url: str, s: StatusReport) -> str:
     hit_rate = f"{s.lookup_hits_total / s.lookup_chunks_total:.1%}" if s.lookup_chunks_total else "-"
     used = s.pool_used_bytes / s.pool_bytes if s.pool_bytes else 0.0
@@ -33,6 +41,7 @@ def render_status(url: str, s: StatusReport) -> str:
         f"pool file {_pool_file(s)}",
         f"lookups   {s.lookup_chunks_total:,} chunks asked, {s.lookup_hits_total:,} found: "
         f"hit rate {hit_rate}",
+        f"capacity  {_advice(s)}",
         f"leases    {s.leases:,} chunks leased by {s.sessions:,} sessions",
         f"requests  {s.requests_in_flight} in flight, {s.transfers_running} copies running, "
         f"{s.cancelled_transfers} cancelled transfers remembered",

@@ -1,5 +1,6 @@
-"""Helpers the daemon tests share: vLLM-like block and chunk hashes, raw requests (STORE, LOOKUP),
-STATUS and /metrics, example wire values, stand-in worker processes.
+"""Helpers the daemon tests share: vLLM-like block and chunk hashes (and a chat service's chains of
+them), raw requests (STORE, LOOKUP), STATUS and /metrics, example wire values, stand-in worker
+processes.
 
 Test modules never import each other: what two of them use lives here (or, for the connector's
 halves driven step by step, in `connector_helpers.py`; for real vLLM engines, `vllm_engines.py`)."""
@@ -7,7 +8,9 @@ halves driven step by step, in `connector_helpers.py`; for real vLLM engines, `v
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import random
 import re
 import signal
 import socket
@@ -61,6 +64,37 @@ def block_hashes(tokens: list[int]) -> list[bytes]:
 def chunk_hashes(tokens: list[int]) -> list[bytes]:
     """The chunk keys of `tokens`' full chunks: the hash of each chunk's last block."""
     return list(striding_block_hashes(block_hashes(tokens), CHUNK // BLOCK))
+
+
+def conversation_trace(conversations: int, lookups: int, seed: int, *, turn_chunks: int = 2,
+                       max_chunks: int = 24, system_prompts: int = 4, system_chunks: int = 3,
+                       zipf: float = 1.0) -> list[list[bytes]]:
+    """The chunk chains a chat service LOOKUPs: `conversations` on a few shared system prompts,
+    picked by a Zipf-like popularity (the k-th most popular 1 / k**zipf as often as the first);
+    each LOOKUP asks for its conversation so far and its next turn (`turn_chunks` new chunks), and
+    a conversation that would pass `max_chunks` starts over (a new chat on the same prompt)."""
+    rng = random.Random(seed)
+
+    def extend(chain: list[bytes], label: str) -> None:
+        chain.append(hashlib.blake2b((chain[-1] if chain else b"") + label.encode(), digest_size=32).digest())
+
+    systems: list[list[bytes]] = []
+    for s in range(system_prompts):
+        systems.append([])
+        for i in range(system_chunks):
+            extend(systems[-1], f"system prompt {s}, chunk {i}")
+    chats = [list(systems[c % system_prompts]) for c in range(conversations)]
+    restarts = [0] * conversations
+    popularity = list(itertools.accumulate(1 / (k + 1) ** zipf for k in range(conversations)))
+    trace = []
+    for c in rng.choices(range(conversations), cum_weights=popularity, k=lookups):
+        if len(chats[c]) + turn_chunks > max_chunks:
+            restarts[c] += 1
+            chats[c] = list(systems[c % system_prompts])
+        for _ in range(turn_chunks):
+            extend(chats[c], f"conversation {c}.{restarts[c]}, chunk {len(chats[c])}")
+        trace.append(list(chats[c]))
+    return trace
 
 
 def fmt(layout: str = "CPU_ATTN", model: str = "m") -> ChunkFormat:

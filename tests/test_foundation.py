@@ -23,6 +23,7 @@ from lmcache_mp.custom_types import (
 )
 from lmcache_mp.distributed.api import MemoryLayoutDesc, ObjectKey, ipc_keys_to_object_keys
 from lmcache_mp.errors import ProtocolMismatchError, RequestTimeoutError, ServerError
+from lmcache_mp.kv_events import CLEARED, STORED, ChunkEvent, EventsReply
 from lmcache_mp.launcher import DaemonProcess, start_daemon
 from lmcache_mp.mq import REQUEST_ID, Codec, MessageQueueClient
 from lmcache_mp.protocol import (
@@ -58,6 +59,7 @@ PAYLOADS = {
     RequestType.RELEASE_LEASES: [[HASH_KEY, TOKEN_KEY]],
     RequestType.LOOKUP_CHUNKS: ["m", 2, "req-1", [b"\x01" * 32, b"\x02" * 32]],
     RequestType.CANCEL_TRANSFERS: [1, ["req-1", "req-2"]],
+    RequestType.KV_EVENTS: [12, ["m"], 4096],
 }
 REPLIES = {
     RequestType.HELLO: HelloReply(PROTOCOL_VERSION, "0.1.0", 256, "/tmp/x.attach"),
@@ -76,6 +78,8 @@ REPLIES = {
     RequestType.RELEASE_LEASES: None,
     RequestType.LOOKUP_CHUNKS: 2,
     RequestType.CANCEL_TRANSFERS: 1,
+    RequestType.KV_EVENTS: EventsReply(7, 14, False, [ChunkEvent(CLEARED), ChunkEvent(
+        STORED, "CPU", "LOCAL", None, b"\x01" * 32, b"\x02" * 32, "m", 2, 1)]),
 }
 
 
