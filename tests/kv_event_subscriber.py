@@ -27,6 +27,8 @@ class Holdings:
         self.next_seq = 0  # the batch seq expected next
         self.gaps = 0
         self.events = 0
+        self.stored: list[BlockStored] = []  # every BlockStored and BlockRemoved, in order of arrival
+        self.removed: list[BlockRemoved] = []
 
     def apply(self, seq: int, batch: KVEventBatch, raw: list[dict[str, Any]]) -> None:
         if seq < self.next_seq:
@@ -43,9 +45,11 @@ class Holdings:
             blocks = {(h, fields.get("fingerprint")) for h in event.block_hashes}
             if isinstance(event, BlockStored):
                 self.held[where] |= blocks
+                self.stored.append(event)
             else:
                 assert isinstance(event, BlockRemoved)
                 self.held[where] -= blocks
+                self.removed.append(event)
 
 
 class Subscriber:

@@ -7,7 +7,8 @@ daemon moves it into shared memory, so small is quick), max_tokens, prefix_cachi
 connector (null, or the `kv_connector_extra_config` for LMCacheMPDaemonConnector), connector_module
 (optional: another module holding a class of that name, instead of `vllm_adapter.connector`),
 hybrid_kv_cache_manager (optional bool: vLLM's HMA on; off by default), hf_overrides (optional),
-max_num_batched_tokens (optional), logprobs (optional bool: also report each generated token's
+max_num_batched_tokens (optional), kv_events (optional: vLLM's `KVEventsConfig` fields, its KV event
+publisher on), logprobs (optional bool: also report each generated token's
 logprob), rounds (a list of rounds, each a list of prompts, each a list of token ids), barrier_dir (optional:
 before round i > 0, wait until the file `go-i` exists there, so a test can act between
 rounds).
@@ -47,6 +48,10 @@ def engine_args(spec: dict[str, Any]) -> dict[str, Any]:
         args["hf_overrides"] = spec["hf_overrides"]
     if spec.get("max_num_batched_tokens"):  # small: a long prompt's prefill spans several steps
         args["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
+    if spec.get("kv_events"):
+        from vllm.config.kv_events import KVEventsConfig
+
+        args["kv_events_config"] = KVEventsConfig(**spec["kv_events"])
     if spec.get("connector") is not None:
         args["kv_transfer_config"] = kv_transfer_config(spec["connector"])
         if spec.get("connector_module"):
