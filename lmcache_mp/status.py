@@ -130,8 +130,7 @@ def gauges(engine: Engine) -> dict[str, float]:
         "retrieve_split_chunks_total": engine.copy_threads.helped_chunks,
         "capacity_sampled_chunks_total": engine.capacity.sampled,
         "registered_instances": len(engine.registry.instance_ids()),
-        "kv_events_seq": engine.events.end,
-        **{f"kv_events_{name}": value for name, value in engine.kv_events_counters().items()},
+        **_kv_event_counters(engine),
         "attach_channels": engine.registry.num_attach_channels,
     }
 
@@ -140,6 +139,17 @@ def capacity_gauges(engine: Engine) -> dict[str, float]:
     """The predicted pool hit rates, by pool scale ("0.5" ... "8"; for /metrics, labelled)."""
     curve = engine.capacity.curve(engine.storage.pool_stats().capacity_bytes)
     return {f"{point.pool_scale:g}": point.hit_rate for point in curve}
+
+
+def _kv_event_counters(engine: Engine) -> dict[str, float]:
+    """Events recorded in the log; batches and events published, events lost (the log's ring overran
+    the publisher), replay requests served (0 without --kv-events-listen)."""
+    published = engine.kv_events_counters()
+    return {"kv_events_recorded_total": engine.events.end,
+            "kv_events_batches_total": published["batches_total"],
+            "kv_events_published_total": published["events_total"],
+            "kv_events_dropped_total": published["dropped_total"],
+            "kv_events_replays_total": published["replays_total"]}
 
 
 def tier_gauges(engine: Engine) -> dict[str, dict[str, float]]:

@@ -24,6 +24,15 @@ def _advice(s: StatusReport) -> str:
     return f"predicted pool hit rate at {rates} ({s.capacity_sampled_chunks:,} chunk lookups sampled)"
 
 
+def _events(s: StatusReport) -> str:
+    """Where KV events go, and how many went."""
+    if not s.kv_events_endpoints:
+        return f"not published (--kv-events-listen); {s.kv_events_seq:,} in the log connectors follow"
+    pub, replay = s.kv_events_endpoints
+    return (f"published on {pub} (replay {replay}): {s.kv_events_published_total:,} events in "
+            f"{s.kv_events_batches_total:,} batches, {s.kv_events_dropped_total:,} lost")
+
+
 def render_status(url: str, s: StatusReport) -> str:
     hit_rate = f"{s.lookup_hits_total / s.lookup_chunks_total:.1%}" if s.lookup_chunks_total else "-"
     used = s.pool_used_bytes / s.pool_bytes if s.pool_bytes else 0.0
@@ -42,6 +51,7 @@ def render_status(url: str, s: StatusReport) -> str:
         f"lookups   {s.lookup_chunks_total:,} chunks asked, {s.lookup_hits_total:,} found: "
         f"hit rate {hit_rate}",
         f"capacity  {_advice(s)}",
+        f"kv events {_events(s)}",
         f"leases    {s.leases:,} chunks leased by {s.sessions:,} sessions",
         f"requests  {s.requests_in_flight} in flight, {s.transfers_running} copies running, "
         f"{s.cancelled_transfers} cancelled transfers remembered",

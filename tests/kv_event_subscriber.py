@@ -24,7 +24,7 @@ class Holdings:
 
     def __init__(self) -> None:
         self.held: dict[Residence, set[Block]] = defaultdict(set)
-        self.next_seq = 0  # the batch seq expected next
+        self.next_seq = 0  # the batch seq expected next: what a replay asks from
         self.gaps = 0
         self.events = 0
         self.stored: list[BlockStored] = []  # every BlockStored and BlockRemoved, in order of arrival
@@ -33,8 +33,9 @@ class Holdings:
     def apply(self, seq: int, batch: KVEventBatch, raw: list[dict[str, Any]]) -> None:
         if seq < self.next_seq:
             return  # seen already (live and replay overlap)
-        if seq > self.next_seq:
+        if seq > self.next_seq:  # some were lost: left for a replay from `next_seq` to bring in order
             self.gaps += 1
+            return
         self.next_seq = seq + 1
         for event, fields in zip(batch.events, raw, strict=True):
             self.events += 1
