@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -157,11 +156,12 @@ class EventLog:
 
     def __init__(self, capacity: int = DEFAULT_LOG_RECORDS):
         self._lock = threading.Lock()
-        self._records: deque[Record] = deque(maxlen=capacity)
+        # A ring: record `seq` at `seq % capacity`, the last `capacity` kept (read by index, in
+        # O(1) each, wherever a reader stands).
+        self._ring: list[Record | None] = [None] * capacity
         self._end = 0  # seq of the next record
         self._sources: list[Residence] = [POOL_RESIDENCE]
         self._formats: dict[bytes, ChunkFormat] = {}
-        self.changed = threading.Condition(self._lock)  # notified at every record
         self._record((CLEARED, 0, b"", b"", None))  # the stream starts from nothing
 
     # ---- writers ---------------------------------------------------------------------------------
@@ -188,9 +188,8 @@ class EventLog:
 
     def _record(self, record: Record) -> None:
         with self._lock:
-            self._records.append(record)
+            self._ring[self._end % len(self._ring)] = record
             self._end += 1
-            self.changed.notify_all()
 
     # ---- readers ---------------------------------------------------------------------------------
 
@@ -202,12 +201,12 @@ class EventLog:
     def read(self, since: int, limit: int) -> Records:
         """Up to `limit` records from seq `since` (from the oldest kept, if it is gone)."""
         with self._lock:
-            oldest = self._end - len(self._records)
+            ring = self._ring
+            oldest = max(0, self._end - len(ring))
             first = min(max(since, oldest), self._end)
             count = min(limit, self._end - first)
-            start = first - oldest
-            records = [self._records[start + i] for i in range(count)] if count else []
-            return Records(first, records, missed=since < oldest)
+            records = [ring[seq % len(ring)] for seq in range(first, first + count)]
+            return Records(first, records, missed=since < oldest)  # type: ignore[arg-type]
 
     def residence(self, source: int) -> Residence:
         return self._sources[source]

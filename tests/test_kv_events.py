@@ -16,7 +16,7 @@ from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import RequestType, StatusReport
 from lmcache_mp.status_text import render_status
-from tests.helpers import count_lookup, fmt, status, store, wait_for_status
+from tests.helpers import count_lookup, fmt, status, store, wait_for, wait_for_status
 from tests.kv_event_subscriber import Subscriber
 
 CHUNK_ARGS = ("--chunk-size", "32")
@@ -204,3 +204,54 @@ def test_the_events_endpoint_follows_the_listen_rules(daemons, short_tmp: Path, 
     pub, replay = status(daemon.url).kv_events_endpoints
     for url in (pub, replay):
         assert os.stat(url.removeprefix("ipc://")).st_mode & 0o777 == 0o600
+
+
+def test_the_connector_follows_its_chunks_through_clears_and_restarts(daemons, short_tmp: Path,
+                                                                       worker_for) -> None:
+    """`vllm_adapter.kv_events.EngineEvents`, the connector's follower, against the real daemon:
+    vLLM's BlockStored for the chunks it tracks once the daemon holds them (others' chunks left
+    out), BlockRemoved at a CLEAR, and after a warm restart the removal of everything, then the
+    adopted chunks announced again."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    from vllm_adapter.kv_events import EngineEvents
+
+    args = (*CHUNK_ARGS, "--l1-size-gb", "0.05")
+    daemon: DaemonProcess = daemons(*args)
+    worker = worker_for(daemon.url)
+    client = MessageQueueClient(daemon.url, request_timeout_s=30)
+    client.handshake("tests")
+    follower = EngineEvents(block_size=16)
+    blocks = [[os.urandom(32), os.urandom(32)] for _ in range(3)]  # 2 vLLM blocks per chunk
+    chunks = [pair[-1] for pair in blocks]  # a chunk's key: its last block's hash
+    for i, pair in enumerate(blocks):
+        follower.track("m", 0, chunks[i], pair, blocks[i - 1][-1] if i else None, list(range(32)))
+    seen: list = []
+
+    def until(what: str, done) -> None:
+        wait_for(lambda: (seen.extend(follower.take(client)), done())[1], what)
+
+    try:
+        store(client, worker.instance_id, [*chunks, os.urandom(32)], "r")  # and one untracked
+        until("3 stored", lambda: len(seen) >= 3)
+        assert [type(e) for e in seen] == [BlockStored] * 3
+        # As vLLM publishes block hashes by default (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1).
+        assert [e.block_hashes for e in seen] == [[external_hash(h) for h in pair] for pair in blocks]
+        assert [e.parent_block_hash for e in seen] == [None, *(external_hash(p[-1]) for p in blocks[:2])]
+        assert {e.medium for e in seen} == {"CPU"} and {e.block_size for e in seen} == {16}
+        client.submit(RequestType.CLEAR, []).result(10)
+        until("3 removed", lambda: len(seen) >= 6)
+        assert [type(e) for e in seen[3:]] == [BlockRemoved] * 3
+        store(client, worker.instance_id, chunks, "again")
+        until("stored again", lambda: len(seen) >= 9)
+    finally:
+        client.close()
+    assert daemon.stop(keep_pool=True) == 0
+    again: DaemonProcess = daemons(*args)
+    client = MessageQueueClient(again.url, request_timeout_s=30)
+    client.handshake("tests")
+    try:
+        until("removed, then adopted and announced again", lambda: len(seen) >= 15)
+        assert [type(e) for e in seen[9:]] == [BlockRemoved] * 3 + [BlockStored] * 3
+    finally:
+        client.close()
