@@ -37,7 +37,7 @@ object (`pool_records` writes them at commit and clears them at drop, in the ord
 explains), and a pool given a file that held one adopts its objects: READY, in their
 old recency order and chains; those whose checksum is still to be verified are invisible to
 readers until `pool_integrity`'s thread has (`take_unverified` / `verified`), which also seals new
-objects (`take_unsealed` / `sealed`).
+objects (`take_unsealed` / `sealed`). That half of the pool is `pool_restart.PoolRestart`.
 
 Events. Given an `kv_events.EventLog`, the pool records there every object that becomes readable
 (commit, a verified adoption) and every readable one it frees (eviction, clear, a failed check),
@@ -52,15 +52,15 @@ import logging
 import operator
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Hashable, Iterable
-from dataclasses import replace
+from collections.abc import Hashable, Iterable
 
 from lmcache_mp.kv_events import EventLog
 from lmcache_mp.storage.pool_chains import descends_from, refresh
-from lmcache_mp.storage.pool_file import PoolFile, Record
+from lmcache_mp.storage.pool_file import PoolFile
 from lmcache_mp.storage.pool_memory import PIECE_BYTES, PinFn, PoolMemory
 from lmcache_mp.storage.pool_objects import ObjectState, PoolObject, PoolStats, ReserveFailure
 from lmcache_mp.storage.pool_records import PoolRecords
+from lmcache_mp.storage.pool_restart import PoolRestart
 from lmcache_mp.storage.slabs import ALIGN, SizeClass, Slab, SlabAllocator, default_slab_bytes
 
 logger = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ __all__ = ["ALIGN", "MemoryPool", "ObjectState", "PoolObject", "PoolStats", "Res
 _is_object = functools.partial(operator.is_not, None)
 
 
-class MemoryPool:
+class MemoryPool(PoolRestart):
     """Fixed-capacity, thread-safe store of KV chunk objects; see the module docstring."""
 
     def __init__(self, capacity_bytes: int, *, pin: PinFn | None = None, slab_bytes: int | None = None,
@@ -316,125 +316,6 @@ class MemoryPool:
         self._memory.close()
         if self._records is not None:
             self._records.file.close()
-
-    # ---- warm restart: sealing and verifying (`pool_integrity`'s thread) -------------------------
-
-    def take_unsealed(self) -> PoolObject | None:
-        """The oldest committed object whose checksum is still to be written, pinned (without
-        changing its recency: see `_unpin_in_place`), or None."""
-        with self._lock:
-            if self._records is None or not self._records.unsealed:
-                return None
-            obj = next(iter(self._records.unsealed))
-            del self._records.unsealed[obj]
-            self._pin_all([obj])
-            return obj
-
-    def sealed(self, obj: PoolObject) -> None:
-        """`take_unsealed`'s object has its checksum written: unpinned, in place."""
-        with self._lock:
-            self._unpin_in_place(obj)
-
-    def seal(self, obj: PoolObject, pace: Callable[[], None] | None = None) -> None:
-        """Checksum a pinned object's payload into its record (no lock held: it is pinned)."""
-        assert self._records is not None
-        self._records.file.seal(obj.offset, obj.data, pace)
-
-    def take_unverified(self) -> tuple[PoolObject, Record] | None:
-        """The most recently used adopted object still to be verified, pinned in place, and its
-        record; None when there is none."""
-        with self._lock:
-            if self._records is None or not self._records.unverified:
-                return None
-            obj, record = self._records.unverified.popitem()
-            self._pin_all([obj])
-            return obj, record
-
-    def verified(self, obj: PoolObject, ok: bool) -> None:
-        """`take_unverified`'s object passed its check (readers see it now) or failed it (freed).
-        Nobody else pins it meanwhile: readers can't see it."""
-        with self._lock:
-            assert self._records is not None
-            self._unpin_in_place(obj)
-            if ok:
-                self._records.stats.verified_total += 1
-                self._readable[obj.key] = obj
-                self._announce(obj)
-            else:
-                self._records.stats.dropped_total += 1
-                logger.warning("pool: adopted chunk %r failed its checksum: freed", obj.key)
-                self._remove_evictable(obj)
-
-    def _unpin_in_place(self, obj: PoolObject) -> None:
-        """Release a pin of `take_*` without making the object more recently used: it stays where
-        it was in its LRU, unless an eviction decision settled the pin meanwhile."""
-        obj.pins -= 1
-        if obj.pins == 0:
-            self._num_pinned -= 1
-            self._make_evictable([obj])
-
-    def _record_stats(self) -> dict[str, object]:
-        records = self._records
-        if records is None:
-            return {}
-        return {"pool_file": str(records.file.path), "adoption": replace(records.stats),
-                "unverified": len(records.unverified), "unsealed": len(records.unsealed)}
-
-    # ---- warm restart: adoption -------------------------------------------------------------------
-
-    def _adopt(self) -> None:
-        """Take over the objects the pool file holds (see the module docstring): READY, in their
-        order of commit (the newest the most recently used), linked to their parents."""
-        assert self._records is not None
-        records = self._records
-        found = records.scan(self._adopt_slab, len(self._slabs.owner))
-        objects: list[PoolObject] = []
-        for item in found:
-            slab, slot, size_class = item.slab, item.slot, item.slab.size_class
-            offset = slab.offset + slot * size_class.slot_bytes
-            data = self._buffer.narrow(0, offset, size_class.nbytes)
-            obj = PoolObject(item.pool_key, size_class.nbytes, data, slab, slot, offset,
-                             state=ObjectState.READY, held=False)
-            slab.objects[slot] = obj
-            slab.live += 1
-            self._index[obj.key] = obj
-            self._used += obj.nbytes
-            size_class.evictable[obj] = None
-            if records.adopted(obj, item.record):
-                self._readable[obj.key] = obj
-            objects.append(obj)
-        for item, obj in zip(found, objects, strict=True):
-            parent = self._index.get(item.parent_key) if item.parent_key is not None else None
-            if parent is not None and parent is not obj:
-                obj.parent = parent
-            if self._events is not None:
-                self._events.know(item.record.key.fmt)
-                if obj.key in self._readable:
-                    self._announce(obj)
-        self._settle_adopted_slabs()
-        refresh(objects[::-1])  # the newest the most recent, each chain's ancestors more so
-        logger.info("pool: adopted %d chunks (%.2f GiB) from %s, %d of them still to be verified",
-                    len(objects), self._used / 2**30, records.file.path, len(records.unverified))
-
-    def _adopt_slab(self, first: int, nbytes: int, span: int) -> Slab[PoolObject] | None:
-        try:
-            return self._slabs.adopt_slab(first, nbytes, span)
-        except ValueError:
-            return None
-
-    def _settle_adopted_slabs(self) -> None:
-        """Adopted slabs: empty ones are forgotten (freed as their memory is prepared), the others
-        are clean, and open if they have a free slot."""
-        for slab in dict.fromkeys(slab for slab in self._slabs.owner if slab is not None):
-            if not slab.live:
-                self._slabs.owner[slab.first : slab.first + slab.span] = [None] * slab.span
-                assert self._records is not None
-                self._records.slab_released(slab)
-                continue
-            slab.free_slots = [i for i in range(len(slab.objects) - 1, -1, -1) if slab.objects[i] is None]
-            if slab.free_slots:
-                slab.size_class.open_slabs[slab] = None
-            self._clean_slabs[slab] = None
 
     # ---- prepared memory and slabs -------------------------------------------------------------
 
