@@ -8,6 +8,7 @@ import atexit
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -123,3 +124,11 @@ def daemon_status(url: str, timeout_s: float = 10.0) -> StatusReport:
         return client.submit(RequestType.STATUS, []).result(timeout_s)
     finally:
         client.close()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a daemon's or a server's endpoint;
+    one taken meanwhile fails that start, with a clear error)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

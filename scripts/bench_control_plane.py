@@ -32,7 +32,6 @@ import argparse
 import hashlib
 import json
 import multiprocessing as mp
-import socket
 import sys
 import tempfile
 import time
@@ -43,7 +42,7 @@ import zmq
 from bench_report import finish
 
 from lmcache_mp.custom_types import IPCCacheEngineKey
-from lmcache_mp.launcher import daemon_status, start_daemon
+from lmcache_mp.launcher import daemon_status, free_port, start_daemon
 from lmcache_mp.mq.client import MessageQueueClient
 from lmcache_mp.protocol import RequestType
 
@@ -342,12 +341,6 @@ def multi_client_rate(url: str, num_chunks: int, clients: int, seconds: float) -
     for p in procs:
         p.join()
     return sum(rates)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def misses_and_throughput(tmp: Path, samples: int, seconds: float) -> dict[str, Any]:

@@ -13,7 +13,6 @@ import json
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +29,7 @@ from lmcache_mp.custom_types import CudaIPCWrapper, IPCCacheEngineKey, SharedMem
 from lmcache_mp.dispatch import ARRIVAL
 from lmcache_mp.errors import ServerError
 from lmcache_mp.launcher import daemon_status
+from lmcache_mp.launcher import free_port as free_port  # the tests import it from here
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import ChunkOutcome, RequestType, StatusReport
 from vllm_adapter import LMCacheMPSchedulerAdapter
@@ -136,13 +136,6 @@ def refusal(client: MessageQueueClient, request_type: RequestType, payload: list
     with pytest.raises(ServerError) as refused:
         client.submit(request_type, payload).result(10)
     return refused.value
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> dict[str, float]:
