@@ -11,6 +11,8 @@ import msgspec
 import zmq
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
+from lmcache_mp.curve import ClientCurve
+
 END_SEQ = -1
 
 # Where a block is: (medium, ownership); a block: (hash, fingerprint), the daemon's extra field
@@ -54,15 +56,23 @@ class Holdings:
 
 
 class Subscriber:
-    def __init__(self, pub_url: str, replay_url: str, *, rcvhwm: int = 100_000):
+    def __init__(self, pub_url: str, replay_url: str, *, rcvhwm: int = 100_000,
+                 curve: ClientCurve | None = None):
         self._context = zmq.Context()
-        self.sub = self._context.socket(zmq.SUB)
+        self._curve = curve
+        self.sub = self._socket(zmq.SUB)
         self.sub.setsockopt(zmq.RCVHWM, rcvhwm)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.sub.connect(pub_url)
         self._replay_url = replay_url
         self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         self.holdings = Holdings()
+
+    def _socket(self, kind: int) -> zmq.Socket:
+        sock = self._context.socket(kind)
+        if self._curve is not None:
+            self._curve.secure(sock)
+        return sock
 
     def _decode(self, payload: bytes) -> tuple[KVEventBatch, list[dict[str, Any]]]:
         raw = msgspec.msgpack.decode(payload)  # [ts, [event maps...]]
@@ -80,7 +90,7 @@ class Subscriber:
 
     def replay(self, start: int = 0, timeout_s: float = 10.0) -> int:
         """Ask for every kept batch from `start` and apply them; how many came."""
-        dealer = self._context.socket(zmq.DEALER)
+        dealer = self._socket(zmq.DEALER)
         dealer.connect(self._replay_url)
         try:
             dealer.send_multipart([b"", start.to_bytes(8, "big")])

@@ -5,6 +5,7 @@ beyond it; tests/test_socket_access.py has the loopback refusal)."""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
@@ -129,3 +130,29 @@ def test_connector_settings_take_the_key_files(keys: Path) -> None:
         ConnectorSettings.from_extra_config({"lmcache.mp.client_key": extra["lmcache.mp.client_key"]})
     with pytest.raises(ValueError, match="cannot read the CURVE key file"):
         ConnectorSettings.from_extra_config({**extra, "lmcache.mp.client_key": str(keys / "missing")})
+
+
+def test_kv_events_on_tcp_need_an_allowed_key(daemons, keys: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--kv-events-listen on TCP is CURVE-protected like --listen: an allowed subscriber gets the
+    stream's replay; one with an unknown key gets no connection."""
+    from tests.kv_event_subscriber import Subscriber
+
+    monkeypatch.delenv("LMCACHE_MP_ALLOW_UNAUTHENTICATED_TCP", raising=False)
+    pub = f"tcp://127.0.0.1:{free_port()}"
+    daemon = daemons("--curve-secret-key", str(keys / "server" / "server.key_secret"),
+                     "--curve-allowed-keys", str(keys / "allowed"), "--l1-size-gb", "0.05",
+                     "--kv-events-listen", pub, "--kv-events-replay", f"tcp://127.0.0.1:{free_port()}",
+                     url=f"tcp://127.0.0.1:{free_port()}", curve=client_curve(keys, "alice"))
+    out = cli("status", "--json", "--url", daemon.url, "--server-key", str(keys / "server" / "server.key"),
+              "--client-key", str(keys / "clients" / "alice.key_secret"))
+    assert out.returncode == 0, out.stderr
+    endpoints = json.loads(out.stdout)["kv_events_endpoints"]
+    allowed = Subscriber(*endpoints, curve=client_curve(keys, "alice"))
+    refused = Subscriber(*endpoints, curve=client_curve(keys, "mallory"))
+    try:
+        assert allowed.replay(0) >= 1  # the stream's first batch: AllBlocksCleared
+        with pytest.raises(TimeoutError):
+            refused.replay(0, timeout_s=1.0)
+    finally:
+        allowed.close()
+        refused.close()
