@@ -88,6 +88,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_url(status)
     status.add_argument("--json", action="store_true", help="print machine-readable JSON")
     status.set_defaults(func=cmd_status)
+    events = sub.add_parser("kv-events", help="print a daemon's KV event stream, one JSON line per event",
+                            description="Follow the KV events a daemon publishes for routers "
+                                        "(--kv-events-listen): one JSON line per event (its batch's "
+                                        "seq and time, its type, its fields), as a router receives "
+                                        "them. Exit 1 if the daemon publishes none.")
+    _add_url(events)
+    events.add_argument("--from-start", action="store_true",
+                        help="first replay every batch the daemon kept (from seq 0), then follow")
+    events.add_argument("--count", type=int, metavar="N", help="stop after N events (default: never)")
+    events.add_argument("--idle-timeout", type=float, metavar="S",
+                        help="stop once no event came for S seconds (default: never)")
+    events.set_defaults(func=cmd_kv_events)
     clear = sub.add_parser("clear", help="empty a daemon's CPU pool (and, with --tiers, its lower tiers)",
                            description="Drop every chunk from the daemon's CPU pool (chunks under "
                                        "lease or being written stay). With --tiers, also every chunk "
@@ -266,6 +278,29 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(msgspec.to_builtins(report), indent=2))
     else:
         print(render_status(args.url, report))
+    return 0
+
+
+def cmd_kv_events(args: argparse.Namespace) -> int:
+    report = _ask(args, "lmcache-mp kv-events",
+                  lambda c: c.submit(RequestType.STATUS, []).result(args.timeout))
+    if report is None:
+        return 1
+    if not report.kv_events_endpoints:
+        print(f"{args.url} publishes no KV events: start it with --kv-events-listen URL", file=sys.stderr)
+        return 1
+    from lmcache_mp.kv_events_follow import follow
+
+    pub, replay = report.kv_events_endpoints
+    curve = ClientCurve(args.server_key, args.client_key) if args.server_key else None
+    try:
+        follow(pub, replay, curve=curve, from_start=args.from_start, count=args.count,
+               idle_timeout_s=args.idle_timeout, write=lambda line: print(line, flush=True))
+    except TimeoutError as err:
+        print(f"lmcache-mp kv-events: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
     return 0
 
 

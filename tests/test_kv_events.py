@@ -5,8 +5,11 @@ through replay; KV_EVENTS hands a connector its models' chunks."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -148,6 +151,14 @@ def test_the_pool_events_name_the_chunk_by_its_hash_and_its_parent(daemons, shor
         assert now.events == [] and now.next_seq == after.next_seq
         report = wait_for_status(daemon.url, published_all, "the clear published")
         assert f"kv events published on {report.kv_events_endpoints[0]}" in render_status(daemon.url, report)
+        # What an operator sees of it: `lmcache-mp kv-events`, one JSON line per event.
+        out = subprocess.run([sys.executable, "-m", "lmcache_mp.cli", "kv-events", "--url", daemon.url,
+                              "--from-start", "--count", "4"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        lines = [json.loads(line) for line in out.stdout.splitlines()]
+        assert [line["type"] for line in lines] == ["AllBlocksCleared"] + ["BlockStored"] * 3
+        assert [line["block_hashes"] for line in lines[1:]] == [[external_hash(h)] for h in chain]
+        assert {line["medium"] for line in lines[1:]} == {"CPU"} and lines[1]["model_name"] == "m"
     finally:
         client.close()
 
@@ -231,6 +242,9 @@ def test_the_connector_follows_its_chunks_through_clears_and_restarts(daemons, s
     def until(what: str, done) -> None:
         wait_for(lambda: (seen.extend(follower.take(client)), done())[1], what)
 
+    quiet = subprocess.run([sys.executable, "-m", "lmcache_mp.cli", "kv-events", "--url", daemon.url],
+                           capture_output=True, text=True, timeout=60)
+    assert quiet.returncode == 1 and "publishes no KV events" in quiet.stderr
     try:
         store(client, worker.instance_id, [*chunks, os.urandom(32)], "r")  # and one untracked
         until("3 stored", lambda: len(seen) >= 3)
