@@ -84,6 +84,7 @@ _REFUSED: dict[RequestType, list] = {
     RequestType.CLEAR_TIERS: [],
     RequestType.CANCEL_TRANSFERS: [7, ["r"]],
     RequestType.RELEASE_LEASES: [[_ANY_RANK]],
+    RequestType.KV_EVENTS: [0, ["m"], 10],
 }
 assert set(_REFUSED) == set(RequestType) - _EARLY
 
