@@ -269,3 +269,38 @@ def test_the_connector_follows_its_chunks_through_clears_and_restarts(daemons, s
         assert [type(e) for e in seen[9:]] == [BlockRemoved] * 3 + [BlockStored] * 3
     finally:
         client.close()
+
+
+def test_a_disk_file_lost_or_damaged_is_removed_from_the_stream(daemons, short_tmp: Path,
+                                                                 worker_for) -> None:
+    """The disk tier's removals that no eviction makes: a file deleted behind the daemon's back,
+    and one damaged, both found by the LOOKUP that tries to promote them."""
+    from lmcache_mp.chunks import ChunkKey
+    from lmcache_mp.storage.disk import object_name
+
+    disk = short_tmp / "disk"
+    daemon: DaemonProcess = daemons(*CHUNK_ARGS, "--l1-size-gb", "0.05", "--l2", f"disk://{disk}?size_gb=0.01",
+                                    *events_args(short_tmp))
+    worker = worker_for(daemon.url)
+    client = MessageQueueClient(daemon.url, request_timeout_s=30)
+    client.handshake("tests")
+    lost, damaged = os.urandom(32), os.urandom(32)
+    try:
+        store(client, worker.instance_id, [lost], "a")
+        store(client, worker.instance_id, [damaged], "b")
+        wait_for_status(daemon.url, lambda r: r.tiers[0].objects == 2, "both written to disk")
+        client.submit(RequestType.CLEAR, []).result(10)  # a LOOKUP must now read them from disk
+        files = {h: disk / object_name(ChunkKey(h, fmt()))[:2] / f"{object_name(ChunkKey(h, fmt()))}.kv"
+                 for h in (lost, damaged)}
+        files[lost].unlink()
+        with open(files[damaged], "r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            last = f.read(1)
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([last[0] ^ 0xFF]))
+        assert count_lookup(client, [lost]) == 0 and count_lookup(client, [damaged]) == 0
+        report, held = replayed(daemon)
+        assert report.tiers[0].objects == 0 and report.tiers[0].corrupt_total == 1
+        assert not held[("STORAGE", f"disk://{disk}")] and not held[("CPU", None)]
+    finally:
+        client.close()
