@@ -12,7 +12,10 @@ its sample value, and a chunk is tracked when that value is below a threshold T 
 rate is T / 2^64). The check is one bytes comparison per chunk of a LOOKUP, against T's 8 bytes
 (for hashes of 8 bytes or more, as every chunk hash is, it is the same as comparing the values);
 most chunks stop there once the rate is low. At most `max_tracked` chunks (8,192) are tracked:
-one more lowers T to the largest tracked value and forgets the chunks at or above it. A sampled
+one more lowers T to the largest tracked value and forgets the chunks at or above it. And the
+rate is held to what samples MAX_SAMPLED_PER_LOOKUP chunks of the average LOOKUP (a LOOKUP is
+recorded on the socket thread: the time bound); on the tests' traces the curve stays within a
+point of exact either way. A sampled
 distance stands for distance / rate real chunks, and a sampled access for 1 / rate accesses
 (the histogram's weight, so accesses sampled before a rate change keep their due share).
 The few hottest chunks (a shared system prompt's, in every LOOKUP) are each sampled or not, and
@@ -68,6 +71,11 @@ from lmcache_mp.protocol import CapacityPoint
 
 SCALES = (0.5, 1.0, 2.0, 4.0, 8.0)  # the pool sizes predicted, as multiples of the pool's
 MAX_TRACKED = 8192  # chunks tracked at most: the memory bound (about 2 MiB)
+# Chunks sampled per LOOKUP on average, at most: the time bound. A LOOKUP is recorded on the
+# daemon's socket thread (after its reply, before the next request), at ~0.6 us per sampled
+# chunk: sampling every chunk of 128-chunk LOOKUPs measured ~80 us more per LOOKUP
+# (bench_control_plane), where 8 cost ~5 us.
+MAX_SAMPLED_PER_LOOKUP = 8.0
 _SPACE = 1 << 64  # sample values are a hash's first 8 bytes
 _SUB_BITS = 6
 _SUB = 1 << _SUB_BITS  # histogram buckets per doubling of the distance
@@ -94,8 +102,12 @@ class CapacityAdvisor:
     """The LOOKUPs' reuse-distance histogram (module docstring). Thread-safe: LOOKUPs `record`
     on the daemon's socket thread, STATUS and /metrics read `curve` from others."""
 
-    def __init__(self, max_tracked: int = MAX_TRACKED) -> None:
+    def __init__(self, max_tracked: int = MAX_TRACKED,
+                 max_sampled_per_lookup: float | None = MAX_SAMPLED_PER_LOOKUP) -> None:
+        """`max_sampled_per_lookup`: None samples at the rate the memory bound allows alone."""
         self._max_tracked = max_tracked
+        self._max_per_lookup = max_sampled_per_lookup
+        self._lookups = 0
         self._lock = threading.Lock()
         # Sample a chunk whose hash is below `_cut` (None: every chunk); `_weight` is 1 / rate.
         self._cut: bytes | None = None
@@ -120,6 +132,9 @@ class CapacityAdvisor:
         seen) every chunk of every LOOKUP comes through them."""
         with self._lock:
             self._accesses += len(hashes)
+            self._lookups += 1
+            if self._max_per_lookup is not None:  # the rate that samples that many, on average
+                self._cap_rate(self._max_per_lookup * self._lookups / self._accesses)
             cut = self._cut
             sampled = hashes if cut is None else [h for h in hashes if h < cut]
             if not sampled:
@@ -174,9 +189,18 @@ class CapacityAdvisor:
         return 1 / self._weight
 
     def _lower_rate(self) -> None:
-        """Lower the threshold to the largest tracked value and forget the chunks at or above it
-        (the chunks of one LOOKUP may all be tracked first: the bound holds between LOOKUPs)."""
-        top = -self._by_value[0][0]
+        """Lower the threshold to the largest tracked value (the chunks of one LOOKUP may all be
+        tracked first: the bound holds between LOOKUPs)."""
+        self._lower_cut(-self._by_value[0][0])
+
+    def _cap_rate(self, rate: float) -> None:
+        """Sample at `rate` at most (a rate, once lowered, is never raised: the chunks it left out
+        have no history)."""
+        if rate < 1 / self._weight:
+            self._lower_cut(int(rate * _SPACE))
+
+    def _lower_cut(self, top: int) -> None:
+        """Sample the values below `top` only: forget the tracked chunks at or above it."""
         while self._by_value and -self._by_value[0][0] >= top:
             _, chunk = heapq.heappop(self._by_value)
             del self._times[bisect.bisect_left(self._times, self._last.pop(chunk))]

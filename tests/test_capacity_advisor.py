@@ -57,7 +57,8 @@ def predicted(report: StatusReport) -> dict[float, float]:
 
 
 def test_predicted_hit_rates_are_those_of_daemons_of_those_sizes(daemons, short_tmp: Path) -> None:
-    # 600 LOOKUPs of 2-24 chunks (7,322), 1,212 distinct chunks: all of them tracked.
+    # 600 LOOKUPs of 2-24 chunks (7,322), 1,212 distinct chunks: all of them tracked, but the
+    # daemon samples about MAX_SAMPLED_PER_LOOKUP chunks of a LOOKUP (most of these short ones).
     trace = conversation_trace(60, 600, seed=1)
     measured: dict[int, float] = {}
     for chunks in SCALES.values():
@@ -65,7 +66,7 @@ def test_predicted_hit_rates_are_those_of_daemons_of_those_sizes(daemons, short_
         daemon = start(daemons, short_tmp, chunks, "--metrics-port", str(port))
         report = replay(daemon.url, trace)
         assert report.objects == chunks and report.pool_bytes == chunks * CHUNK_BYTES  # full, exactly
-        assert report.capacity_sampled_chunks == report.lookup_chunks_total
+        assert 0.5 * report.lookup_chunks_total < report.capacity_sampled_chunks < report.lookup_chunks_total
         measured[chunks] = hit_rate(report)
         assert abs(predicted(report)[1.0] - measured[chunks]) <= 0.05, (chunks, report.capacity_curve)
         if chunks == REFERENCE:

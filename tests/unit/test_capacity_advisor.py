@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmcache_mp.capacity_advisor import MAX_TRACKED, SCALES, CapacityAdvisor
+from lmcache_mp.capacity_advisor import MAX_SAMPLED_PER_LOOKUP, MAX_TRACKED, SCALES, CapacityAdvisor
 from lmcache_mp.protocol import CapacityPoint, StatusReport
 from lmcache_mp.status_text import render_status
 from tests.helpers import conversation_trace
@@ -37,8 +37,11 @@ def lru_hit_rate(lookups: list[list[bytes]], capacity: int) -> float:
     return hits / total
 
 
-def recorded(lookups: list[list[bytes]], max_tracked: int = MAX_TRACKED) -> CapacityAdvisor:
-    advisor = CapacityAdvisor(max_tracked)
+def recorded(lookups: list[list[bytes]], max_tracked: int = MAX_TRACKED,
+             per_lookup: float | None = None) -> CapacityAdvisor:
+    """An advisor that saw `lookups`: by default bound by its memory alone (exact until it tracks
+    `max_tracked` chunks), not by the time a LOOKUP may take (`per_lookup`)."""
+    advisor = CapacityAdvisor(max_tracked, max_sampled_per_lookup=per_lookup)
     for chain in lookups:
         advisor.record(chain, 1)
     return advisor
@@ -93,11 +96,23 @@ def test_sampled_within_a_few_points_of_exact(max_tracked: int) -> None:
         assert sampled.hit_rate(capacity) == pytest.approx(exact, abs=0.03), capacity
 
 
+def test_long_lookups_sample_a_few_chunks_each_and_stay_within_a_point() -> None:
+    """The daemon's default: about MAX_SAMPLED_PER_LOOKUP chunks of a LOOKUP are sampled however
+    long it is (its time on the socket thread), yet the curve stays within a point of exact."""
+    lookups = conversation_trace(300, 3000, seed=9, turn_chunks=16, max_chunks=128, zipf=0.8)
+    accesses = sum(map(len, lookups))
+    advisor = recorded(lookups, per_lookup=MAX_SAMPLED_PER_LOOKUP)
+    assert accesses / len(lookups) > 50 and advisor.sampled < 1.5 * MAX_SAMPLED_PER_LOOKUP * len(lookups)
+    distinct = len({chunk for chain in lookups for chunk in chain})
+    for capacity in (distinct // 16, distinct // 4, distinct):
+        assert advisor.hit_rate(capacity) == pytest.approx(lru_hit_rate(lookups, capacity), abs=0.015)
+
+
 def test_memory_stays_bounded_under_a_million_distinct_chunks() -> None:
     rng = random.Random(5)
     tracemalloc.start()
     try:
-        advisor = CapacityAdvisor()
+        advisor = CapacityAdvisor(max_sampled_per_lookup=None)  # the memory bound alone
         for _ in range(1_000_000 // 50):
             advisor.record([rng.randbytes(32) for _ in range(50)], 1)
             assert advisor.tracked <= MAX_TRACKED
