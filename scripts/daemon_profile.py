@@ -24,7 +24,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from lmcache_mp import engine, keys, mq, server, sessions
+from lmcache_mp import capacity_advisor, engine, keys, mq, server, sessions
 from lmcache_mp.storage import manager, pool
 
 # phase name -> (class, method): what the daemon's socket thread runs for LOOKUP and END_SESSION.
@@ -46,6 +46,7 @@ PHASES: dict[str, tuple[type, str]] = {
     "  send (MessageQueueServer.reply)": (mq.MessageQueueServer, "reply"),
     "after a LOOKUP's reply: lease bookkeeping (Engine._lease)": (engine.Engine, "_lease"),
     "  SessionTable.lease": (sessions.SessionTable, "lease"),
+    "  capacity advisor (CapacityAdvisor.record)": (capacity_advisor.CapacityAdvisor, "record"),
 }
 
 _totals: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])  # calls, wall ns, CPU ns
