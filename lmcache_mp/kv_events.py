@@ -69,7 +69,19 @@ class _Event(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     pass
 
 
-class BlockStored(_Event):
+class _Placed(_Event, kw_only=True):
+    """What stores and removals both say besides their blocks: where, and which cache's."""
+
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    model_name: str | None = None
+    world_size: int | None = None
+    rank: int | None = None
+    fingerprint: str | None = None
+
+
+class BlockStored(_Placed):
     block_hashes: list[int | bytes]
     parent_block_hash: int | bytes | None
     token_ids: list[int]
@@ -77,25 +89,11 @@ class BlockStored(_Event):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    model_name: str | None = None
-    world_size: int | None = None
-    rank: int | None = None
-    fingerprint: str | None = None
 
 
-class BlockRemoved(_Event):
+class BlockRemoved(_Placed):
     block_hashes: list[int | bytes]
     medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    model_name: str | None = None
-    world_size: int | None = None
-    rank: int | None = None
-    fingerprint: str | None = None
 
 
 class AllBlocksCleared(_Event):
