@@ -304,9 +304,12 @@ def tp_spec(model: Path, daemon: real.DaemonUnderTest | None, rounds: list[list[
     if daemon is not None:
         # Both ranks' threads are bound to both of this machine's cores (TP_ENV): with other work
         # beside them, the daemon answers late, and a LOOKUP not answered within the scheduler's
-        # wait (2 ms by default) is a miss by design. This test is about where chunks go, so
-        # its engines wait for the daemon as long as the connector allows.
-        spec["connector"].update({"lmcache.mp.timeout_s": 120, "lmcache.mp.lookup_wait_ms": 1000})
+        # wait (2 ms by default) is a miss by design, as is every LOOKUP while a heartbeat PING
+        # goes unanswered for its interval (seen: a returning prompt found only vLLM's own
+        # cache). This test is about where chunks go, so its engines wait for the daemon as
+        # long as the connector allows.
+        spec["connector"].update({"lmcache.mp.timeout_s": 120, "lmcache.mp.lookup_wait_ms": 1000,
+                                  "lmcache.mp.reconnect_interval_s": 30})
     return spec
 
 

@@ -4,9 +4,13 @@
   recently used first (until then readers can't see them, so it runs at normal priority: every
   chunk it has not reached yet is a miss), and ends when none is left.
 - The sealer: it computes the checksum of every chunk committed since, off the request path, so
-  that a STORE costs what it cost without a pool file. It runs only on CPU time nothing else
-  wants (SCHED_IDLE): measured, sealing at normal priority cost STOREs 3% of their speed in
-  scripts/bench_data_plane.py (2 cores; docs/benchmarks.md section 13).
+  that a STORE costs what it cost without a pool file. It runs at the lowest priority (nice 19):
+  measured, sealing at normal priority cost STOREs 3% of their speed in
+  scripts/bench_data_plane.py (2 cores; docs/benchmarks.md section 13). Never SCHED_IDLE: a
+  thread of this process that holds the GIL (or the pool's lock) when it is preempted stalls every
+  other until it runs again, and on a machine with no idle CPU a SCHED_IDLE thread does not (a
+  tensor-parallel vLLM engine busy on both cores stalled the daemon for minutes, STATUS
+  included). At nice 19 it still gets a share of the CPU, so such a stall lasts milliseconds.
 Between slices of either, they wait for a gap in the request path's copies (`pace`).
 
 A chunk committed but not yet sealed when the daemon dies is adopted on the strength of the commit
@@ -32,14 +36,9 @@ _IDLE_WAIT_S = 1.0  # a commit wakes the sealer (`poke`); this only bounds a mis
 
 
 def _yield_cpu() -> None:
-    """Run the calling thread only on CPU time nothing else wants (SCHED_IDLE; else the lowest
-    nice): on a busy machine checksums wait, copies do not."""
-    tid = threading.get_native_id()
-    try:
-        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, tid, 19)
+    """Run the calling thread at the lowest priority (see the module docstring: not SCHED_IDLE)."""
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 class PoolIntegrity:
