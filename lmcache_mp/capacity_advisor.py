@@ -130,6 +130,8 @@ class CapacityAdvisor:
         LOOKUP finds what is there before its STORE adds anything), then they move, last chunk
         first. Loops with their state in locals: at a rate of 1 (until `max_tracked` chunks were
         seen) every chunk of every LOOKUP comes through them."""
+        if not hashes:
+            return  # a LOOKUP of no chunk (only a tail, `tails.py`): no access
         with self._lock:
             self._accesses += len(hashes)
             self._lookups += 1

@@ -41,10 +41,13 @@ class IPCCacheEngineKey(msgspec.Struct, frozen=True, array_like=True, gc=False):
     start: Annotated[int, msgspec.Meta(ge=0)] = 0
     end: Annotated[int, msgspec.Meta(ge=0)] = 0
     request_id: str | None = None
+    # Hash mode: the vLLM blocks of a short chunk (a request's tail, `lmcache_mp/tails.py`), which
+    # takes that many block ids in a STORE or RETRIEVE; 0 for a whole chunk.
+    num_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0
 
     def _identity(self) -> tuple:
         return (self.model_name, self.world_size, self.worker_id, self.chunk_hash, self.token_ids,
-                self.start, self.end)
+                self.start, self.end, self.num_blocks)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, IPCCacheEngineKey):

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -27,7 +28,7 @@ from lmcache_mp.config import ServerConfig
 from lmcache_mp.custom_types import IPCCacheEngineKey, KVCache
 from lmcache_mp.dispatch import Handler, ReplyThen
 from lmcache_mp.errors import FatalError, ServerError
-from lmcache_mp.keys import ChunkMapper, OpChunks, check_keys_for, check_same_model, invalid
+from lmcache_mp.keys import ChunkMapper, OpChunks, check_keys_for, check_same_model, invalid, short_chunks
 from lmcache_mp.kv_events import EventLog, EventsReply
 from lmcache_mp.kv_events_publisher import EventPublisher
 from lmcache_mp.observability import Metrics
@@ -35,14 +36,19 @@ from lmcache_mp.protocol import (
     ChunkOutcome,
     ErrorCode,
     KVCacheRegistration,
+    PrefixHit,
     RegisterReply,
     RequestType,
     RetrieveResult,
     StoreResult,
+    TailHit,
+    TailNote,
 )
 from lmcache_mp.registry import Instance, Registry
 from lmcache_mp.sessions import SessionTable
 from lmcache_mp.storage import Hits, PoolObject, ReserveFailure, Slot, StorageManager
+from lmcache_mp.storage.manager import FormatCombo
+from lmcache_mp.tails import Anchor, TailIndex, tail_identity
 from lmcache_mp.transfer import cuda
 from lmcache_mp.transfer.context import Copies, Lane, TransferContext
 from lmcache_mp.transfer.threads import CopyThreads
@@ -65,11 +71,11 @@ def _store_cancelled() -> ServerError:
 
 @contextmanager
 def _operation(context: TransferContext, block_ids: list[int], event_handle: bytes,
-               lane: Lane) -> Iterator[Copies]:
+               lane: Lane, chunk_blocks: list[int] | None) -> Iterator[Copies]:
     """An operation's copies (see `TransferContext.operation`), with its failures typed. The reply
     is the completion signal: every copy is done when this exits."""
     try:
-        with context.operation(block_ids, event_handle, lane) as copies:
+        with context.operation(block_ids, event_handle, lane, chunk_blocks) as copies:
             yield copies
     except ValueError as err:
         raise invalid(str(err)) from None
@@ -87,6 +93,7 @@ class Engine:
         self.chunk_size = config.chunk_size
         self.metrics = metrics
         self.capacity = CapacityAdvisor()  # what other pool sizes would hit (STATUS, /metrics)
+        self.tails = TailIndex()  # which requests' tails follow which chunk (LOOKUP_PREFIX)
         self.epoch = epoch
         self.events = EventLog()
         # Where CUDA is present, the pool is page-locked as it is prepared, for DMA.
@@ -125,6 +132,8 @@ class Engine:
             RequestType.UNREGISTER_KV_CACHE: self.unregister,
             RequestType.LOOKUP: self.lookup,
             RequestType.LOOKUP_CHUNKS: self.lookup_chunks,
+            RequestType.LOOKUP_PREFIX: self.lookup_prefix,
+            RequestType.NOTE_TAILS: self.note_tails,
             RequestType.STORE: self.store,
             RequestType.RETRIEVE: self.retrieve,
             RequestType.CANCEL_TRANSFERS: self.cancel_transfers,
@@ -158,25 +167,44 @@ class Engine:
             raise invalid("LOOKUP_CHUNKS: a chunk hash is empty")
         return self._lookup(model, world_size, request_id, chunk_hashes)
 
-    def _lookup(self, model: str, world_size: int, request_id: str | None,
-                hashes: list[bytes]) -> int | ReplyThen | Future[int]:
-        if not hashes:
-            return 0
+    def lookup_prefix(self, model: str, world_size: int, request_id: str | None,
+                      chunk_hashes: list[bytes]) -> PrefixHit | ReplyThen | Future[PrefixHit]:
+        """LOOKUP_PREFIX: `lookup_chunks`, and the tails after its last hit (`tails.py`)."""
+        if not all(chunk_hashes):
+            raise invalid("LOOKUP_PREFIX: a chunk hash is empty")
+        return self._lookup(model, world_size, request_id, chunk_hashes, tails=True)
+
+    def _lookup(self, model: str, world_size: int, request_id: str | None, hashes: list[bytes],
+                tails: bool = False) -> Any:
+        """The leading chunks held (with `tails`, a PrefixHit with the tails after them too): the
+        reply, a ReplyThen that leases the hits after it, or a Future of the reply when chunks
+        must first be promoted from a lower tier."""
         combos = self.registry.format_combos(model, world_size)
-        if not combos:
-            return 0  # some rank has no registered cache: nothing could be retrieved
-        hits = self.storage.lookup(hashes, combos)
+        if not combos or not (hashes or tails):
+            # No chunk asked for; or some rank has no registered cache: nothing could be retrieved.
+            return PrefixHit(0) if tails else 0
+        hits = self.storage.lookup(hashes, combos) if hashes else []
         # The pool bytes of one chunk: one object per rank in the combo (the ranks of one kind of
         # cache store chunks of one size).
         chunk_bytes = combos[0][0].chunk_nbytes * len(combos[0])
+
+        def found(hits: Hits) -> tuple[Any, list[PoolObject]]:
+            """The reply for these (pinned) hits, and the tails' objects it pinned too."""
+            if not tails:
+                return len(hits), []
+            anchor = hashes[len(hits) - 1] if hits else b""
+            held, objects = self._pin_tails((model, world_size, anchor), combos)
+            return PrefixHit(len(hits), held), objects
+
         if isinstance(hits, list):
+            reply, tail_objects = found(hits)
             # The hits are pinned already: nothing can evict them before the lease is recorded,
             # right after the reply (and before any later request, END_SESSION included, is read).
-            return ReplyThen(len(hits),
-                             lambda: self._lease(request_id, hashes, hits, world_size, chunk_bytes))
+            return ReplyThen(reply, lambda: self._lease(request_id, hashes, hits, world_size, chunk_bytes,
+                                                        tail_objects=tail_objects))
         if request_id is not None:
             self.sessions.promoting(request_id)  # before the promotion can end (`promoted`)
-        answer: Future[int] = Future()
+        answer: Future[Any] = Future()
 
         def finish(done: Future[Hits]) -> None:
             error = None if done.cancelled() else done.exception()
@@ -189,21 +217,54 @@ class Engine:
                     answer.set_exception(error)
                 return
             try:
-                found = self._lease(request_id, hashes, done.result(), world_size, chunk_bytes, promoted=True)
+                promoted = done.result()
+                reply, tail_objects = found(promoted)
+                self._lease(request_id, hashes, promoted, world_size, chunk_bytes, promoted=True,
+                            tail_objects=tail_objects)
             except BaseException as err:
                 answer.set_exception(err)
                 return
-            answer.set_result(found)
+            answer.set_result(reply)
 
         hits.add_done_callback(finish)
         return answer
 
+    def _pin_tails(self, anchor: Anchor, combos: list[FormatCombo]) -> tuple[list[TailHit], list[PoolObject]]:
+        """The tails noted after `anchor` that the pool holds on every rank (in one combination),
+        pinned, newest first. One held in a lower tier only is not promoted for this: a tail is
+        worth at most one chunk's prefill."""
+        held: list[TailHit] = []
+        objects: list[PoolObject] = []
+        for tail in self.tails.after(anchor):
+            for combo in combos:
+                pinned = self.storage.pin([pool_key(tail_identity(tail, spec), spec.fmt) for spec in combo])
+                if pinned is not None:
+                    held.append(tail)
+                    objects += pinned
+                    break
+        return held, objects
+
+    def note_tails(self, model: str, world_size: int, stored: list[TailNote],
+                   superseded: list[TailNote]) -> None:
+        """NOTE_TAILS: index the tails stored; forget the superseded ones, and free them from the
+        pool unless a request holds them. (Their pool keys need the model's formats: once no rank
+        of it is registered, as when an engine exits right after a turn, they are left to the LRU.)"""
+        for note in stored:
+            self.tails.note((model, world_size, note.anchor), note.tail)
+        keys = []
+        for note in superseded:
+            self.tails.forget((model, world_size, note.anchor), note.tail.tail_hash)
+            for combo in self.registry.format_combos(model, world_size):
+                keys += [pool_key(tail_identity(note.tail, spec), spec.fmt) for spec in combo]
+        if keys:
+            self.storage.discard(keys)
+
     def _lease(self, request_id: str | None, hashes: list[bytes], hits: Hits, world_size: int,
-               chunk_bytes: int, promoted: bool = False) -> int:
+               chunk_bytes: int, promoted: bool = False, tail_objects: list[PoolObject] | None = None) -> int:
         """Count a LOOKUP (its chunks of `chunk_bytes` in the pool, for the capacity advisor too)
-        and lease its hits to its request (`promoted`: a promotion's, which the sessions unpin
-        instead if the request ended while they were read)."""
-        objects = [o for chunk in hits for o in chunk]
+        and lease its hits, and the tails' `tail_objects`, to its request (`promoted`: a
+        promotion's, which the sessions unpin instead if the request ended while they were read)."""
+        objects = [o for chunk in hits for o in chunk] + (tail_objects or [])
         self.metrics.looked_up(len(hashes), len(hits))
         self.capacity.record(hashes, chunk_bytes)
         if request_id is None:
@@ -220,7 +281,7 @@ class Engine:
             last_chunk = hashes[len(hits) - 1]
         if promoted:
             self.sessions.promoted(request_id, objects, last_chunk)
-        elif hits:  # a miss opens no session: END_SESSION would find nothing to release
+        elif objects:  # a miss opens no session: END_SESSION would find nothing to release
             self.sessions.lease(request_id, objects, last_chunk)
         return len(hits)
 
@@ -230,21 +291,20 @@ class Engine:
               event_handle: bytes) -> StoreResult:
         instance = self.registry.instance(instance_id)
         check_keys_for(instance.registration, keys)
-        chunks = self.keys.op_chunks(keys, lookup=False)
-        self._check_block_ids(instance.context, block_ids, len(chunks.hashes), allow_skip=False)
+        chunks, chunk_blocks = self._op_chunks(keys, instance.context, block_ids, allow_skip=False)
         pairs = _pairs(instance_id, chunks.request_ids)
         if not self.fence.begin(pairs):
             raise _store_cancelled()
         try:
-            slots = self._copy_in(instance, chunks, block_ids, event_handle, pairs)
+            slots = self._copy_in(instance, chunks, chunk_blocks, block_ids, event_handle, pairs)
         finally:
             self.fence.end(pairs)  # after the commit: a CANCEL answered now finds it stored or not
         outcomes = [ChunkOutcome.STORED if isinstance(s, PoolObject) else _OUTCOMES[s] for s in slots]
         self.metrics.stored(outcomes, instance.context.chunk_nbytes)
         return StoreResult(b"", outcomes)
 
-    def _copy_in(self, instance: Instance, chunks: OpChunks, block_ids: list[int], event_handle: bytes,
-                 pairs: set[Pair]) -> list[Slot]:
+    def _copy_in(self, instance: Instance, chunks: OpChunks, chunk_blocks: list[int] | None,
+                 block_ids: list[int], event_handle: bytes, pairs: set[Pair]) -> list[Slot]:
         """Copy the chunks the pool lacks out of the worker's blocks, then publish them, or none
         of them if the store is cancelled meanwhile (its blocks may hold another request's KV)."""
         request_id = chunks.request_ids[0] if chunks.request_ids else None
@@ -259,7 +319,7 @@ class Engine:
             # the worker's event, which holds the store lane while its forward pass runs.
             if fresh:
                 with (self.copy_threads.seat(), self.storage.copying(),
-                      _operation(context, block_ids, event_handle, Lane.STORE) as copies):
+                      _operation(context, block_ids, event_handle, Lane.STORE, chunk_blocks) as copies):
                     for i, slot in enumerate(slots):
                         if pairs and self.fence.cancelled(pairs):
                             raise _store_cancelled()
@@ -285,16 +345,15 @@ class Engine:
         try:
             instance = self.registry.instance(instance_id)
             check_keys_for(instance.registration, keys)
-            chunks = self.keys.op_chunks(keys, lookup=False)
-            request_ids = chunks.request_ids
             context = instance.context
-            self._check_block_ids(context, block_ids, len(chunks.hashes), allow_skip=True)
+            chunks, chunk_blocks = self._op_chunks(keys, context, block_ids, allow_skip=True)
+            request_ids = chunks.request_ids
             pool_keys = [pool_key(h, instance.fmt) for h in chunks.hashes]
             pairs = _pairs(instance_id, request_ids)
             if not self.fence.begin(pairs):
                 return _CANCELLED
             try:
-                return self._copy_out(context, pool_keys, block_ids, event_handle, pairs)
+                return self._copy_out(context, pool_keys, chunk_blocks, block_ids, event_handle, pairs)
             finally:
                 self.fence.end(pairs)
         finally:
@@ -302,8 +361,8 @@ class Engine:
             # copy included (an unknown instance, bad block ids, keys of another model).
             self._spend_leases(keys, request_ids, pool_keys)
 
-    def _copy_out(self, context: TransferContext, pool_keys: list[PoolKey], block_ids: list[int],
-                  event_handle: bytes, pairs: set[Pair]) -> RetrieveResult:
+    def _copy_out(self, context: TransferContext, pool_keys: list[PoolKey], chunk_blocks: list[int] | None,
+                  block_ids: list[int], event_handle: bytes, pairs: set[Pair]) -> RetrieveResult:
         """Copy the chunks (all of them, from L1, or none) into the worker's blocks; stop
         between chunks once the retrieve is cancelled (the worker treats it as failed)."""
         objects = self.storage.pin(pool_keys)
@@ -320,7 +379,7 @@ class Engine:
 
         try:
             with (self.copy_threads.seat(), self.storage.copying(),
-                  _operation(context, block_ids, event_handle, Lane.LOAD) as copies):
+                  _operation(context, block_ids, event_handle, Lane.LOAD, chunk_blocks) as copies):
                 # Split over free copy threads: the request waits for these copies, and one
                 # thread does not use all the memory bandwidth (transfer/threads.py).
                 self.copy_threads.run(len(objects), copy, split=copies.splittable)
@@ -367,6 +426,7 @@ class Engine:
         self.sessions.end(request_id)
 
     def clear(self) -> int:
+        self.tails.clear()  # the pool's tails go (those pinned stay, unfound: at most a recompute)
         return self.storage.clear()
 
     def clear_tiers(self) -> list[TierCleared]:
@@ -388,10 +448,14 @@ class Engine:
 
     # ---- helpers -----------------------------------------------------------------------------
 
-    @staticmethod
-    def _check_block_ids(context: TransferContext, block_ids: list[int], num_chunks: int,
-                         allow_skip: bool) -> None:
+    def _op_chunks(self, keys: list[IPCCacheEngineKey], context: TransferContext, block_ids: list[int],
+                   allow_skip: bool) -> tuple[OpChunks, list[int] | None]:
+        """The chunks a STORE's or RETRIEVE's keys cover, short ones known by their own identity
+        (`keys.short_chunks`), and each chunk's block count (None: all whole), checked against
+        the block ids."""
+        chunks, chunk_blocks = short_chunks(self.keys.op_chunks(keys, lookup=False), context.blocks_per_chunk)
         try:
-            context.check_block_ids(block_ids, num_chunks, allow_skip)
+            context.check_block_ids(block_ids, chunk_blocks, len(chunks.hashes), allow_skip)
         except ValueError as err:
             raise invalid(str(err)) from None
+        return chunks, chunk_blocks

@@ -1,13 +1,16 @@
 """From wire keys to chunks: which chunk hashes an operation covers, and the checks on its keys.
 
 A hash-mode key names one chunk (vLLM block hashes strided to chunk boundaries). A token-mode
-key names the full chunks of its token range, hashed here with `hashing.chunk_hashes`. Keys
+key names the full chunks of its token range, hashed here with `hashing.chunk_hashes`. A hash-mode
+key may name a short chunk (`num_blocks` blocks, fewer than a chunk's: a request's tail); its
+identity then includes its length (`short_chunk_hash`). Keys
 never mix models or world sizes within one request, and a worker's keys must be its own.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, replace
 
 from lmcache_mp.custom_types import IPCCacheEngineKey
 from lmcache_mp.errors import ServerError
@@ -28,6 +31,8 @@ class OpChunks:
     # Hash of the chunk just before the first one, when the keys tell it (token mode starting
     # past 0): the pool links the stored chain to it, for prefix-aware eviction.
     parent: bytes | None = None
+    # Each chunk's `num_blocks` (0: whole), when some key names a short chunk; else None.
+    blocks: list[int] | None = None
 
 
 class ChunkMapper:
@@ -49,7 +54,12 @@ class ChunkMapper:
                 parent = chain[first - 1]
             request_ids.extend([key.request_id] * (len(chain) - first))
             hashes.extend(chain[first:])
-        return OpChunks(request_ids, hashes, parent)
+        blocks = None
+        if any(key.num_blocks for key in keys):
+            if len(hashes) != len(keys):
+                raise invalid("a short chunk's key (num_blocks) in a request with token-mode keys")
+            blocks = [key.num_blocks for key in keys]
+        return OpChunks(request_ids, hashes, parent, blocks)
 
     def lookup_hashes(self, keys: list[IPCCacheEngineKey]) -> list[bytes]:
         """The chunk hashes a LOOKUP's keys cover (`op_chunks(keys, lookup=True).hashes`), with
@@ -68,6 +78,27 @@ class ChunkMapper:
         except ValueError as err:
             raise invalid(str(err)) from None
         return min(start // self.chunk_size, len(chain)), chain
+
+
+def short_chunk_hash(chunk_hash: bytes, num_blocks: int) -> bytes:
+    """The identity of a short chunk of `num_blocks` blocks under key `chunk_hash`: the key with
+    its length, so that no operation of another length reads it (a full chunk's blocks would
+    take bytes it never stored)."""
+    return hashlib.blake2b(chunk_hash + num_blocks.to_bytes(4, "little"), digest_size=32,
+                           person=b"lmcache-mp short").digest()
+
+
+def short_chunks(chunks: OpChunks, blocks_per_chunk: int) -> tuple[OpChunks, list[int] | None]:
+    """`chunks` with each short one known by its identity (`short_chunk_hash`), and every chunk's
+    block count (None: all whole). A key of more blocks than a chunk's is refused."""
+    if chunks.blocks is None:
+        return chunks, None
+    if max(chunks.blocks) > blocks_per_chunk:
+        raise invalid(f"a short chunk of {max(chunks.blocks)} blocks; a chunk has {blocks_per_chunk}")
+    counts = [n or blocks_per_chunk for n in chunks.blocks]
+    hashes = [h if n == blocks_per_chunk else short_chunk_hash(h, n)
+              for h, n in zip(chunks.hashes, counts, strict=True)]
+    return replace(chunks, hashes=hashes), counts
 
 
 def check_same_model(keys: list[IPCCacheEngineKey]) -> tuple[str, int]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -28,7 +28,9 @@ from lmcache_mp.kv_events import EventsReply
 
 # Bump on any incompatible change to a schema below. Clients refuse a server whose
 # protocol version differs from theirs (see HELLO).
-PROTOCOL_VERSION = 3  # 2: LOOKUP_CHUNKS; 3: one payload frame (HELLO is still read in 1-2's layout)
+# 2: LOOKUP_CHUNKS; 3: one payload frame (HELLO is still read in 1-2's layout); 4: tails (short
+# last chunks, LOOKUP_PREFIX, NOTE_TAILS)
+PROTOCOL_VERSION = 4
 
 
 class RequestType(enum.IntEnum):
@@ -50,6 +52,8 @@ class RequestType(enum.IntEnum):
     CLEAR_TIERS = 14
     LOOKUP_CHUNKS = 15
     KV_EVENTS = 16
+    LOOKUP_PREFIX = 17
+    NOTE_TAILS = 18
 
 
 class ErrorCode(enum.IntEnum):
@@ -169,6 +173,29 @@ class RetrieveResult(msgspec.Struct, array_like=True, gc=False):
         return self.ok
 
 
+class TailHit(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """A request's tail: the tokens past a chunk that a short chunk holds (`tails.py`)."""
+
+    num_tokens: Annotated[int, msgspec.Meta(ge=1)]  # past the anchor chunk's end
+    num_blocks: Annotated[int, msgspec.Meta(ge=1)]  # vLLM blocks, the last maybe partly filled
+    tail_hash: Annotated[bytes, msgspec.Meta(min_length=1, max_length=64)]
+
+
+class PrefixHit(msgspec.Struct, array_like=True, gc=False):
+    """LOOKUP_PREFIX's answer: the leading chunks held, and the tails held after the last of
+    them (newest first), each leased like the chunks."""
+
+    chunks: int
+    tails: list[TailHit] = []
+
+
+class TailNote(msgspec.Struct, array_like=True, gc=False):
+    """NOTE_TAILS: a tail and the key of the chunk it follows (b"": it starts at token 0)."""
+
+    anchor: Annotated[bytes, msgspec.Meta(max_length=64)]
+    tail: TailHit
+
+
 class InstanceInfo(msgspec.Struct, gc=False):
     """A registered worker, as STATUS shows it."""
 
@@ -273,6 +300,7 @@ KEYS_PAYLOAD = 4 << 20
 REGISTER_PAYLOAD = 4 << 20  # a handle per layer: ~0.5 MiB for 1,000 layers
 # Request ids a worker cancels at once: those it had in flight (~100 bytes each), far below this.
 CANCEL_PAYLOAD = 256 << 10
+TAILS_PAYLOAD = 64 << 10  # a finished request's few tails
 
 
 @dataclass(frozen=True)
@@ -309,7 +337,17 @@ PROTOCOL: dict[RequestType, RequestSpec] = {
     # many keys, which made most of a LOOKUP's cost beyond a PING's (issue 14).
     RequestType.LOOKUP_CHUNKS: RequestSpec((str, int, str | None, list[bytes]), int, HandlerKind.DEFERRED,
                                             KEYS_PAYLOAD),
-    # STORE / RETRIEVE(keys, instance id, block ids, CUDA event IPC handle or b"").
+    # LOOKUP_PREFIX(as LOOKUP_CHUNKS) -> the leading chunks held, as LOOKUP_CHUNKS counts them,
+    # and the tails noted after the last of them that the pool holds, leased too (`tails.py`).
+    RequestType.LOOKUP_PREFIX: RequestSpec((str, int, str | None, list[bytes]), PrefixHit,
+                                            HandlerKind.DEFERRED, KEYS_PAYLOAD),
+    # NOTE_TAILS(model name, world size, tails stored, tails superseded): index the first (their
+    # STOREs may land later), forget the second and free them from the pool where unleased. Fire
+    # and forget.
+    RequestType.NOTE_TAILS: RequestSpec((str, int, list[TailNote], list[TailNote]), None,
+                                         HandlerKind.INLINE, TAILS_PAYLOAD),
+    # STORE / RETRIEVE(keys, instance id, block ids, CUDA event IPC handle or b""). The last
+    # chunk may be short: fewer block ids than a chunk's (a tail; `keys.short_chunk_hash`).
     RequestType.STORE: RequestSpec((Keys, int, list[int], bytes), StoreResult, HandlerKind.WORKER,
                                       KEYS_PAYLOAD),
     RequestType.RETRIEVE: RequestSpec((Keys, int, list[int], bytes), RetrieveResult,

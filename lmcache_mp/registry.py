@@ -63,7 +63,7 @@ class Instance:
     def rank_spec(self) -> RankSpec:
         """How this instance's rank stores a chunk, for the storage manager's LOOKUP (made once:
         every LOOKUP asks)."""
-        return RankSpec(self.fmt, self.context.chunk_nbytes)
+        return RankSpec(self.fmt, self.context.chunk_nbytes, self.context.blocks_per_chunk)
 
 
 def _cache_kind(fmt: ChunkFormat) -> tuple:

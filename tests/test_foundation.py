@@ -34,11 +34,14 @@ from lmcache_mp.protocol import (
     HelloReply,
     InstanceInfo,
     KVCacheRegistration,
+    PrefixHit,
     RegisterReply,
     RequestType,
     RetrieveResult,
     StatusReport,
     StoreResult,
+    TailHit,
+    TailNote,
 )
 from tests.helpers import CUDA, HASH_KEY, SHM, TOKEN_KEY
 
@@ -60,6 +63,9 @@ PAYLOADS = {
     RequestType.LOOKUP_CHUNKS: ["m", 2, "req-1", [b"\x01" * 32, b"\x02" * 32]],
     RequestType.CANCEL_TRANSFERS: [1, ["req-1", "req-2"]],
     RequestType.KV_EVENTS: [12, ["m"], 4096],
+    RequestType.LOOKUP_PREFIX: ["m", 2, "req-1", [b"\x01" * 32]],
+    RequestType.NOTE_TAILS: ["m", 2, [TailNote(b"\x01" * 32, TailHit(40, 3, b"\x03" * 32))],
+                             [TailNote(b"", TailHit(7, 1, b"\x04" * 32))]],
 }
 REPLIES = {
     RequestType.HELLO: HelloReply(PROTOCOL_VERSION, "0.1.0", 256, "/tmp/x.attach"),
@@ -80,6 +86,8 @@ REPLIES = {
     RequestType.CANCEL_TRANSFERS: 1,
     RequestType.KV_EVENTS: EventsReply(7, 14, False, [ChunkEvent(CLEARED), ChunkEvent(
         STORED, "CPU", "LOCAL", None, b"\x01" * 32, b"\x02" * 32, "m", 2, 1)]),
+    RequestType.LOOKUP_PREFIX: PrefixHit(1, [TailHit(40, 3, b"\x03" * 32)]),
+    RequestType.NOTE_TAILS: None,
 }
 
 

@@ -9,9 +9,10 @@ connector (null, or the `kv_connector_extra_config` for LMCacheMPDaemonConnector
 hybrid_kv_cache_manager (optional bool: vLLM's HMA on; off by default), hf_overrides (optional),
 max_num_batched_tokens (optional), kv_events (optional: vLLM's `KVEventsConfig` fields, its KV event
 publisher on), logprobs (optional bool: also report each generated token's
-logprob), rounds (a list of rounds, each a list of prompts, each a list of token ids), barrier_dir (optional:
-before round i > 0, wait until the file `go-i` exists there, so a test can act between
-rounds).
+logprob), rounds (a list of rounds, each a list of prompts, each a list of token ids), conversation
+(optional bool: prompt j of round i > 0 is then the previous round's prompt j and its answer,
+followed by these tokens: a multi-turn chat), barrier_dir (optional: before round i > 0, wait
+until the file `go-i` exists there, so a test can act between rounds).
 
 After each round it prints one line `RESULT {"round": i, "outputs": [{"num_cached_tokens":
 n, "token_ids": [...]}, ...]}` (greedy decoding, fixed length). vLLM's own log goes to the
@@ -82,10 +83,14 @@ def main() -> int:
     llm = LLM(**engine_args(spec))
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True,
                             logprobs=0 if spec.get("logprobs") else None)
+    histories: list[list[int]] = []  # a conversation's: each prompt and its answer so far
     for i, prompts in enumerate(spec["rounds"]):
         if i and spec.get("barrier_dir"):
             wait_for(Path(spec["barrier_dir"]) / f"go-{i}")
+        if spec.get("conversation") and histories:
+            prompts = [history + p for history, p in zip(histories, prompts, strict=True)]
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        histories = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outputs, strict=True)]
         results = [{"num_cached_tokens": o.num_cached_tokens, "token_ids": list(o.outputs[0].token_ids),
                     **({"logprobs": _chosen_logprobs(o.outputs[0])} if spec.get("logprobs") else {})}
                    for o in outputs]

@@ -65,9 +65,13 @@ PROBE = _BASE[: 3 * BLOCK] + _tokens(BLOCK + 1)
 
 def engine_spec(model: Path, daemon: DaemonUnderTest | None, rounds: list[list[list[int]]],
                 prefix_caching: bool = True, **extra: Any) -> dict[str, Any]:
+    """Tails off (`lmcache.mp.tails`): these tests count the whole chunks stored and loaded;
+    tests/test_vllm_tails.py turns them on."""
     return {"model": str(model), "dtype": "float32", "block_size": BLOCK, "num_blocks": 1024,
             "max_tokens": MAX_TOKENS, "prefix_caching": prefix_caching, "rounds": rounds,
-            "connector": None if daemon is None else {"lmcache.mp.url": daemon.url}, **extra}
+            "connector": None if daemon is None else {"lmcache.mp.url": daemon.url,
+                                                      "lmcache.mp.tails": False},
+            **extra}
 
 
 class VllmEngine:

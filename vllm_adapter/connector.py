@@ -189,7 +189,7 @@ class LMCacheMPDaemonConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         """True keeps the request's blocks (every group's) until its stores are done."""
-        return self._scheduler is not None and self._scheduler.request_finished(request), None
+        return self._scheduler is not None and self._scheduler.request_finished(request, block_ids), None
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """The daemon's stores and evictions of this engine's chunks, as vLLM's KV events (only

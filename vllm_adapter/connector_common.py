@@ -91,6 +91,12 @@ class ConnectorSettings:
         "chunks only, for workloads whose answers are never continued, where they would churn the "
         "cache (a request alone: `lmcache.mp.skip_save`)")
 
+    tails: bool = setting(
+        True, "store each finished request's tail (its KV past its last full chunk, the last "
+        "block maybe partly filled) and load it into the request that resends that history: a "
+        "returning turn recomputes none of it (docs/benchmarks.md section 10); models with one KV "
+        "cache group of full attention only")
+
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorSettings:
         """The `lmcache.mp.*` keys of `extra` (`settings.from_keys`: unknown ones are refused, values

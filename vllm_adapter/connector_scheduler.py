@@ -1,9 +1,11 @@
 """The scheduler half of `LMCacheMPDaemonConnector`, in vLLM's EngineCore process.
 
 It decides, per request, what the daemon holds (one LOOKUP, sent when the request arrives),
-what to load (whole chunks beyond vLLM's own prefix-cache hit; `load_mode` says whether before
-the request's forward pass or while the engine steps on) and what to store (each new full chunk
-once its KV is computed), and hands that to the workers as `LMCacheMPConnectorMetadata`. With
+what to load (whole chunks beyond vLLM's own prefix-cache hit, and the request's tail after them:
+the part of its history past its last full chunk, stored when an earlier turn finished,
+`vllm_adapter.tails`; `load_mode` says whether before the request's forward pass or while the
+engine steps on) and what to store (each new full chunk once its KV is computed, and the tail when
+the request finishes), and hands that to the workers as `LMCacheMPConnectorMetadata`. With
 `kv_events`, the chunks it stores are tracked, and the daemon's stores and evictions of them go
 into vLLM's KV event stream (`vllm_adapter.kv_events`). It
 waits on the daemon only within `lookup_wait_ms` per step: a lookup still pending after that
@@ -19,8 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from lmcache_mp.mq.client import MessageQueueClient, MessagingFuture
-from lmcache_mp.protocol import RequestType
+from lmcache_mp.protocol import TailHit, TailNote
 from vllm_adapter.block_holds import BlockHolds
 from vllm_adapter.connector_common import (
     CONNECT_TIMEOUT_S,
@@ -30,10 +31,12 @@ from vllm_adapter.connector_common import (
     LMCacheMPWorkerMeta,
 )
 from vllm_adapter.group_adapters import RequestOps, SchedulerGroups, connect_groups, group_op, request_ops
+from vllm_adapter.heartbeat import Heartbeat
 from vllm_adapter.kv_events import EngineEvents
 from vllm_adapter.kv_groups import NULL_BLOCK_ID, KVGroup, skip_null_blocks
 from vllm_adapter.ops import SKIP_BLOCK, LoadStoreOp
 from vllm_adapter.scheduler_adapter import LMCacheMPSchedulerAdapter
+from vllm_adapter.tails import finish_store, longest_own_tail, may_have_tail
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
@@ -50,6 +53,9 @@ logger = logging.getLogger(__name__)
 # name, or `SamplingParams.extra_args["kv_transfer_params"]` offline): true skips the request's
 # lookup and load, or its stores (a one-off prompt that would only churn the cache).
 SKIP_LOAD, SKIP_SAVE = "lmcache.mp.skip_load", "lmcache.mp.skip_save"
+
+# How a request whose tail is stored ended (vLLM's `RequestStatus` names): not aborted, nor failed.
+_ENDED_AS_ASKED = frozenset({"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION"})
 
 
 def _request_switch(request: Request, key: str) -> bool:
@@ -77,35 +83,7 @@ class _RequestState:
     saved_chunks: int = 0  # leading chunks the daemon holds: its hit, then what we stored
     has_stores: bool = False  # a store went out: the workers report the id in finished_sending
     held_to: int | None = None  # sliding-window blocks before this index are held or stored
-
-
-class _Heartbeat:
-    """Whether the daemon answers: one PING per interval, each allowed one interval. While
-    the daemon is away, lookups count as misses at once instead of keeping requests waiting
-    for their timeout, and no stores are planned."""
-
-    def __init__(self, client: MessageQueueClient, interval_s: float):
-        self._client = client
-        self._interval_s = interval_s
-        self._alive = True
-        self._ping = self._send()
-
-    def _send(self) -> MessagingFuture[int]:
-        self._next_at = time.monotonic() + self._interval_s
-        return self._client.submit(RequestType.PING, [0], timeout_s=self._interval_s)
-
-    def alive(self) -> bool:
-        if self._ping.query():
-            alive = self._ping.exception() is None
-            if alive != self._alive:
-                if alive:
-                    logger.info("lmcache-mp daemon is back")
-                else:
-                    logger.warning("lmcache-mp daemon does not answer: serving without it until it does")
-                self._alive = alive
-            if time.monotonic() >= self._next_at:
-                self._ping = self._send()
-        return self._alive
+    tail: TailNote | None = None  # the tail in its hit (an earlier turn's), with its anchor
 
 
 class SchedulerSide:
@@ -141,7 +119,7 @@ class SchedulerSide:
                                        settings.reconnect_interval_s, f"scheduler at {settings.url}")
         self._holds: BlockHolds | None = None  # sliding-window blocks held for their stores
         self._step = 0  # counts build_connector_meta calls: names the stores of each step
-        self._heartbeat: _Heartbeat | None = None
+        self._heartbeat: Heartbeat | None = None
         self._chunk_blocks = 0  # vLLM blocks per daemon chunk, known once connected
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: dict[str, RequestOps] = {}
@@ -150,6 +128,10 @@ class SchedulerSide:
         # left, a load in "auto" mode is asynchronous (a sync load would stall their step).
         self._computing: set[str] = set()
         self._events = EngineEvents(block_size) if kv_events else None
+        # Tails (`vllm_adapter.tails`) need one group of full attention: vLLM takes a hit that ends
+        # inside a block only then.
+        self._tails = settings.tails and len(groups) == 1 and not self._sliding
+        self._finish_stores: dict[str, RequestOps] = {}  # planned at request_finished, sent next step
         # Give the first attempt a moment, so that the first requests already see the daemon.
         self._link.wait(CONNECT_TIMEOUT_S)
 
@@ -161,7 +143,7 @@ class SchedulerSide:
         """The adapter once connected, whether or not the daemon answers right now."""
         adapter = self._link.get()
         if adapter is not None and self._heartbeat is None:
-            self._heartbeat = _Heartbeat(adapter.mq_client, self._reconnect_interval_s)
+            self._heartbeat = Heartbeat(adapter.mq_client, self._reconnect_interval_s)
             self._chunk_blocks = adapter.num_blocks_per_chunk()
         return adapter
 
@@ -210,8 +192,10 @@ class SchedulerSide:
     def _sync_hit(self, request: Request, hit: int) -> int:
         """vLLM must compute at least one token itself: a sync load stops a chunk short of a
         hit that covers the whole request. (No hit before the daemon answers, nor a chunk size.)"""
+        if hit < request.num_tokens:
+            return hit
         chunk_tokens = self._chunk_blocks * self._block_size
-        return min(hit, (request.num_tokens - 1) // chunk_tokens * chunk_tokens) if hit else 0
+        return (request.num_tokens - 1) // chunk_tokens * chunk_tokens
 
     def _state(self, request: Request) -> _RequestState:
         state = self._requests.get(request.request_id)
@@ -236,8 +220,10 @@ class SchedulerSide:
         adapter = self._daemon()
         if adapter is None:
             return 0
+        tails = self._tails and may_have_tail(request)
         if not state.lookup_sent:
-            adapter.maybe_submit_lookup_request(request.request_id, block_hashes=list(request.block_hashes))
+            adapter.maybe_submit_lookup_request(request.request_id, block_hashes=list(request.block_hashes),
+                                                tails=tails)
             state.lookup_sent = True
         # Usually answered within a millisecond: then the request is scheduled, its load planned,
         # in this step rather than one step later (a whole decode step of the other running
@@ -248,8 +234,21 @@ class SchedulerSide:
         if wait_s:
             self._lookup_wait_left -= time.monotonic() - start
         if hit is not None:
+            if tails:
+                hit += self._own_tail(state, adapter.lookup_tails(request.request_id), hit)
             adapter.cleanup_lookup_result(request.request_id)
         return hit
+
+    def _own_tail(self, state: _RequestState, tails: list[TailHit], hit: int) -> int:
+        """The tokens of the request's own tail among `tails` (noted after its chunk hit, which ends
+        at token `hit`): the longest whose key its tokens reproduce; 0 if none."""
+        request = state.request
+        tail = longest_own_tail(tails, request, hit, self._block_size)
+        if tail is None:
+            return 0
+        anchor = request.block_hashes[hit // self._block_size - 1] if hit else b""
+        state.tail = TailNote(anchor, tail)
+        return tail.num_tokens
 
     # ---- loads ---------------------------------------------------------------------------
 
@@ -265,8 +264,15 @@ class SchedulerSide:
             self._release_leases(state)  # the lookup's hits will not be read
             return
         tables = blocks.get_block_ids()
-        local_blocks = state.local_tokens // self._block_size
-        end = (state.local_tokens + num_external_tokens) // self._block_size
+        size = self._block_size
+        local_blocks = state.local_tokens // size
+        hit_end = state.local_tokens + num_external_tokens
+        chunks_end = self._chunk_hit(state)
+        # The hit's tail is loaded whole (its blocks past the hit's end, if any, are skipped) when
+        # the hit granted reaches into it; a sync load stops before it (`_sync_hit`).
+        tail = state.tail.tail if state.tail is not None and hit_end > chunks_end else None
+        end = (chunks_end if tail is not None else hit_end) // size  # the whole chunks' end
+        stop, granted = end + (tail.num_blocks if tail is not None else 0), -(-hit_end // size)
         # Chunk keys stride from the op's first block, so the op starts on a chunk boundary;
         # blocks vLLM already holds in that first chunk (maybe shared with other requests)
         # are SKIP_BLOCK: the daemon leaves them alone. So are a sliding-window group's null blocks:
@@ -274,20 +280,27 @@ class SchedulerSide:
         start = local_blocks - local_blocks % self._chunk_blocks
         hashes = list(request.block_hashes[start:end])
         self._pending_loads[request.request_id] = request_ops([
-            LoadStoreOp(skip_null_blocks([SKIP_BLOCK if i < local_blocks else tables[group.index][i]
-                                          for i in range(start, end)]), block_hashes=hashes)
+            LoadStoreOp(skip_null_blocks([SKIP_BLOCK if i < local_blocks or i >= granted
+                                          else tables[group.index][i] for i in range(start, stop)]),
+                        block_hashes=hashes,
+                        tail_hash=tail.tail_hash if tail is not None else None)
             for group in self._groups])
         state.load_planned = True
         if state.sync_load:
             self._pending_sync_loads.add(request.request_id)
         self._release_unloaded(state, start, end)
 
+    def _chunk_hit(self, state: _RequestState) -> int:
+        """The tokens of the hit's whole chunks: all of it but its tail."""
+        return (state.hit_tokens or 0) - (state.tail.tail.num_tokens if state.tail is not None else 0)
+
     def _release_unloaded(self, state: _RequestState, start: int, end: int) -> None:
         """The lookup leased every hit chunk, but the load reads only blocks [start, end):
         the hit chunks before it (inside vLLM's own prefix hit) and after it (a sync load
-        stops a chunk short) are released now, not pinned until the request ends."""
+        stops a chunk short) are released now, not pinned until the request ends. (A tail left
+        unloaded stays leased until then: at most one chunk.)"""
         adapter = self._link.get()
-        hit_blocks = (state.hit_tokens or 0) // self._block_size
+        hit_blocks = self._chunk_hit(state) // self._block_size
         hashes = state.request.block_hashes
         unloaded = [*hashes[:start], *hashes[end:hit_blocks]]  # whole chunks: both bounds are aligned
         if unloaded and adapter is not None:
@@ -310,6 +323,8 @@ class SchedulerSide:
                                           sync_loads=self._pending_sync_loads, step=self._step,
                                           idle=scheduler_output.total_num_scheduled_tokens == 0)
         self._pending_loads, self._pending_sync_loads = {}, set()
+        meta.stores.update(self._finish_stores)  # with the finished ids: their workers wait for them
+        self._finish_stores = {}
         for req_id in preempted:  # its blocks are freed, and recomputed in new ones
             self._drop_holds(req_id)
         if not self._stores or self._connected() is None:
@@ -434,10 +449,13 @@ class SchedulerSide:
                 for req_id, step in done.items():
                     self._holds.stores_done(req_id, rank, step)
 
-    def request_finished(self, request: Request) -> bool:
-        """Forget the request; True if its blocks must stay until the workers report its
-        stores done (in finished_sending)."""
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...] = ()) -> bool:
+        """Forget the request, once its tail's store is planned (`block_ids`: its block table per
+        group; none, no tail); True if its blocks must stay until the workers report its stores
+        done (in finished_sending)."""
         state = self._requests.pop(request.request_id, None)
+        if state is not None and state.stores and block_ids and self._tails and may_have_tail(request):
+            self._plan_finish_store(state, block_ids[0])
         self._computing.discard(request.request_id)
         if self._holds is not None:
             self._holds.finish(request.request_id)
@@ -449,6 +467,33 @@ class SchedulerSide:
             # that neither looked up nor stored has neither: no message.
             adapter.end_session(request.request_id)
         return state is not None and state.has_stores
+
+    def _plan_finish_store(self, state: _RequestState, block_ids: list[int]) -> None:
+        """Store what the request computed past its stored chunks, its tail included, with the next
+        step; note the tail to the daemon, and the tail it loaded as superseded. Only a request
+        that ended as asked (not aborted), and whose every computed token's KV is written: all
+        but the last token's."""
+        request = state.request
+        adapter = self._connected()
+        if adapter is None or request.status.name not in _ENDED_AS_ASKED:
+            return
+        end = min(request.num_computed_tokens, request.num_tokens - 1)
+        if not self._save_decode_cache:
+            end = min(end, request.num_prompt_tokens)
+        store = finish_store(request, block_ids, state.saved_chunks, self._chunk_blocks, self._block_size,
+                             end)
+        stored: list[TailNote] = []
+        if store is not None:
+            ops = request_ops([store.op])
+            self._finish_stores[request.request_id] = ops
+            if self._events is not None:
+                self._track(request, ops, state.saved_chunks * self._chunk_blocks)
+            state.has_stores = True
+            stored = [store.note] if store.note is not None else []
+        # The tail it loaded is superseded either way: its tokens are in what this request stored.
+        superseded = [state.tail] if state.tail is not None and state.tail not in stored else []
+        if stored or superseded:
+            adapter.note_tails(stored, superseded)
 
     def shutdown(self) -> None:
         self._link.close()

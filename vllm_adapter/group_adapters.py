@@ -19,6 +19,7 @@ import torch
 
 from lmcache_mp.errors import LMCacheMPError
 from lmcache_mp.mq.client import MessageQueueClient
+from lmcache_mp.protocol import TailHit, TailNote
 from vllm_adapter.kv_groups import KVGroup
 from vllm_adapter.loads import SyncLoad
 from vllm_adapter.ops import LoadStoreOp
@@ -90,9 +91,20 @@ class SchedulerGroups(_Groups):
     def _each(self) -> Iterable[tuple[KVGroup, LMCacheMPSchedulerAdapter]]:
         return zip(self.groups, self._adapters, strict=True)
 
-    def maybe_submit_lookup_request(self, request_id: str, block_hashes: list[bytes]) -> None:
+    def maybe_submit_lookup_request(self, request_id: str, block_hashes: list[bytes],
+                                    tails: bool = False) -> None:
+        """`tails`: with one group only (`vllm_adapter.tails`)."""
         for group, adapter in self._each():
-            adapter.maybe_submit_lookup_request(self.rid(group, request_id), block_hashes=block_hashes)
+            adapter.maybe_submit_lookup_request(self.rid(group, request_id), block_hashes=block_hashes,
+                                                tails=tails)
+
+    def lookup_tails(self, request_id: str) -> list[TailHit]:
+        ((group, adapter),) = self._each()
+        return adapter.lookup_tails(self.rid(group, request_id))
+
+    def note_tails(self, stored: list[TailNote], superseded: list[TailNote]) -> None:
+        (adapter,) = self._adapters
+        adapter.note_tails(stored, superseded)
 
     def check_lookup_result(self, request_id: str, wait_s: float = 0.0) -> int | None:
         """Tokens every group holds, or None while any group's lookup is pending (after waiting up

@@ -3,7 +3,9 @@
 A `LoadStoreOp` names a request's blocks in vLLM's cache and how its chunks are keyed: by
 vLLM's block hashes (hash mode, the connector's) or by a token range (token mode). Hash-mode
 keys stride from the op's first block, one per full chunk (`striding_block_hashes`): an op
-starts on a chunk boundary, and a partial tail chunk has no key (neither stored nor loaded).
+starts on a chunk boundary. The blocks past its last full chunk have no key (neither stored nor
+loaded) unless the op names their `tail_hash`: then they are one short chunk, a request's tail
+(`vllm_adapter.tails`), its key saying how many blocks it takes.
 
 A block id of `SKIP_BLOCK` in a load means "leave this block alone" (vLLM holds it already, or
 never reads it: a sliding window's null blocks); the daemon copies around it. `kept_blocks` is
@@ -44,6 +46,8 @@ class LoadStoreOp:
     """Start token index (token mode only)"""
     end: int = 0
     """End token index (token mode only)"""
+    tail_hash: bytes | None = None
+    """Hash mode: the key of the blocks past the last full chunk, one short chunk (a tail)"""
 
     def __len__(self) -> int:
         return len(self.block_ids)
@@ -78,34 +82,47 @@ class KeyMaker:
 
     def keys_for(self, request_id: str, op: LoadStoreOp) -> list[IPCCacheEngineKey]:
         if op.block_hashes is not None:
-            return [
+            keys = [
                 IPCCacheEngineKey(self.model_name, self.world_size, self.worker_id,
                                   chunk_hash=h, request_id=request_id)
                 for h in striding_block_hashes(op.block_hashes, self.blocks_in_chunk)
             ]
+            if op.tail_hash is not None:
+                keys.append(IPCCacheEngineKey(self.model_name, self.world_size, self.worker_id,
+                                              chunk_hash=op.tail_hash, request_id=request_id,
+                                              num_blocks=self._tail_blocks(op)))
+            return keys
         if op.token_ids is None:
             raise ValueError("a LoadStoreOp needs block_hashes (hash mode) or token_ids (token mode)")
         return [IPCCacheEngineKey(self.model_name, self.world_size, self.worker_id,
                                   token_ids=tuple(op.token_ids), start=op.start, end=op.end,
                                   request_id=request_id)]
 
+    def _tail_blocks(self, op: LoadStoreOp) -> int:
+        """The blocks of `op`'s tail: those past its full chunks."""
+        return len(op.block_ids) - len(op.block_hashes or ()) // self.blocks_in_chunk * self.blocks_in_chunk
+
     def num_chunks(self, op: LoadStoreOp) -> int:
-        """The chunks a store of `op` covers: one outcome each in its reply."""
+        """The chunks a store of `op` covers (its tail one): one outcome each in its reply."""
         if op.block_hashes is not None:
-            return len(op.block_hashes) // self.blocks_in_chunk
+            return len(op.block_hashes) // self.blocks_in_chunk + (op.tail_hash is not None)
         chunk_tokens = self.chunk_size
         end = min(op.end or len(op.token_ids or ()), len(op.token_ids or ()))
         return max(0, end // chunk_tokens - op.start // chunk_tokens)
 
     def chunks_of(self, op: LoadStoreOp, chunks: list[int]) -> LoadStoreOp:
-        """An op of just these chunks of `op`. A token-mode op is kept whole: its key names a
-        token range (the chunks that landed come back ALREADY_PRESENT)."""
+        """An op of just these chunks of `op` (its tail is the one past its full chunks). A
+        token-mode op is kept whole: its key names a token range (the chunks that landed come back
+        ALREADY_PRESENT)."""
         if op.block_hashes is None:
             return op
         n = self.blocks_in_chunk
-        spans = [slice(i * n, (i + 1) * n) for i in chunks]
-        return LoadStoreOp([b for s in spans for b in op.block_ids[s]],
-                           block_hashes=[h for s in spans for h in op.block_hashes[s]])
+        whole = len(op.block_hashes) // n
+        spans = [slice(i * n, (i + 1) * n) for i in chunks if i < whole]
+        tail = op.tail_hash is not None and whole in chunks
+        block_ids = [b for s in spans for b in op.block_ids[s]] + (op.block_ids[whole * n:] if tail else [])
+        return LoadStoreOp(block_ids, block_hashes=[h for s in spans for h in op.block_hashes[s]],
+                           tail_hash=op.tail_hash if tail else None)
 
 
 def connect(server_url: str, context: zmq.Context | None, name: str, timeout_s: float,

@@ -21,7 +21,7 @@ import zmq
 
 from lmcache_mp.curve import ClientCurve
 from lmcache_mp.mq.client import MessagingFuture
-from lmcache_mp.protocol import RequestType
+from lmcache_mp.protocol import PrefixHit, RequestType, TailHit, TailNote
 from vllm_adapter.ops import DEFAULT_TIMEOUT_S, KeyMaker, LoadStoreOp, connect, striding_block_hashes
 
 logger = logging.getLogger(__name__)
@@ -44,7 +44,8 @@ class LMCacheMPSchedulerAdapter:
         self.mq_client, chunk_size = connect(server_url, context, "vllm-scheduler", timeout_s,
                                              vllm_block_size, connect_timeout_s, curve)
         self._keys = KeyMaker(model_name, world_size, None, chunk_size // vllm_block_size, vllm_block_size)
-        self.lookup_futures: dict[str, MessagingFuture[int]] = {}
+        self.lookup_futures: dict[str, MessagingFuture[int | PrefixHit]] = {}
+        self._tails: dict[str, list[TailHit]] = {}  # the tails a settled LOOKUP_PREFIX found
         # (what, reply) of the releases sent, oldest first: the scheduler never waits for them, but
         # one that fails (leases then held until the daemon's TTL) is logged, not lost.
         self._releases: deque[tuple[str, MessagingFuture[None]]] = deque()
@@ -59,9 +60,10 @@ class LMCacheMPSchedulerAdapter:
         return self._keys.blocks_in_chunk
 
     def maybe_submit_lookup_request(self, request_id: str, block_hashes: list[bytes] | None = None,
-                                    token_ids: list[int] | None = None) -> None:
+                                    token_ids: list[int] | None = None, *, tails: bool = False) -> None:
         """Submit one LOOKUP per request id (later calls are no-ops). Its hits stay leased
-        for the RETRIEVE that follows, until `end_session` or the daemon's lease TTL."""
+        for the RETRIEVE that follows, until `end_session` or the daemon's lease TTL. `tails`
+        (hash mode): ask for the tails after the hit too (`lookup_tails`)."""
         if request_id in self.lookup_futures:
             return
         if (block_hashes is None) == (token_ids is None):
@@ -76,18 +78,19 @@ class LMCacheMPSchedulerAdapter:
             # The usual case: every key one chunk hash, their shared fields sent once.
             keys = self._keys
             hashes = list(striding_block_hashes(block_hashes or [], keys.blocks_in_chunk))
-            request = ((RequestType.LOOKUP_CHUNKS, [keys.model_name, keys.world_size, request_id, hashes])
-                       if hashes else None)
+            kind = RequestType.LOOKUP_PREFIX if tails else RequestType.LOOKUP_CHUNKS
+            payload = [keys.model_name, keys.world_size, request_id, hashes]
+            request = (kind, payload) if hashes or tails else None
         if request is None:
-            future: MessagingFuture[int] = MessagingFuture.settled(RequestType.LOOKUP, 0)
+            future: MessagingFuture[int | PrefixHit] = MessagingFuture.settled(RequestType.LOOKUP, 0)
         else:
             future = self.mq_client.submit(*request)
         self.lookup_futures[request_id] = future
 
     def check_lookup_result(self, request_id: str, wait_s: float = 0.0) -> int | None:
-        """Tokens hit (a multiple of the chunk size), or None while the lookup is pending after
-        waiting up to `wait_s`. A failed lookup (daemon down, error) counts as 0: a miss, never
-        a guess."""
+        """Tokens hit in whole chunks (a multiple of the chunk size; tails: `lookup_tails`), or
+        None while the lookup is pending after waiting up to `wait_s`. A failed lookup (daemon
+        down, error) counts as 0: a miss, never a guess."""
         future = self.lookup_futures[request_id]
         if wait_s > 0:
             future.wait(wait_s)
@@ -101,13 +104,30 @@ class LMCacheMPSchedulerAdapter:
         if error is not None:
             logger.warning("lookup for request %s failed, counting a miss: %s", request_id, error)
             return 0
-        return future.result() * self.chunk_size
+        hit = future.result()
+        if isinstance(hit, PrefixHit):
+            self._tails[request_id] = hit.tails
+            hit = hit.chunks
+        return hit * self.chunk_size
+
+    def lookup_tails(self, request_id: str) -> list[TailHit]:
+        """The tails a settled LOOKUP_PREFIX found after its chunk hit, newest first (leased with
+        the hit: released alike)."""
+        return self._tails.get(request_id, [])
+
+    def note_tails(self, stored: list[TailNote], superseded: list[TailNote]) -> None:
+        """Tell the daemon which tails are stored (their STOREs may still be on their way) and
+        which are superseded (fire and forget)."""
+        keys = self._keys
+        self._release(f"NOTE_TAILS of {len(stored)} tail(s)", RequestType.NOTE_TAILS,
+                      [keys.model_name, keys.world_size, stored, superseded])
 
     def num_blocks_per_chunk(self) -> int:
         return self.blocks_in_chunk
 
     def cleanup_lookup_result(self, request_id: str) -> None:
         self.lookup_futures.pop(request_id, None)
+        self._tails.pop(request_id, None)
 
     def release_leases(self, request_id: str, block_hashes: list[bytes]) -> None:
         """Release the leases the request's lookup took on these chunks (their vLLM block

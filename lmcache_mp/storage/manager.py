@@ -93,10 +93,11 @@ class _Source:
 
 @dataclass(frozen=True)
 class RankSpec:
-    """How one rank stores a chunk: its format, and the chunk's size in bytes."""
+    """How one rank stores a chunk: its format, the chunk's size in bytes and in vLLM blocks."""
 
     fmt: ChunkFormat
     chunk_nbytes: int
+    blocks_per_chunk: int = 0
 
 
 FormatCombo = tuple[RankSpec, ...]  # one per rank, in rank order: the caches of one engine
@@ -428,6 +429,10 @@ class StorageManager:
 
     def unpin(self, objects: list[PoolObject]) -> None:
         self.pool.unpin(objects)
+
+    def discard(self, keys: list[Hashable]) -> int:
+        """Free these chunks from the pool where nobody holds them (lower tiers keep theirs)."""
+        return self.pool.discard(keys)
 
     def repin(self, objects: list[PoolObject]) -> None:
         """One more pin on each object, pinned already (a chunk leased to several ranks)."""

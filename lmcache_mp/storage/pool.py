@@ -289,6 +289,17 @@ class MemoryPool(PoolRestart):
                 self._remove_evictable(obj)
             return len(victims)
 
+    def discard(self, keys: list[Hashable]) -> int:
+        """Drop the objects of these keys that are readable and unpinned (superseded: a request's
+        tail once a longer one is stored); returns how many."""
+        with self._lock:
+            self._settle()  # pinned objects leave the LRU: only unpinned ones are found on it
+            victims = [obj for obj in map(self._readable.get, keys)
+                       if obj is not None and obj in obj.slab.size_class.evictable]
+            for obj in victims:
+                self._remove_evictable(obj)
+            return len(victims)
+
     def announce(self) -> None:
         """Record every readable object in the event log again (a resync after a clear)."""
         with self._lock:

@@ -23,6 +23,7 @@ out is a clear refusal) and a request's block-id tensor; nothing else is allocat
 from __future__ import annotations
 
 import enum
+import itertools
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -151,11 +152,13 @@ class TransferContext:
     def staging_nbytes(self) -> int:
         return sum(lane.staging.nbytes for lane in self._lanes.values())
 
-    def check_block_ids(self, block_ids: list[int], num_chunks: int, allow_skip: bool = False) -> None:
-        """Each chunk takes `blocks_per_chunk` ids; ids past the last full chunk are ignored.
-        With `allow_skip`, an id of -1 means "leave this block alone" (RETRIEVE into a
-        block the engine already holds)."""
-        needed = num_chunks * self.blocks_per_chunk
+    def check_block_ids(self, block_ids: list[int], chunk_blocks: list[int] | None, num_chunks: int,
+                        allow_skip: bool = False) -> None:
+        """Each chunk takes `blocks_per_chunk` ids, or its count in `chunk_blocks` (None: all
+        whole; a short chunk is a request's tail, `tails.py`); ids past the last chunk are ignored.
+        With `allow_skip`, an id of -1 means "leave this block alone" (RETRIEVE into a block the
+        engine already holds)."""
+        needed = num_chunks * self.blocks_per_chunk if chunk_blocks is None else sum(chunk_blocks)
         if len(block_ids) < needed:
             raise ValueError(f"{num_chunks} chunks need {needed} block ids, got {len(block_ids)}")
         low = -1 if allow_skip else 0
@@ -169,8 +172,10 @@ class TransferContext:
         return data.view(g.dtype).view(g.num_layers, self.blocks_per_chunk, *g.page_shape)
 
     @contextmanager
-    def operation(self, block_ids: list[int], event_handle: bytes, lane: Lane) -> Iterator[Copies]:
-        """One STORE's (`Lane.STORE`) or RETRIEVE's (`Lane.LOAD`) copies, after the work the
+    def operation(self, block_ids: list[int], event_handle: bytes, lane: Lane,
+                  chunk_blocks: list[int] | None = None) -> Iterator[Copies]:
+        """One STORE's (`Lane.STORE`) or RETRIEVE's (`Lane.LOAD`) copies (`chunk_blocks`: each
+        chunk's blocks, None when all are whole), after the work the
         worker's event marks (its IPC handle; b'' for none). Every copy is complete when the block
         exits, also when it exits by an exception, so that the chunk objects can be handed on or
         freed."""
@@ -178,17 +183,17 @@ class TransferContext:
             raise ValueError("an event handle was sent for a CPU cache; send b'' on CPU")
         own = self._lanes.get(lane)
         if own is None:  # unstaged: nothing shared between operations, they run side by side
-            yield Copies(self, block_ids, None, None)
+            yield Copies(self, block_ids, chunk_blocks, None, None)
             return
         with own.turn:
             if own.stream is None:
-                yield Copies(self, block_ids, own.staging, None)
+                yield Copies(self, block_ids, chunk_blocks, own.staging, None)
                 return
             with own.stream.ordered():
                 # Uploaded before the wait: an upload from pageable memory waits for the stream.
                 device_ids = self._ids(block_ids)
                 own.stream.wait_for(event_handle)
-                yield Copies(self, block_ids, own.staging, device_ids)
+                yield Copies(self, block_ids, chunk_blocks, own.staging, device_ids)
 
     def write_pages(self, chunk: torch.Tensor, position: int, block: int, count: int) -> None:
         """Copy pages `[position, position + count)` of `chunk` (a `chunk_view`) into blocks
@@ -206,12 +211,16 @@ class TransferContext:
 
 class Copies:
     """The copies of one operation, chunk by chunk: `gather` for a STORE, `scatter` for a RETRIEVE.
-    Chunk `i` of the operation takes block ids `[i * blocks_per_chunk, (i + 1) * blocks_per_chunk)`."""
+    Chunk `i` of the operation takes block ids `[i * blocks_per_chunk, (i + 1) * blocks_per_chunk)`
+    when all are whole; with `chunk_blocks`, the next `chunk_blocks[i]` ids (a short chunk fills the
+    first pages of its object)."""
 
-    def __init__(self, context: TransferContext, block_ids: list[int], staging: torch.Tensor | None,
-                 device_ids: torch.Tensor | None):
+    def __init__(self, context: TransferContext, block_ids: list[int], chunk_blocks: list[int] | None,
+                 staging: torch.Tensor | None, device_ids: torch.Tensor | None):
         self._ctx = context
         self._block_ids = block_ids
+        self._chunk_blocks = chunk_blocks
+        self._starts = None if chunk_blocks is None else list(itertools.accumulate(chunk_blocks, initial=0))
         self._staging = staging  # the lane's, when staged
         self._device_ids = device_ids
 
@@ -222,8 +231,10 @@ class Copies:
         return self._staging is None
 
     def _span(self, i: int) -> tuple[int, list[int]]:
-        bpc = self._ctx.blocks_per_chunk
-        return i * bpc, self._block_ids[i * bpc:(i + 1) * bpc]
+        if self._starts is None:
+            bpc = self._ctx.blocks_per_chunk
+            return i * bpc, self._block_ids[i * bpc:(i + 1) * bpc]
+        return self._starts[i], self._block_ids[self._starts[i]:self._starts[i + 1]]
 
     def _index(self, first: int, ids: list[int], start: int, end: int) -> torch.Tensor:
         if self._device_ids is not None:
@@ -236,6 +247,9 @@ class Copies:
         first, ids = self._span(i)
         index = self._index(first, ids, 0, len(ids))
         staging = self._staging
+        if len(ids) < ctx.blocks_per_chunk:  # a short chunk: its pages only
+            chunk = chunk[:, :len(ids)]
+            staging = None if staging is None else staging[:, :len(ids)]
         out = chunk if staging is None else staging
         if ctx._all_layers is not None:
             source, target = as_words(ctx._all_layers, out)

@@ -87,6 +87,39 @@ def test_staged_copies_equal_direct_copies(layout: str) -> None:
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("staged", [False, True])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_short_chunk_between_whole_ones_copies_its_own_blocks(layout: str, staged: bool) -> None:
+    """An operation whose chunks take 4, 1 and 4 blocks (`chunk_blocks`; the short one a request's
+    tail): each chunk copies exactly its blocks, the short one into its object's first page."""
+    source = _caches(layout, LAYOUTS[layout], seed=4)
+    ctx = _context(source, layout, staged)
+    counts, store_ids = [4, 1, 4], [3, 7, 1, 10, 0, 2, 4, 5, 6]
+    objects = [torch.zeros(ctx.chunk_nbytes, dtype=torch.uint8) for _ in counts]
+    ctx.check_block_ids(store_ids, counts, len(counts))
+    with pytest.raises(ValueError, match="need 9 block ids"):
+        ctx.check_block_ids(store_ids[:8], counts, len(counts))
+    with ctx.operation(store_ids, b"", Lane.STORE, counts) as copies:
+        for i, obj in enumerate(objects):
+            copies.gather(i, ctx.chunk_view(obj))
+    short = ctx.chunk_view(objects[1])
+    assert short[:, 1:].count_nonzero() == 0  # the short chunk's pages past its one: never written
+    target = _caches(layout, LAYOUTS[layout], seed=5)
+    before = [t.clone() for t in target]
+    tctx = _context(target, layout, staged)
+    retrieve_ids = [8, 9, -1, 11, 6, 0, 1, 2, 3]
+    with tctx.operation(retrieve_ids, b"", Lane.LOAD, counts) as copies:
+        for i, obj in enumerate(objects):
+            copies.scatter(tctx.chunk_view(obj), i)
+    block_dim = ctx.geometry.layout.block_dim
+    for src, dst, old in zip(source, target, before, strict=True):
+        for s, d in zip(store_ids, retrieve_ids, strict=True):
+            if d >= 0:
+                assert torch.equal(dst.select(block_dim, d), src.select(block_dim, s))
+        for b in (5, 7, 10):  # named by no chunk, or skipped
+            assert torch.equal(dst.select(block_dim, b), old.select(block_dim, b))
+
+
 def test_operations_reuse_the_one_staging_buffer() -> None:
     """Several operations in a row on one staged context: each chunk's bytes are its own (the
     buffer is reused, never shared by two chunks at once)."""

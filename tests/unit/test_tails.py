@@ -1,0 +1,119 @@
+"""Tails in process: the daemon's index of them, their keys, which one a request keeps, the store a
+finished request plans, and how keys name a short chunk. The request is plain data of the fields
+the connector reads from vLLM's (its tokens and block hashes); tests/test_tails.py and
+tests/test_vllm_tails.py run the real daemon and a real engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from lmcache_mp.custom_types import IPCCacheEngineKey
+from lmcache_mp.errors import ServerError
+from lmcache_mp.keys import ChunkMapper, short_chunk_hash, short_chunks
+from lmcache_mp.protocol import TailHit
+from lmcache_mp.storage.manager import RankSpec
+from lmcache_mp.tails import TailIndex, tail_identity
+from tests.helpers import BLOCK, CHUNK, block_hashes, fmt
+from vllm_adapter.ops import KeyMaker, LoadStoreOp
+from vllm_adapter.tails import finish_store, longest_own_tail, request_salt, tail_hash
+
+BPC = CHUNK // BLOCK
+
+
+@dataclass
+class Request:
+    """What the connector reads of vLLM's `Request` for tails."""
+
+    all_token_ids: list[int]
+    lora_request: object = None
+    cache_salt: str | None = None
+    mm_features: list = field(default_factory=list)
+
+    @property
+    def block_hashes(self) -> list[bytes]:
+        return block_hashes(self.all_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+def _tail(request: Request, start: int, num_tokens: int) -> TailHit:
+    salt = request_salt(request)
+    key = tail_hash(request.block_hashes, request.all_token_ids, start, num_tokens, BLOCK, salt)
+    return TailHit(num_tokens, -(-num_tokens // BLOCK), key)
+
+
+def test_the_index_keeps_the_newest_tails_per_anchor_and_the_most_recent_anchors() -> None:
+    index = TailIndex(max_anchors=2, max_per_anchor=2)
+    tails = [TailHit(i + 1, 1, bytes([i])) for i in range(3)]
+    for tail in tails:
+        index.note(("m", 1, b"a"), tail)
+    assert index.after(("m", 1, b"a")) == [tails[2], tails[1]]  # newest first, two kept
+    index.note(("m", 1, b"a"), tails[1])  # noted again: the newest, not twice
+    assert index.after(("m", 1, b"a")) == [tails[1], tails[2]]
+    assert index.after(("m", 2, b"a")) == []  # another world size: another anchor
+    index.note(("m", 1, b"b"), tails[0])
+    index.after(("m", 1, b"a"))  # found: the most recent anchor
+    index.note(("m", 1, b"c"), tails[0])  # a third anchor: the least recent ("b") goes
+    assert index.after(("m", 1, b"b")) == [] and len(index) == 3
+    index.forget(("m", 1, b"a"), tails[1].tail_hash)
+    assert index.after(("m", 1, b"a")) == [tails[2]]
+
+
+def test_a_request_keeps_only_the_longest_tail_its_own_tokens_reproduce() -> None:
+    history = list(range(100, 100 + 2 * CHUNK + 20))  # 2 chunks, then 20 tokens
+    returning = Request(history + [7] * 30)
+    tails = [_tail(Request(history), 2 * CHUNK, 20), _tail(Request(history), 2 * CHUNK, 5)]
+    other = Request(history[:2 * CHUNK] + [1] * 20)  # same chunks, another tail
+    foreign = _tail(other, 2 * CHUNK, 20)
+    assert longest_own_tail([tails[1], foreign, tails[0]], returning, 2 * CHUNK, BLOCK) == tails[0]
+    assert longest_own_tail([foreign], returning, 2 * CHUNK, BLOCK) is None
+    # Longer than what the request has: not its own, whatever its key.
+    assert longest_own_tail([tails[0]], Request(history[:-1]), 2 * CHUNK, BLOCK) is None
+    # Another LoRA or cache salt: another key, though the tokens are the same (a tail from token 0
+    # has no vLLM block hash before it to tell them apart).
+    short = Request(history[:5])
+    assert _tail(short, 0, 5) != _tail(Request(history[:5], cache_salt="s"), 0, 5)
+
+
+def test_a_finished_request_stores_its_unstored_chunks_and_its_tail() -> None:
+    request = Request(list(range(3 * CHUNK + BLOCK + 3)))
+    table = list(range(100, 100 + 3 * BPC + 2))
+    store = finish_store(request, table, saved_chunks=2, chunk_blocks=BPC, block_size=BLOCK,
+                         end=3 * CHUNK + BLOCK + 2)
+    assert store is not None and store.note is not None
+    assert store.op.block_ids == table[2 * BPC:3 * BPC + 2]  # chunk 2, then the tail's 2 blocks
+    assert store.op.block_hashes == request.block_hashes[2 * BPC:3 * BPC]
+    assert store.note.anchor == request.block_hashes[3 * BPC - 1]  # the key of chunk 2
+    assert store.note.tail == _tail(request, 3 * CHUNK, BLOCK + 2)
+    assert store.op.tail_hash == store.note.tail.tail_hash
+    keys = KeyMaker("m", 1, 0, BPC, BLOCK)
+    made = keys.keys_for("r", store.op)
+    assert [k.num_blocks for k in made] == [0, 2] and keys.num_chunks(store.op) == 2
+    assert keys.chunks_of(store.op, [1]) == LoadStoreOp(table[3 * BPC:], block_hashes=[],
+                                                        tail_hash=store.op.tail_hash)
+    # Ending on a chunk boundary: no tail; nothing left: no store.
+    on_boundary = finish_store(request, table, 2, BPC, BLOCK, 3 * CHUNK)
+    assert on_boundary is not None and on_boundary.note is None and on_boundary.op.tail_hash is None
+    assert finish_store(request, table, 3, BPC, BLOCK, 3 * CHUNK) is None
+
+
+def test_a_short_chunk_is_known_by_its_length() -> None:
+    """A key naming a short chunk gets an identity of its own per length, which LOOKUP_PREFIX
+    recomputes the same way; a whole-chunk length keeps the key's hash; longer is refused."""
+    keys = KeyMaker("m", 1, 0, BPC, BLOCK)
+    op = LoadStoreOp([0, 1, 2], block_hashes=block_hashes(list(range(CHUNK))), tail_hash=b"t" * 32)
+    chunks, counts = short_chunks(ChunkMapper(CHUNK).op_chunks(keys.keys_for("r", op), lookup=False), BPC)
+    assert counts == [BPC, 1] and chunks.hashes[1] == short_chunk_hash(b"t" * 32, 1) != b"t" * 32
+    spec = RankSpec(fmt(), 1, BPC)
+    assert tail_identity(TailHit(5, 1, b"t" * 32), spec) == chunks.hashes[1]
+    assert tail_identity(TailHit(CHUNK - 1, BPC, b"t" * 32), spec) == b"t" * 32
+    whole = LoadStoreOp([0, 1], block_hashes=[], tail_hash=b"t" * 32)
+    _, counts = short_chunks(ChunkMapper(CHUNK).op_chunks(keys.keys_for("r", whole), lookup=False), BPC)
+    assert counts == [BPC]
+    too_long = [IPCCacheEngineKey("m", 1, 0, chunk_hash=b"t" * 32, num_blocks=BPC + 1)]
+    with pytest.raises(ServerError, match="a short chunk of 3 blocks"):
+        short_chunks(ChunkMapper(CHUNK).op_chunks(too_long, lookup=False), BPC)
