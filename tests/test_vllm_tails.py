@@ -23,6 +23,7 @@ from tests.vllm_engines import (
     MAX_TOKENS,
     REPO,
     DaemonUnderTest,
+    VllmEngine,
     cached,
     daemon_fixture,  # noqa: F401
     engine_spec,
@@ -74,18 +75,32 @@ def test_returning_turns_load_their_whole_history(model: Path, work_dir: Path, d
                                                   floor: list[list[list[int]]], prefix_caching: bool) -> None:
     daemon.proc.stop()
     daemon.start()  # empty: each case starts from nothing
-    spec = engine_spec(model, daemon, ROUNDS, prefix_caching=prefix_caching, conversation=True)
+    # The engine stays up before an extra last round, while the objects are counted: a tail is
+    # freed with its model's formats, known while its ranks are registered.
+    barrier = work_dir / f"barrier-{prefix_caching}"
+    barrier.mkdir()
+    for i in range(1, len(ROUNDS)):
+        (barrier / f"go-{i}").touch()
+    spec = engine_spec(model, daemon, [*ROUNDS, [[5], [5]]], prefix_caching=prefix_caching, conversation=True,
+                       barrier_dir=str(barrier))
     spec["connector"]["lmcache.mp.tails"] = True
-    turns = run_engine(spec, work_dir / f"tails-{prefix_caching}.log")
-    assert [tokens(r) for r in turns] == floor
-    prompts = _histories()
-    previous = [[p + MAX_TOKENS for p in round_prompts] for round_prompts in prompts]
-    assert cached(turns[0]) == [0, 0]
-    for i in (1, 2):
-        # All of the history but its last token, the last answer's, whose KV was never computed.
-        assert cached(turns[i]) == [h - 1 for h in previous[i - 1]], f"round {i}"
-    # What stays: each conversation's full chunks, and only its latest tail (each turn's
-    # NOTE_TAILS superseded the tail it loaded: freed).
-    ends = [h - 1 for h in previous[-1]]
-    expected = sum(end // CHUNK + (end % CHUNK > 0) for end in ends)
-    wait_for_status(daemon.url, lambda r: r.objects == expected, f"{expected} objects")
+    engine = VllmEngine(spec, work_dir / f"tails-{prefix_caching}.log")
+    try:
+        turns = [engine.round(i) for i in range(len(ROUNDS))]
+        assert [tokens(r) for r in turns] == floor
+        prompts = _histories()
+        previous = [[p + MAX_TOKENS for p in round_prompts] for round_prompts in prompts]
+        assert cached(turns[0]) == [0, 0]
+        for i in range(1, len(ROUNDS)):
+            # All of the history but its last token, the last answer's, whose KV was never computed.
+            assert cached(turns[i]) == [h - 1 for h in previous[i - 1]], f"round {i}"
+        # What stays: each conversation's full chunks, and only its latest tail (each turn's
+        # NOTE_TAILS superseded the tail it loaded: freed).
+        ends = [h - 1 for h in previous[-1]]
+        expected = sum(end // CHUNK + (end % CHUNK > 0) for end in ends)
+        wait_for_status(daemon.url, lambda r: r.objects == expected, f"{expected} objects")
+        (barrier / f"go-{len(ROUNDS)}").touch()
+        engine.round(len(ROUNDS))
+        engine.finish()
+    finally:
+        engine.kill()
