@@ -242,6 +242,7 @@ class Engine:
                     held.append(tail)
                     objects += pinned
                     break
+        self.tails.offered_total += len(held)
         return held, objects
 
     def note_tails(self, model: str, world_size: int, stored: list[TailNote],

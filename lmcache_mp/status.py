@@ -54,6 +54,8 @@ class EngineStatus(msgspec.Struct, gc=False):
     kv_events_batches_total: int
     kv_events_published_total: int
     kv_events_dropped_total: int
+    tails_indexed: int
+    tails_offered_total: int
 
 
 assert set(EngineStatus.__struct_fields__) <= set(StatusReport.__struct_fields__), \
@@ -98,6 +100,8 @@ def engine_status(engine: Engine) -> EngineStatus:
         kv_events_batches_total=published["batches_total"],
         kv_events_published_total=published["events_total"],
         kv_events_dropped_total=published["dropped_total"],
+        tails_indexed=len(engine.tails),
+        tails_offered_total=engine.tails.offered_total,
     )
 
 
@@ -130,6 +134,8 @@ def gauges(engine: Engine) -> dict[str, float]:
         "retrieve_split_chunks_total": engine.copy_threads.helped_chunks,
         "capacity_sampled_chunks_total": engine.capacity.sampled,
         "registered_instances": len(engine.registry.instance_ids()),
+        "tails_indexed": len(engine.tails),  # requests' tails noted (`tails.py`), and offered by LOOKUPs
+        "tails_offered_total": engine.tails.offered_total,
         **_kv_event_counters(engine),
         "attach_channels": engine.registry.num_attach_channels,
     }

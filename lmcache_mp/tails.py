@@ -40,6 +40,7 @@ class TailIndex:
         self._max_per_anchor = max_per_anchor
         self._lock = threading.Lock()
         self._tails: OrderedDict[Anchor, list[TailHit]] = OrderedDict()
+        self.offered_total = 0  # tails a LOOKUP_PREFIX answered with (STATUS, /metrics)
 
     def note(self, anchor: Anchor, tail: TailHit) -> None:
         """A tail stored (or about to be) after `anchor`: the newest of its anchor."""

@@ -185,7 +185,7 @@ class Rotation:
         request_id = f"bench-{self._n}"
         sched = self.sched
         start = time.perf_counter()
-        sched.maybe_submit_lookup_request(request_id, block_hashes=hashes)
+        sched.maybe_submit_lookup_request(request_id, block_hashes=hashes, tails=True)  # the connector's
         sched.lookup_futures[request_id].wait(5)  # blocks on the socket (vLLM polls once a step)
         hit = sched.check_lookup_result(request_id)
         sched.cleanup_lookup_result(request_id)

@@ -76,10 +76,13 @@ def test_a_tail_is_found_after_its_anchor_and_loads_byte_for_byte(daemon: Daemon
     _store(source, "turn-1", _op(list(range(6)), CHUNKS))
     assert status(daemon.url).objects == 3
     _note(daemon, scheduler, [TailNote(ANCHOR, SHORTER), TailNote(ANCHOR, TAIL)], [], TAIL, found=True)
+    offered = status(daemon.url).tails_offered_total
     # SHORTER was noted but never stored: not offered. A lookup of one chunk has another anchor.
     assert _lookup(scheduler, "turn-2", CHUNKS) == (2 * CHUNK, [TAIL])
     assert _lookup(scheduler, "other", CHUNKS[:BPC], keep=False) == (CHUNK, [])
     wait_for_leases(daemon.url, 1, 3)  # turn-2 holds its 2 chunks and its tail
+    report = status(daemon.url)
+    assert (report.tails_indexed, report.tails_offered_total - offered) == (2, 1)
     target = worker_for(daemon.url, seed=2)
     before = pages(target.kv_caches, "CPU_ATTN", SHAPE, list(range(64)))
     into = [20, 21, 22, 23, 30, -1]  # the tail's second block is one vLLM holds already: skipped
