@@ -188,16 +188,9 @@ class Engine:
         # cache store chunks of one size).
         chunk_bytes = combos[0][0].chunk_nbytes * len(combos[0])
 
-        def found(hits: Hits) -> tuple[Any, list[PoolObject]]:
-            """The reply for these (pinned) hits, and the tails' objects it pinned too."""
-            if not tails:
-                return len(hits), []
-            anchor = hashes[len(hits) - 1] if hits else b""
-            held, objects = self._pin_tails((model, world_size, anchor), combos)
-            return PrefixHit(len(hits), held), objects
-
         if isinstance(hits, list):
-            reply, tail_objects = found(hits)
+            reply, tail_objects = (self._prefix_hit(model, world_size, hashes, hits, combos) if tails
+                                   else (len(hits), None))
             # The hits are pinned already: nothing can evict them before the lease is recorded,
             # right after the reply (and before any later request, END_SESSION included, is read).
             return ReplyThen(reply, lambda: self._lease(request_id, hashes, hits, world_size, chunk_bytes,
@@ -218,7 +211,8 @@ class Engine:
                 return
             try:
                 promoted = done.result()
-                reply, tail_objects = found(promoted)
+                reply, tail_objects = (self._prefix_hit(model, world_size, hashes, promoted, combos) if tails
+                                       else (len(promoted), None))
                 self._lease(request_id, hashes, promoted, world_size, chunk_bytes, promoted=True,
                             tail_objects=tail_objects)
             except BaseException as err:
@@ -228,6 +222,13 @@ class Engine:
 
         hits.add_done_callback(finish)
         return answer
+
+    def _prefix_hit(self, model: str, world_size: int, hashes: list[bytes], hits: Hits,
+                    combos: list[FormatCombo]) -> tuple[PrefixHit, list[PoolObject]]:
+        """LOOKUP_PREFIX's reply for these (pinned) hits, and the objects of the tails it pinned."""
+        anchor = hashes[len(hits) - 1] if hits else b""
+        held, objects = self._pin_tails((model, world_size, anchor), combos)
+        return PrefixHit(len(hits), held), objects
 
     def _pin_tails(self, anchor: Anchor, combos: list[FormatCombo]) -> tuple[list[TailHit], list[PoolObject]]:
         """The tails noted after `anchor` that the pool holds on every rank (in one combination),
@@ -265,7 +266,9 @@ class Engine:
         """Count a LOOKUP (its chunks of `chunk_bytes` in the pool, for the capacity advisor too)
         and lease its hits, and the tails' `tail_objects`, to its request (`promoted`: a
         promotion's, which the sessions unpin instead if the request ended while they were read)."""
-        objects = [o for chunk in hits for o in chunk] + (tail_objects or [])
+        objects = [o for chunk in hits for o in chunk]
+        if tail_objects:
+            objects += tail_objects
         self.metrics.looked_up(len(hashes), len(hits))
         self.capacity.record(hashes, chunk_bytes)
         if request_id is None:
