@@ -184,16 +184,13 @@ class Engine:
             # No chunk asked for; or some rank has no registered cache: nothing could be retrieved.
             return PrefixHit(0) if tails else 0
         hits = self.storage.lookup(hashes, combos) if hashes else []
-        # The pool bytes of one chunk: one object per rank in the combo (the ranks of one kind of
-        # cache store chunks of one size).
-        chunk_bytes = combos[0][0].chunk_nbytes * len(combos[0])
 
         if isinstance(hits, list):
             reply, tail_objects = (self._prefix_hit(model, world_size, hashes, hits, combos) if tails
                                    else (len(hits), None))
             # The hits are pinned already: nothing can evict them before the lease is recorded,
             # right after the reply (and before any later request, END_SESSION included, is read).
-            return ReplyThen(reply, lambda: self._lease(request_id, hashes, hits, world_size, chunk_bytes,
+            return ReplyThen(reply, lambda: self._lease(request_id, hashes, hits, world_size, combos[0],
                                                         tail_objects=tail_objects))
         if request_id is not None:
             self.sessions.promoting(request_id)  # before the promotion can end (`promoted`)
@@ -213,7 +210,7 @@ class Engine:
                 promoted = done.result()
                 reply, tail_objects = (self._prefix_hit(model, world_size, hashes, promoted, combos) if tails
                                        else (len(promoted), None))
-                self._lease(request_id, hashes, promoted, world_size, chunk_bytes, promoted=True,
+                self._lease(request_id, hashes, promoted, world_size, combos[0], promoted=True,
                             tail_objects=tail_objects)
             except BaseException as err:
                 answer.set_exception(err)
@@ -262,27 +259,29 @@ class Engine:
             self.storage.discard(keys)
 
     def _lease(self, request_id: str | None, hashes: list[bytes], hits: Hits, world_size: int,
-               chunk_bytes: int, promoted: bool = False, tail_objects: list[PoolObject] | None = None) -> int:
-        """Count a LOOKUP (its chunks of `chunk_bytes` in the pool, for the capacity advisor too)
+               combo: FormatCombo, promoted: bool = False,
+               tail_objects: list[PoolObject] | None = None) -> int:
+        """Count a LOOKUP (its chunks, of `combo`'s size in the pool, for the capacity advisor too)
         and lease its hits, and the tails' `tail_objects`, to its request (`promoted`: a
-        promotion's, which the sessions unpin instead if the request ended while they were read)."""
+        promotion's, which the sessions unpin instead if the request ended while they were read).
+        A chunk has one object per rank of its combination, or one for all (replicated)."""
+        objects_per_chunk = len(hits[0]) if hits else len(combo)
         objects = [o for chunk in hits for o in chunk]
         if tail_objects:
             objects += tail_objects
         self.metrics.looked_up(len(hashes), len(hits))
-        self.capacity.record(hashes, chunk_bytes)
+        self.capacity.record(hashes, combo[0].chunk_nbytes * objects_per_chunk)
         if request_id is None:
             self.storage.unpin(objects)  # nobody to retrieve them: count, but lease nothing
             return len(hits)
-        last_chunk = None
-        if hits:
-            # A replicated cache's ranks share each chunk (one object for them all, pinned once by
-            # the lookup): every rank's RETRIEVE spends a pin of its own, so each gets one.
-            shares = world_size // len(hits[0])
-            if shares > 1:
-                self.storage.repin(objects * (shares - 1))
-                objects *= shares
-            last_chunk = hashes[len(hits) - 1]
+        # A replicated cache's ranks share each chunk (one object for them all, pinned once by the
+        # lookup): every rank's RETRIEVE spends a pin of its own, so each gets one. (A tail's
+        # objects are a chunk's: one per rank, or one for all.)
+        shares = world_size // objects_per_chunk
+        if shares > 1:
+            self.storage.repin(objects * (shares - 1))
+            objects *= shares
+        last_chunk = hashes[len(hits) - 1] if hits else None
         if promoted:
             self.sessions.promoted(request_id, objects, last_chunk)
         elif objects:  # a miss opens no session: END_SESSION would find nothing to release
