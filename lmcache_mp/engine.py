@@ -48,7 +48,7 @@ from lmcache_mp.registry import Instance, Registry
 from lmcache_mp.sessions import SessionTable
 from lmcache_mp.storage import Hits, PoolObject, ReserveFailure, Slot, StorageManager
 from lmcache_mp.storage.manager import FormatCombo
-from lmcache_mp.tails import Anchor, TailIndex, tail_identity
+from lmcache_mp.tails import TailIndex, tail_identity
 from lmcache_mp.transfer import cuda
 from lmcache_mp.transfer.context import Copies, Lane, TransferContext
 from lmcache_mp.transfer.threads import CopyThreads
@@ -167,27 +167,28 @@ class Engine:
             raise invalid("LOOKUP_CHUNKS: a chunk hash is empty")
         return self._lookup(model, world_size, request_id, chunk_hashes)
 
-    def lookup_prefix(self, model: str, world_size: int, request_id: str | None,
-                      chunk_hashes: list[bytes]) -> PrefixHit | ReplyThen | Future[PrefixHit]:
-        """LOOKUP_PREFIX: `lookup_chunks`, and the tails after its last hit (`tails.py`)."""
+    def lookup_prefix(self, model: str, world_size: int, request_id: str | None, chunk_hashes: list[bytes],
+                      window: list[bytes]) -> PrefixHit | ReplyThen | Future[PrefixHit]:
+        """LOOKUP_PREFIX: `lookup_chunks`, and the tails after its last hit whose last full block
+        is in `window` or that have none (`tails.py`)."""
         if not all(chunk_hashes):
             raise invalid("LOOKUP_PREFIX: a chunk hash is empty")
-        return self._lookup(model, world_size, request_id, chunk_hashes, tails=True)
+        return self._lookup(model, world_size, request_id, chunk_hashes, tails=window)
 
     def _lookup(self, model: str, world_size: int, request_id: str | None, hashes: list[bytes],
-                tails: bool = False) -> Any:
-        """The leading chunks held (with `tails`, a PrefixHit with the tails after them too): the
-        reply, a ReplyThen that leases the hits after it, or a Future of the reply when chunks
-        must first be promoted from a lower tier."""
+                tails: list[bytes] | None = None) -> Any:
+        """The leading chunks held (with `tails`, a window, a PrefixHit with the tails after them
+        too): the reply, a ReplyThen that leases the hits after it, or a Future of the reply when
+        chunks must first be promoted from a lower tier."""
         combos = self.registry.format_combos(model, world_size)
-        if not combos or not (hashes or tails):
+        if not combos or not (hashes or tails is not None):
             # No chunk asked for; or some rank has no registered cache: nothing could be retrieved.
-            return PrefixHit(0) if tails else 0
+            return PrefixHit(0) if tails is not None else 0
         hits = self.storage.lookup(hashes, combos) if hashes else []
 
         if isinstance(hits, list):
-            reply, tail_objects = (self._prefix_hit(model, world_size, hashes, hits, combos) if tails
-                                   else (len(hits), None))
+            reply, tail_objects = (self._prefix_hit(model, world_size, hashes, hits, combos, tails)
+                                   if tails is not None else (len(hits), None))
             # The hits are pinned already: nothing can evict them before the lease is recorded,
             # right after the reply (and before any later request, END_SESSION included, is read).
             return ReplyThen(reply, lambda: self._lease(request_id, hashes, hits, world_size, combos[0],
@@ -208,8 +209,8 @@ class Engine:
                 return
             try:
                 promoted = done.result()
-                reply, tail_objects = (self._prefix_hit(model, world_size, hashes, promoted, combos) if tails
-                                       else (len(promoted), None))
+                reply, tail_objects = (self._prefix_hit(model, world_size, hashes, promoted, combos, tails)
+                                       if tails is not None else (len(promoted), None))
                 self._lease(request_id, hashes, promoted, world_size, combos[0], promoted=True,
                             tail_objects=tail_objects)
             except BaseException as err:
@@ -221,19 +222,22 @@ class Engine:
         return answer
 
     def _prefix_hit(self, model: str, world_size: int, hashes: list[bytes], hits: Hits,
-                    combos: list[FormatCombo]) -> tuple[PrefixHit, list[PoolObject]]:
-        """LOOKUP_PREFIX's reply for these (pinned) hits, and the objects of the tails it pinned."""
+                    combos: list[FormatCombo],
+                    window: list[bytes]) -> tuple[PrefixHit, list[PoolObject]]:
+        """LOOKUP_PREFIX's reply for these (pinned) hits, and the objects of the tails it pinned.
+        The window is the prompt's last chunk and past it: 2 chunks' blocks at most are read."""
         anchor = hashes[len(hits) - 1] if hits else b""
-        held, objects = self._pin_tails((model, world_size, anchor), combos)
+        tails = self.tails.after(model, world_size, anchor, window[-2 * combos[0][0].blocks_per_chunk:])
+        held, objects = self._pin_tails(tails, combos)
         return PrefixHit(len(hits), held), objects
 
-    def _pin_tails(self, anchor: Anchor, combos: list[FormatCombo]) -> tuple[list[TailHit], list[PoolObject]]:
-        """The tails noted after `anchor` that the pool holds on every rank (in one combination),
-        pinned, newest first. One held in a lower tier only is not promoted for this: a tail is
-        worth at most one chunk's prefill."""
+    def _pin_tails(self, tails: list[TailHit],
+                   combos: list[FormatCombo]) -> tuple[list[TailHit], list[PoolObject]]:
+        """Those of `tails` the pool holds on every rank (in one combination), pinned. One held in a
+        lower tier only is not promoted for this: a tail is worth at most one chunk's prefill."""
         held: list[TailHit] = []
         objects: list[PoolObject] = []
-        for tail in self.tails.after(anchor):
+        for tail in tails:
             for combo in combos:
                 pinned = self.storage.pin([pool_key(tail_identity(tail, spec), spec.fmt) for spec in combo])
                 if pinned is not None:
@@ -249,10 +253,10 @@ class Engine:
         pool unless a request holds them. (Their pool keys need the model's formats: once no rank
         of it is registered, as when an engine exits right after a turn, they are left to the LRU.)"""
         for note in stored:
-            self.tails.note((model, world_size, note.anchor), note.tail)
+            self.tails.note(model, world_size, note.anchor, note.tail)
         keys = []
         for note in superseded:
-            self.tails.forget((model, world_size, note.anchor), note.tail.tail_hash)
+            self.tails.forget(model, world_size, note.anchor, note.tail)
             for combo in self.registry.format_combos(model, world_size):
                 keys += [pool_key(tail_identity(note.tail, spec), spec.fmt) for spec in combo]
         if keys:

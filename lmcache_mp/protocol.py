@@ -179,6 +179,9 @@ class TailHit(msgspec.Struct, array_like=True, frozen=True, gc=False):
     num_tokens: Annotated[int, msgspec.Meta(ge=1)]  # past the anchor chunk's end
     num_blocks: Annotated[int, msgspec.Meta(ge=1)]  # vLLM blocks, the last maybe partly filled
     tail_hash: Annotated[bytes, msgspec.Meta(min_length=1, max_length=64)]
+    # vLLM's hash of the tail's last full block (b"": the tail is shorter than a block): a
+    # lookup offers it only to a prompt that holds that block.
+    last_block: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
 
 
 class PrefixHit(msgspec.Struct, array_like=True, gc=False):
@@ -340,9 +343,11 @@ PROTOCOL: dict[RequestType, RequestSpec] = {
     # many keys, which made most of a LOOKUP's cost beyond a PING's (issue 14).
     RequestType.LOOKUP_CHUNKS: RequestSpec((str, int, str | None, list[bytes]), int, HandlerKind.DEFERRED,
                                             KEYS_PAYLOAD),
-    # LOOKUP_PREFIX(as LOOKUP_CHUNKS) -> the leading chunks held, as LOOKUP_CHUNKS counts them,
-    # and the tails noted after the last of them that the pool holds, leased too (`tails.py`).
-    RequestType.LOOKUP_PREFIX: RequestSpec((str, int, str | None, list[bytes]), PrefixHit,
+    # LOOKUP_PREFIX(as LOOKUP_CHUNKS, then the window: vLLM's block hashes of the prompt's last
+    # chunk and past it) -> the leading chunks held, as LOOKUP_CHUNKS counts them, and the tails
+    # noted after the last of them whose last full block is in the window (or that have none)
+    # that the pool holds, leased too (`tails.py`).
+    RequestType.LOOKUP_PREFIX: RequestSpec((str, int, str | None, list[bytes], list[bytes]), PrefixHit,
                                             HandlerKind.DEFERRED, KEYS_PAYLOAD),
     # NOTE_TAILS(model name, world size, tails stored, tails superseded): index the first (their
     # STOREs may land later), forget the second and free them from the pool where unleased. Fire

@@ -11,71 +11,100 @@ answers with the tails held after the last chunk it found, and the connector kee
 one whose key its own tokens reproduce: the daemon never sees tokens, and a wrong or stale
 entry here is a miss, never wrong KV (RETRIEVE computes the stored identity itself).
 
-Bounded: at most `MAX_PER_ANCHOR` tails per anchor (the newest) and `MAX_ANCHORS` anchors (the
-least recently noted or found go first). Memory only: after a restart, the tails the daemon
-still holds (pool file, disk) are found again once a request notes them.
+Many conversations may follow one anchor: every short one follows b"", and every one that
+shares a system prompt of a chunk or more follows its last chunk. So a tail of a full block or
+more is indexed by its last full block instead (vLLM's block hash, which chains through every
+token before it: one conversation's), and a lookup sends the block hashes of its prompt's last
+chunk and past it (the *window*, a bounded number): the tails offered are those indexed by a
+block of the window, and those shorter than a block after the anchor.
+
+Bounded: at most `MAX_PER_KEY` tails per key (the newest) and `MAX_TAILS` in all (the least
+recently noted or found keys go first). Memory only: after a restart, the tails the daemon still
+holds (pool file, disk) are found again once a request notes them.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable
 
 from lmcache_mp.keys import short_chunk_hash
 from lmcache_mp.protocol import TailHit
 from lmcache_mp.storage.manager import RankSpec
 
-MAX_PER_ANCHOR = 8
-MAX_ANCHORS = 65_536
+MAX_PER_KEY = 8
+MAX_TAILS = 262_144  # ~150 bytes each: ~40 MiB at most
 
-Anchor = tuple[str, int, bytes]  # (model, world size, the key of the chunk before the tail)
+# Where a tail is indexed: (model, world size, "block", its last full block's hash), or, for a
+# tail shorter than a block, (model, world size, "anchor", the key of the chunk before it).
+_Key = tuple[str, int, str, bytes]
+
+
+def _key(model: str, world_size: int, anchor: bytes, tail: TailHit) -> _Key:
+    if tail.last_block:
+        return model, world_size, "block", tail.last_block
+    return model, world_size, "anchor", anchor
 
 
 class TailIndex:
-    """The tails noted per anchor, newest first. Thread-safe: NOTE_TAILS on the socket thread,
+    """The tails noted, newest first per key. Thread-safe: NOTE_TAILS on the socket thread,
     LOOKUP_PREFIX there or on a promotion's reader thread."""
 
-    def __init__(self, max_anchors: int = MAX_ANCHORS, max_per_anchor: int = MAX_PER_ANCHOR):
-        self._max_anchors = max_anchors
-        self._max_per_anchor = max_per_anchor
+    def __init__(self, max_tails: int = MAX_TAILS, max_per_key: int = MAX_PER_KEY):
+        self._max_tails = max_tails
+        self._max_per_key = max_per_key
+        self._count = 0
         self._lock = threading.Lock()
-        self._tails: OrderedDict[Anchor, list[TailHit]] = OrderedDict()
+        self._tails: OrderedDict[_Key, list[TailHit]] = OrderedDict()
         self.offered_total = 0  # tails a LOOKUP_PREFIX answered with (STATUS, /metrics)
 
-    def note(self, anchor: Anchor, tail: TailHit) -> None:
-        """A tail stored (or about to be) after `anchor`: the newest of its anchor."""
+    def note(self, model: str, world_size: int, anchor: bytes, tail: TailHit) -> None:
+        """A tail stored (or about to be) after the chunk `anchor`: the newest of its key."""
+        key = _key(model, world_size, anchor, tail)
         with self._lock:
-            tails = self._tails.pop(anchor, [])
-            tails = [tail, *(t for t in tails if t.tail_hash != tail.tail_hash)][:self._max_per_anchor]
-            self._tails[anchor] = tails
-            while len(self._tails) > self._max_anchors:
-                self._tails.popitem(last=False)
+            old = self._tails.pop(key, [])
+            tails = [tail, *(t for t in old if t.tail_hash != tail.tail_hash)][:self._max_per_key]
+            self._tails[key] = tails
+            self._count += len(tails) - len(old)
+            while self._count > self._max_tails:
+                _, dropped = self._tails.popitem(last=False)
+                self._count -= len(dropped)
 
-    def forget(self, anchor: Anchor, tail_hash: bytes) -> None:
+    def forget(self, model: str, world_size: int, anchor: bytes, tail: TailHit) -> None:
+        key = _key(model, world_size, anchor, tail)
         with self._lock:
-            tails = self._tails.get(anchor)
+            tails = self._tails.get(key)
             if tails is None:
                 return
-            tails[:] = [t for t in tails if t.tail_hash != tail_hash]
-            if not tails:
-                del self._tails[anchor]
+            kept = [t for t in tails if t.tail_hash != tail.tail_hash]
+            self._count -= len(tails) - len(kept)
+            if kept:
+                self._tails[key] = kept
+            else:
+                del self._tails[key]
 
-    def after(self, anchor: Anchor) -> list[TailHit]:
-        """The tails noted after `anchor`, newest first."""
+    def after(self, model: str, world_size: int, anchor: bytes, window: Iterable[bytes]) -> list[TailHit]:
+        """The tails that may follow the chunk `anchor` in a prompt whose last blocks are
+        `window`: those indexed by a block of the window, and those shorter than a block after
+        `anchor`; newest first within each key."""
+        keys = [(model, world_size, "anchor", anchor), *((model, world_size, "block", b) for b in window)]
+        found: list[TailHit] = []
         with self._lock:
-            tails = self._tails.get(anchor)
-            if tails is None:
-                return []
-            self._tails.move_to_end(anchor)
-            return list(tails)
+            for key in keys:
+                tails = self._tails.get(key)
+                if tails is not None:
+                    self._tails.move_to_end(key)
+                    found += tails
+        return found
 
     def clear(self) -> None:
         with self._lock:
             self._tails.clear()
+            self._count = 0
 
     def __len__(self) -> int:
-        with self._lock:
-            return sum(map(len, self._tails.values()))
+        return self._count
 
 
 def tail_identity(tail: TailHit, spec: RankSpec) -> bytes:

@@ -34,7 +34,7 @@ PHASES: dict[str, tuple[type, str]] = {
     "LOOKUP handler (engine.lookup)": (engine.Engine, "lookup"),
     "LOOKUP_CHUNKS handler (engine.lookup_chunks)": (engine.Engine, "lookup_chunks"),
     "LOOKUP_PREFIX handler (engine.lookup_prefix)": (engine.Engine, "lookup_prefix"),
-    "  the tails after the hit (Engine._pin_tails)": (engine.Engine, "_pin_tails"),
+    "  the tails after the hit (Engine._prefix_hit)": (engine.Engine, "_prefix_hit"),
     "  key mapping (lookup_hashes)": (keys.ChunkMapper, "lookup_hashes"),
     "  key mapping (op_chunks, token keys)": (keys.ChunkMapper, "op_chunks"),
     "  ranks and fingerprints (registry)": (engine.Registry, "format_combos"),

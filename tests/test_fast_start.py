@@ -85,7 +85,7 @@ _REFUSED: dict[RequestType, list] = {
     RequestType.CANCEL_TRANSFERS: [7, ["r"]],
     RequestType.RELEASE_LEASES: [[_ANY_RANK]],
     RequestType.KV_EVENTS: [0, ["m"], 10],
-    RequestType.LOOKUP_PREFIX: ["m", 1, "r", [b"\1" * 32]],
+    RequestType.LOOKUP_PREFIX: ["m", 1, "r", [b"\1" * 32], []],
     RequestType.NOTE_TAILS: ["m", 1, [], []],
 }
 assert set(_REFUSED) == set(RequestType) - _EARLY

@@ -63,8 +63,8 @@ PAYLOADS = {
     RequestType.LOOKUP_CHUNKS: ["m", 2, "req-1", [b"\x01" * 32, b"\x02" * 32]],
     RequestType.CANCEL_TRANSFERS: [1, ["req-1", "req-2"]],
     RequestType.KV_EVENTS: [12, ["m"], 4096],
-    RequestType.LOOKUP_PREFIX: ["m", 2, "req-1", [b"\x01" * 32]],
-    RequestType.NOTE_TAILS: ["m", 2, [TailNote(b"\x01" * 32, TailHit(40, 3, b"\x03" * 32))],
+    RequestType.LOOKUP_PREFIX: ["m", 2, "req-1", [b"\x01" * 32], [b"\x05" * 32]],
+    RequestType.NOTE_TAILS: ["m", 2, [TailNote(b"\x01" * 32, TailHit(40, 3, b"\x03" * 32, b"\x05" * 32))],
                              [TailNote(b"", TailHit(7, 1, b"\x04" * 32))]],
 }
 REPLIES = {

@@ -150,3 +150,22 @@ def test_a_tail_from_token_0_is_found_and_leased_without_any_chunk(daemon: Daemo
     wait_for_leases(daemon.url, 1, 1)
     scheduler.end_session("again")
     wait_for_leases(daemon.url, 0, 0)
+
+
+@pytest.mark.daemon_args(*DAEMON_ARGS)
+def test_among_many_conversations_after_one_chunk_each_turn_gets_its_own(daemon: DaemonProcess, worker_for,
+                                                                        scheduler: Scheduler) -> None:
+    """Shared first chunks (a system prompt) and many conversations after them: each tail of a
+    full block or more is found by its last block, which the lookup's window holds (its prompt's
+    last chunk and past it), however many others were noted after the same chunk since."""
+    source = worker_for(daemon.url, seed=1)
+    mine = TailHit(BLOCK + 5, 2, b"my-tail".ljust(32, b"."), last_block=HASHES[2 * BPC])
+    _store(source, "turn-1", _op(list(range(6)), CHUNKS, tail=mine))
+    others = [TailNote(ANCHOR, TailHit(BLOCK + 1, 2, b"%d" % i * 4, last_block=b"%d" % i * 8))
+              for i in range(50)]
+    scheduler.note_tails([TailNote(ANCHOR, mine), *others], [])
+    wait_for(lambda: _lookup(scheduler, "probe", HASHES, keep=False)[1] == [mine], "NOTE_TAILS taken")
+    wait_for_leases(daemon.url, 0, 0)
+    # A prompt without that block (another conversation's) is offered nothing.
+    other_prompt = block_hashes(HISTORY[:2 * CHUNK] + [7] * BLOCK)
+    assert _lookup(scheduler, "other", other_prompt, keep=False) == (2 * CHUNK, [])

@@ -9,7 +9,9 @@ under its *anchor*, the key of the chunk before it (`lmcache_mp.tails`).
 Its key names the tail's tokens and all before them: vLLM's hash of the tail's last full block
 (which chains through every earlier token, with the request's LoRA, cache salt and multimodal
 inputs), or of the anchor's last block, and the tokens past it. A returning turn gets the
-tails noted after its last chunk hit, and keeps the longest whose key its own tokens reproduce,
+tails noted after its last chunk hit (those whose last full block its prompt's last chunk or
+later blocks hold: the daemon's window, `lmcache_mp.tails`), and keeps the longest whose key its
+own tokens reproduce,
 so a tail that is not the request's own history is never loaded. Multimodal requests get no
 tail: the tokens past the last full block would name an image by its placeholder alone.
 """
@@ -96,7 +98,9 @@ def finish_store(request: Request, block_ids: list[int], saved_chunks: int, chun
     if num_tokens:
         key = tail_hash(hashes, request.all_token_ids, chunks * chunk_tokens, num_tokens, block_size,
                         request_salt(request))
-        note = TailNote(hashes[full_end - 1] if chunks else b"", TailHit(num_tokens, tail_blocks, key))
+        last_block = hashes[end // block_size - 1] if num_tokens >= block_size else b""
+        anchor = hashes[full_end - 1] if chunks else b""
+        note = TailNote(anchor, TailHit(num_tokens, tail_blocks, key, last_block))
     op = LoadStoreOp(block_ids[start:full_end + tail_blocks], block_hashes=list(hashes[start:full_end]),
                      tail_hash=note.tail.tail_hash if note is not None else None)
     return FinishStore(op, note)

@@ -42,25 +42,48 @@ class Request:
 
 def _tail(request: Request, start: int, num_tokens: int) -> TailHit:
     salt = request_salt(request)
-    key = tail_hash(request.block_hashes, request.all_token_ids, start, num_tokens, BLOCK, salt)
-    return TailHit(num_tokens, -(-num_tokens // BLOCK), key)
+    hashes = request.block_hashes
+    key = tail_hash(hashes, request.all_token_ids, start, num_tokens, BLOCK, salt)
+    last_block = hashes[(start + num_tokens) // BLOCK - 1] if num_tokens >= BLOCK else b""
+    return TailHit(num_tokens, -(-num_tokens // BLOCK), key, last_block)
 
 
-def test_the_index_keeps_the_newest_tails_per_anchor_and_the_most_recent_anchors() -> None:
-    index = TailIndex(max_anchors=2, max_per_anchor=2)
-    tails = [TailHit(i + 1, 1, bytes([i])) for i in range(3)]
+def test_the_index_keeps_the_newest_tails_per_key_within_its_bound() -> None:
+    index = TailIndex(max_tails=3, max_per_key=2)
+    tails = [TailHit(i + 1, 1, bytes([i])) for i in range(3)]  # shorter than a block: by anchor
+
+    def after(anchor: bytes, world_size: int = 1) -> list[TailHit]:
+        return index.after("m", world_size, anchor, [])
+
     for tail in tails:
-        index.note(("m", 1, b"a"), tail)
-    assert index.after(("m", 1, b"a")) == [tails[2], tails[1]]  # newest first, two kept
-    index.note(("m", 1, b"a"), tails[1])  # noted again: the newest, not twice
-    assert index.after(("m", 1, b"a")) == [tails[1], tails[2]]
-    assert index.after(("m", 2, b"a")) == []  # another world size: another anchor
-    index.note(("m", 1, b"b"), tails[0])
-    index.after(("m", 1, b"a"))  # found: the most recent anchor
-    index.note(("m", 1, b"c"), tails[0])  # a third anchor: the least recent ("b") goes
-    assert index.after(("m", 1, b"b")) == [] and len(index) == 3
-    index.forget(("m", 1, b"a"), tails[1].tail_hash)
-    assert index.after(("m", 1, b"a")) == [tails[2]]
+        index.note("m", 1, b"a", tail)
+    assert after(b"a") == [tails[2], tails[1]]  # newest first, two kept
+    index.note("m", 1, b"a", tails[1])  # noted again: the newest, not twice
+    assert after(b"a") == [tails[1], tails[2]] and len(index) == 2
+    assert after(b"a", world_size=2) == []  # another world size: another key
+    index.note("m", 1, b"b", tails[0])
+    after(b"a")  # found: the most recently used key
+    index.note("m", 1, b"c", tails[0])  # a fourth tail: the least recently used key ("b") goes
+    assert after(b"b") == [] and len(index) == 3
+    index.forget("m", 1, b"a", tails[1])
+    assert after(b"a") == [tails[2]] and len(index) == 2
+
+
+def test_many_conversations_after_one_anchor_each_find_their_own_tail() -> None:
+    """A shared system prompt: a thousand conversations' tails follow its chunk. Each lookup gets
+    the one whose last full block its prompt holds (in its window), and the tails after the
+    anchor that are shorter than a block."""
+    index = TailIndex()
+    anchor = b"system prompt"
+    tails = [TailHit(40, 3, i.to_bytes(4, "big"), last_block=b"block %d" % i) for i in range(1000)]
+    for tail in tails:
+        index.note("m", 1, anchor, tail)
+    tiny = TailHit(5, 1, b"tiny")
+    index.note("m", 1, anchor, tiny)
+    for i in (0, 500, 999):
+        assert index.after("m", 1, anchor, [b"block x", b"block %d" % i]) == [tiny, tails[i]]
+    assert index.after("m", 1, b"another chunk", [b"block 7"]) == [tails[7]]  # the block decides
+    assert len(index) == 1001
 
 
 def test_a_request_keeps_only_the_longest_tail_its_own_tokens_reproduce() -> None:
