@@ -22,20 +22,19 @@ import sys
 from daemon_profile import run_daemon
 
 from lmcache_mp import engine
+from lmcache_mp.protocol import PrefixHit
 from lmcache_mp.storage.pool import _is_object
 
 
 def _walk_only(self: engine.Engine, model: str, world_size: int, request_id: str | None,
-               hashes: list[bytes]) -> int:
-    """`Engine._lookup` without pins, leases or lower tiers: the leading chunks every rank has."""
-    if not hashes:
-        return 0
+               hashes: list[bytes], tails: list[bytes] | None = None) -> int | PrefixHit:
+    """`Engine._lookup` without pins, leases, tails or lower tiers: the leading chunks every rank
+    has (as a PrefixHit without tails for LOOKUP_PREFIX, `tails` its window)."""
     combos = self.registry.format_combos(model, world_size)
-    if not combos:
-        return 0
     readable = self.storage.pool._readable  # the pool's READY index, which pin_prefix walks
-    return min(len(list(itertools.takewhile(_is_object, map(readable.get, zip(
-        hashes, itertools.repeat(spec.fmt.fingerprint)))))) for spec in combos[0])
+    found = min(len(list(itertools.takewhile(_is_object, map(readable.get, zip(
+        hashes, itertools.repeat(spec.fmt.fingerprint)))))) for spec in combos[0]) if hashes and combos else 0
+    return found if tails is None else PrefixHit(found)
 
 
 def main() -> None:

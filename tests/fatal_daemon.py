@@ -20,11 +20,11 @@ MESSAGE = "a copy on cuda:0 failed: CUDA error: an illegal memory access was enc
 _operation = TransferContext.operation
 
 
-def _failing(self: TransferContext, block_ids: list[int], event_handle: bytes,
-             lane: Lane) -> Iterator[Copies]:
+def _failing(self: TransferContext, block_ids: list[int], event_handle: bytes, lane: Lane,
+             chunk_blocks: list[int] | None = None) -> Iterator[Copies]:
     if lane is Lane.STORE:
         raise FatalError(MESSAGE)
-    return _operation(self, block_ids, event_handle, lane)
+    return _operation(self, block_ids, event_handle, lane, chunk_blocks)
 
 
 if __name__ == "__main__":

@@ -54,8 +54,9 @@ CUDA_STATE = CUDA.state  # the same handles test_foundation.py round-trips
 HANDLES_HEX = (
     "92c717029600cd1000a862666c6f61743136930204089320080100c76d0196a84750552d757569649800c440"
     + "00" * 64 + "cd040000c40372656600c403657674c3a7666c6f6174313692040492040100")
-HASH_KEY_HEX = "98a16d02c0c420" + "01" * 32 + "900000a57265712d31"
-TOKEN_KEY_HEX = "98a16d0100c400930102030003a172"
+# Protocol 4 added `num_blocks` (a short chunk's blocks), the last element of every key.
+HASH_KEY_HEX = "99a16d02c0c420" + "01" * 32 + "900000a57265712d3100"
+TOKEN_KEY_HEX = "99a16d0100c400930102030003a17200"
 
 
 def _python(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
