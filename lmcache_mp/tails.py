@@ -57,6 +57,9 @@ class TailIndex:
         self._count = 0
         self._lock = threading.Lock()
         self._tails: OrderedDict[_Key, list[TailHit]] = OrderedDict()
+        # Per (model, world size), the last blocks indexed: a lookup intersects its window with
+        # them (at C speed) rather than looking up a key per block of the window.
+        self._blocks: dict[tuple[str, int], set[bytes]] = {}
         self.offered_total = 0  # tails a LOOKUP_PREFIX answered with (STATUS, /metrics)
 
     def note(self, model: str, world_size: int, anchor: bytes, tail: TailHit) -> None:
@@ -65,32 +68,42 @@ class TailIndex:
         with self._lock:
             old = self._tails.pop(key, [])
             tails = [tail, *(t for t in old if t.tail_hash != tail.tail_hash)][:self._max_per_key]
-            self._tails[key] = tails
-            self._count += len(tails) - len(old)
+            self._set(key, tails, len(old))
             while self._count > self._max_tails:
-                _, dropped = self._tails.popitem(last=False)
-                self._count -= len(dropped)
+                dropped_key, dropped = self._tails.popitem(last=False)
+                self._set(dropped_key, [], len(dropped))  # its count, and its block
 
     def forget(self, model: str, world_size: int, anchor: bytes, tail: TailHit) -> None:
         key = _key(model, world_size, anchor, tail)
         with self._lock:
             tails = self._tails.get(key)
-            if tails is None:
-                return
-            kept = [t for t in tails if t.tail_hash != tail.tail_hash]
-            self._count -= len(tails) - len(kept)
-            if kept:
-                self._tails[key] = kept
-            else:
-                del self._tails[key]
+            if tails is not None:
+                self._set(key, [t for t in tails if t.tail_hash != tail.tail_hash], len(tails))
+
+    def _set(self, key: _Key, tails: list[TailHit], before: int) -> None:
+        """Under the lock: `key`'s tails are now `tails` (none: the key goes), `before` earlier."""
+        self._count += len(tails) - before
+        model, world_size, kind, value = key
+        blocks = self._blocks.setdefault((model, world_size), set()) if kind == "block" else None
+        if tails:
+            self._tails[key] = tails
+            if blocks is not None:
+                blocks.add(value)
+            return
+        self._tails.pop(key, None)
+        if blocks is not None:
+            blocks.discard(value)
 
     def after(self, model: str, world_size: int, anchor: bytes, window: Iterable[bytes]) -> list[TailHit]:
         """The tails that may follow the chunk `anchor` in a prompt whose last blocks are
         `window`: those indexed by a block of the window, and those shorter than a block after
         `anchor`; newest first within each key."""
-        keys = [(model, world_size, "anchor", anchor), *((model, world_size, "block", b) for b in window)]
         found: list[TailHit] = []
         with self._lock:
+            blocks = self._blocks.get((model, world_size))
+            keys = [(model, world_size, "anchor", anchor)]
+            if blocks:
+                keys += [(model, world_size, "block", b) for b in blocks.intersection(window)]
             for key in keys:
                 tails = self._tails.get(key)
                 if tails is not None:
@@ -101,6 +114,7 @@ class TailIndex:
     def clear(self) -> None:
         with self._lock:
             self._tails.clear()
+            self._blocks.clear()
             self._count = 0
 
     def __len__(self) -> int:

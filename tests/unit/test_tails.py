@@ -84,6 +84,13 @@ def test_many_conversations_after_one_anchor_each_find_their_own_tail() -> None:
         assert index.after("m", 1, anchor, [b"block x", b"block %d" % i]) == [tiny, tails[i]]
     assert index.after("m", 1, b"another chunk", [b"block 7"]) == [tails[7]]  # the block decides
     assert len(index) == 1001
+    small = TailIndex(max_tails=2)
+    for tail in tails[:3]:
+        small.note("m", 1, anchor, tail)
+    found = small.after("m", 1, anchor, [b"block 0", b"block 1", b"block 2"])
+    assert sorted(found, key=lambda t: t.tail_hash) == [tails[1], tails[2]]  # the oldest went
+    small.forget("m", 1, anchor, tails[1])
+    assert small.after("m", 1, anchor, [b"block 1", b"block 2"]) == [tails[2]] and len(small) == 1
 
 
 def test_a_request_keeps_only_the_longest_tail_its_own_tokens_reproduce() -> None:
