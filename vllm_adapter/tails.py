@@ -89,8 +89,8 @@ def finish_store(request: Request, block_ids: list[int], saved_chunks: int, chun
     chunk_tokens = chunk_blocks * block_size
     chunks = end // chunk_tokens
     num_tokens = end - chunks * chunk_tokens
-    if chunks <= saved_chunks and not num_tokens:
-        return None
+    if saved_chunks > chunks or (saved_chunks == chunks and not num_tokens):
+        return None  # all of it is in chunks stored already
     start, full_end = saved_chunks * chunk_blocks, chunks * chunk_blocks
     tail_blocks = -(-num_tokens // block_size)
     hashes = request.block_hashes

@@ -129,6 +129,8 @@ def test_a_finished_request_stores_its_unstored_chunks_and_its_tail() -> None:
     on_boundary = finish_store(request, table, 2, BPC, BLOCK, 3 * CHUNK)
     assert on_boundary is not None and on_boundary.note is None and on_boundary.op.tail_hash is None
     assert finish_store(request, table, 3, BPC, BLOCK, 3 * CHUNK) is None
+    # A whole-prompt hit of 4 chunks, ended before its last chunk's end: nothing left to store.
+    assert finish_store(request, table, 4, BPC, BLOCK, 3 * CHUNK + 5) is None
 
 
 def test_a_short_chunk_is_known_by_its_length() -> None:
