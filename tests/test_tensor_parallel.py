@@ -321,8 +321,7 @@ def test_vllm_tp2_engines_store_and_load_per_rank(short_tmp: Path) -> None:
     without the connector."""
     pytest.importorskip("vllm")
     model = short_tmp / "tiny-llama-f32"
-    subprocess.run([sys.executable, str(real.REPO / "scripts" / "make_tiny_model.py"), str(model),
-                    "--dtype", "float32"], check=True, capture_output=True, timeout=120)
+    real.make_tiny_llama(model)
     (baseline,) = real.run_engine(tp_spec(model, None, [real.PROMPTS], prefix_caching=False),
                                   short_tmp / "baseline.log", TP_ENV, TP_TIMEOUT_S)
     assert real.cached(baseline) == [0] * len(real.PROMPTS)

@@ -45,6 +45,7 @@ from tests.vllm_engines import (
     cached,
     daemon_fixture,  # noqa: F401
     engine_spec,
+    make_tiny_llama,
     run_engine,
     tokens,
     work_dir_fixture,  # noqa: F401
@@ -55,10 +56,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 @pytest.fixture(scope="module")
 def tiny_model(work_dir: Path) -> Path:
-    out = work_dir / "tiny-llama-f32"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), str(out),
-                    "--dtype", "float32"], check=True, capture_output=True, timeout=120)
-    return out
+    return make_tiny_llama(work_dir / "tiny-llama-f32")
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,6 @@ say its daemon holds agrees with the daemon's LOOKUP."""
 from __future__ import annotations
 
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,7 @@ from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import RequestType
 from tests.helpers import wait_for, wait_for_status
 from tests.kv_event_subscriber import Subscriber
-from tests.vllm_engines import BLOCK, CHUNK, ENV, REPO, VllmEngine, engine_spec
+from tests.vllm_engines import BLOCK, CHUNK, ENV, VllmEngine, engine_spec, make_tiny_llama
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -39,10 +37,7 @@ FILLERS = 6
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("kv-events") / "tiny-llama-f32"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), str(out),
-                    "--dtype", "float32"], check=True, capture_output=True, timeout=120)
-    return out
+    return make_tiny_llama(tmp_path_factory.mktemp("kv-events") / "tiny-llama-f32")
 
 
 def block_chain(stored: list, tokens: list[int]) -> list[bytes]:

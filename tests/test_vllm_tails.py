@@ -9,8 +9,6 @@ as an engine whose own prefix cache holds everything (the floor)."""
 from __future__ import annotations
 
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,12 +19,12 @@ from tests.helpers import wait_for_status
 from tests.vllm_engines import (
     CHUNK,
     MAX_TOKENS,
-    REPO,
     DaemonUnderTest,
     VllmEngine,
     cached,
     daemon_fixture,  # noqa: F401
     engine_spec,
+    make_tiny_llama,
     run_engine,
     tokens,
     work_dir_fixture,  # noqa: F401
@@ -57,10 +55,7 @@ def _histories() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def model(work_dir: Path) -> Path:
-    out = work_dir / "tiny-llama-f32"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), str(out),
-                    "--dtype", "float32"], check=True, capture_output=True, timeout=120)
-    return out
+    return make_tiny_llama(work_dir / "tiny-llama-f32")
 
 
 @pytest.fixture(scope="module")

@@ -130,6 +130,13 @@ def run_engine(spec: dict[str, Any], log_path: Path, env: dict[str, str] = ENV,
         engine.kill()
 
 
+def make_tiny_llama(out: Path) -> Path:
+    """The tiny random-weight Llama of these tests (fp32), written to `out`."""
+    subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), str(out),
+                    "--dtype", "float32"], check=True, capture_output=True, timeout=120)
+    return out
+
+
 def cached(outputs: list[dict[str, Any]]) -> list[int]:
     return [o["num_cached_tokens"] for o in outputs]
 
