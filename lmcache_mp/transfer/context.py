@@ -219,7 +219,6 @@ class Copies:
                  staging: torch.Tensor | None, device_ids: torch.Tensor | None):
         self._ctx = context
         self._block_ids = block_ids
-        self._chunk_blocks = chunk_blocks
         self._starts = None if chunk_blocks is None else list(itertools.accumulate(chunk_blocks, initial=0))
         self._staging = staging  # the lane's, when staged
         self._device_ids = device_ids
