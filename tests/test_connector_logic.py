@@ -58,6 +58,19 @@ def store_prompt(scheduler: SchedulerSide, worker: Worker, req: Any, tables: dic
     worker.wait_reported("sent", req.request_id)
 
 
+def clear_all(raw: MessageQueueClient, expected: int = 2) -> int:
+    """CLEAR until `expected` chunks are gone; how many went. CLEAR leaves pinned chunks, and the
+    pool's sealer pins each new chunk while it checksums it."""
+    cleared = [0]
+
+    def clear() -> bool:
+        cleared[0] += raw.submit(RequestType.CLEAR, []).result(10)
+        return cleared[0] >= expected
+
+    wait_for(clear, f"{expected} chunks cleared")
+    return cleared[0]
+
+
 @pytest.fixture
 def halves(daemon: DaemonProcess) -> Iterator[tuple[SchedulerSide, Worker]]:
     settings = ConnectorSettings(url=daemon.url, reconnect_interval_s=0.3, load_mode="async")
@@ -137,16 +150,7 @@ def test_failed_load_is_reported_and_recomputed(halves: tuple[SchedulerSide, Wor
     raw = MessageQueueClient(daemon.url)
     try:  # the chunks vanish between the lookup and the load
         raw.submit(RequestType.END_SESSION, ["r"]).result(10)
-        # CLEAR leaves pinned chunks, and the pool's sealer pins each new chunk while it
-        # checksums it: cleared again until both are gone.
-        cleared = [0]
-
-        def clear() -> bool:
-            cleared[0] += raw.submit(RequestType.CLEAR, []).result(10)
-            return cleared[0] >= 2
-
-        wait_for(clear, "both chunks cleared")
-        assert cleared[0] == 2
+        assert clear_all(raw) == 2
     finally:
         raw.close()
     worker.run(scheduler.build_connector_meta(step(tables)))
@@ -189,7 +193,7 @@ def test_sync_loads_complete_before_the_forward_pass(daemon: DaemonProcess) -> N
         raw = MessageQueueClient(daemon.url)
         try:  # now the chunks vanish before the next sync load: its blocks are reported at once
             raw.submit(RequestType.END_SESSION, ["x"]).result(10)
-            assert raw.submit(RequestType.CLEAR, []).result(10) == 2
+            assert clear_all(raw) == 2
         finally:
             raw.close()
         scheduler.update_state_after_alloc(exact, Blocks(tables["x"][:4]), CHUNK)
