@@ -18,8 +18,9 @@ Cases, each registered through `LMCacheMPWorkerAdapter` under the backend name v
   FLASHINFER/split   vLLM blocks of 32 tokens split into kernel blocks of 16
 Each case runs rounds of STORE (one request's chunks from scattered blocks), LOOKUP (through
 `LMCacheMPSchedulerAdapter`, every chunk must hit) and RETRIEVE into other scattered blocks, every
-byte compared. The first round checks ordering and skips: on CUDA the worker writes the pages
-behind a long kernel on a side stream and STOREs at once with an interprocess event recorded after
+byte compared. The first round checks ordering, skips and a tail (a short chunk of 3 blocks, filling
+the first pages of its object and of the staging buffer): on CUDA the worker writes the pages behind
+a long kernel on a side stream and STOREs at once with an interprocess event recorded after
 the write (only a daemon that waits on the event stores the written bytes), then clears the
 retrieve's blocks behind such a kernel and RETRIEVEs at once (only a daemon that waits writes after
 the clearing); its RETRIEVE has -1 ids, whose blocks must stay as they were. The other rounds are
@@ -55,7 +56,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
 
 from selftest_device import CpuDevice, CudaDevice, Device, pin_timings  # noqa: E402
-from selftest_rounds import MODEL, Case, CaseReport, Worker, run_case, run_together  # noqa: E402
+from selftest_rounds import MODEL, TAIL_BLOCKS, Case, CaseReport, Worker, run_case, run_together  # noqa: E402
 from vllm_caches import allocate_like_vllm  # noqa: E402
 
 from lmcache_mp.launcher import DaemonProcess, daemon_status, start_daemon  # noqa: E402
@@ -106,7 +107,8 @@ def pool_gb(geo: Geometry, all_cases: list[Case]) -> float:
 def new_worker(url: str, case: Case, geo: Geometry, device: Device, seed: int, *, model: str = MODEL,
                world_size: int = 1, rank: int = 0) -> Worker:
     block_size = case_block_size(case, geo)
-    num_blocks = 2 * geo.chunks * (geo.chunk_size // block_size) + 8  # a few never used
+    # A request's chunks and tail, as source and as destination, and a few blocks never used.
+    num_blocks = 2 * (geo.chunks * (geo.chunk_size // block_size) + TAIL_BLOCKS) + 2
     _, caches = allocate_like_vllm(case.layers, num_blocks, case.kv_heads, block_size, case.head_size,
                                    torch.bfloat16, case.physical, case.mla, case.kernel_block_size,
                                    device=device.torch_device)
@@ -119,7 +121,9 @@ def print_progress(report: CaseReport) -> None:
     verdict = "; ".join(report.failures) or "ok"
     speeds = (f", STORE {report.store_gbps:.2f} GB/s, RETRIEVE {report.retrieve_gbps:.2f} GB/s"
               if report.store_gbps else "")
-    print(f"  {report.name}: {report.chunks_retrieved}/{report.chunks_expected} chunks retrieved{speeds}: "
+    tail = " and its tail" if report.tail_retrieved else ""
+    print(f"  {report.name}: {report.chunks_retrieved}/{report.chunks_expected} chunks{tail} retrieved"
+          f"{speeds}: "
           f"{verdict}", flush=True)
 
 

@@ -3,8 +3,11 @@ them, storing, looking up and retrieving its pages through the real adapters, ev
 
 A round: write random pages into scattered source blocks, STORE them (the daemon's STATUS must
 count one new pool object per chunk), LOOKUP (every chunk must hit), RETRIEVE into other scattered
-blocks (its leases must be spent) and compare bit for bit. Blocks are vLLM's: with a kernel-block
-split a block id names `ratio` kernel blocks, which the worker reads and writes together.
+blocks (its leases must be spent) and compare bit for bit. The ordering round's request also ends
+with a tail: `TAIL_BLOCKS` blocks past its last chunk, stored and retrieved as one short chunk
+(`vllm_adapter.tails`), which fills only the first pages of its object and of the staging buffer.
+Blocks are vLLM's: with a kernel-block split a block id names `ratio` kernel blocks, which the
+worker reads and writes together.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ MODEL = "gpu-selftest"
 POLL_S = 0.0002  # between get_finished polls while a request is timed
 WAIT_S = 120.0  # the longest a request may take before the run fails
 SKIP_EVERY = 3  # the ordering round's RETRIEVE skips (-1) every third block
+TAIL_BLOCKS = 3  # the ordering round's tail: fewer blocks than any case's chunk
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,7 @@ class CaseReport:
     chunks_stored: int = 0  # new objects in the daemon's pool, by STATUS
     chunks_hit: int = 0  # chunks the lookups found
     chunks_retrieved: int = 0  # chunks of retrieves that reported success and compared equal
+    tail_retrieved: bool = False  # the ordering round's tail stored, retrieved and equal
     bit_exact: bool = True
     ordering_checked: bool = False
     ordering_store_s: float = 0.0
@@ -115,10 +120,11 @@ class Worker:
         ratio = block_size // first.shape[2]  # kernel blocks per vLLM block
         # Per layer, dim 0 indexes vLLM's blocks (a pure view, as vLLM's `group_kernel_blocks`).
         self.blocks = [c.unflatten(0, (-1, ratio)) if ratio > 1 else c for c in caches.values()]
-        self.blocks_per_request = chunks * chunk_size // block_size
-        num_blocks = self.blocks[0].shape[0]
-        picked = random.Random(seed).sample(range(num_blocks), 2 * self.blocks_per_request)
-        self.src_ids, self.dst_ids = picked[:self.blocks_per_request], picked[self.blocks_per_request:]
+        self.blocks_per_request = chunks * chunk_size // block_size  # its whole chunks'
+        # Source and destination blocks of the request's chunks, then of its tail.
+        span = self.blocks_per_request + TAIL_BLOCKS
+        picked = random.Random(seed).sample(range(self.blocks[0].shape[0]), 2 * span)
+        self.src_ids, self.dst_ids = picked[:span], picked[span:]
         self._src_index, self._dst_index = self._index(self.src_ids), self._index(self.dst_ids)
         self.page_shape = tuple(self.blocks[0].shape[1:])
         self.request_bytes = case.layers * self.blocks_per_request * case.page_bytes(block_size)
@@ -135,8 +141,8 @@ class Worker:
         return [hashlib.sha256(f"{tag}/{b}".encode()).digest() for b in range(self.blocks_per_request)]
 
     def random_pages(self) -> torch.Tensor:
-        """[layers, blocks of a request, *page] of random bytes (any bit pattern of the dtype)."""
-        pages = torch.empty((self.case.layers, self.blocks_per_request, *self.page_shape),
+        """[layers, blocks of a request and its tail, *page] of random bytes (any bit pattern)."""
+        pages = torch.empty((self.case.layers, len(self.src_ids), *self.page_shape),
                             dtype=torch.bfloat16, device=self.device.torch_device)
         pages.view(torch.uint8).random_(0, 256)
         return pages
@@ -159,20 +165,29 @@ class Worker:
         for blocks in self.blocks:
             blocks.view(torch.uint8).index_fill_(0, self._dst_index, byte)
 
-    def store(self, request_id: str, hashes: list[bytes], event: torch.cuda.Event | None) -> float:
-        """STORE the source blocks; seconds from submit to finished."""
+    def op(self, request_id: str, hashes: list[bytes], ids: list[int], tail: bool) -> LoadStoreOp:
+        """The request's chunks in `ids`' first blocks, and with `tail`, its tail in the rest."""
+        if not tail:
+            return LoadStoreOp(ids[:self.blocks_per_request], block_hashes=hashes)
+        tail_hash = hashlib.sha256(f"{request_id}/tail".encode()).digest()
+        return LoadStoreOp(ids, block_hashes=hashes, tail_hash=tail_hash)
+
+    def store(self, request_id: str, hashes: list[bytes], event: torch.cuda.Event | None,
+              tail: bool = False) -> float:
+        """STORE the source blocks (`tail`: the tail's too); seconds from submit to finished."""
         start = time.perf_counter()
-        op = LoadStoreOp(self.src_ids, block_hashes=hashes)
+        op = self.op(request_id, hashes, self.src_ids, tail)
         self.adapter.batched_submit_store_requests([request_id], [op], event)
         _wait(lambda: request_id in self.adapter.get_finished({request_id})[0],
               f"{self.case.name}: store {request_id}")
         return time.perf_counter() - start  # `event` lived until here: past the daemon's reply
 
     def retrieve(self, request_id: str, hashes: list[bytes], ids: list[int],
-                 event: torch.cuda.Event | None) -> float:
-        """RETRIEVE into blocks `ids` (-1: skip); seconds from submit to finished."""
+                 event: torch.cuda.Event | None, tail: bool = False) -> float:
+        """RETRIEVE into blocks `ids` (-1: skip; `tail`: its last ones take the tail); seconds
+        from submit to finished."""
         start = time.perf_counter()
-        op = LoadStoreOp(ids, block_hashes=hashes)
+        op = self.op(request_id, hashes, ids, tail)
         self.adapter.batched_submit_retrieve_requests([request_id], [op], event)
         _wait(lambda: request_id in self.adapter.get_finished(set())[1],
               f"{self.case.name}: retrieve {request_id}")
@@ -180,9 +195,11 @@ class Worker:
         self.device.synchronize()
         return elapsed
 
-    def check_retrieved(self, request_id: str, pages: torch.Tensor, ids: list[int], cleared: int) -> None:
+    def check_retrieved(self, request_id: str, pages: torch.Tensor, ids: list[int], cleared: int,
+                        tail: bool = False) -> None:
         """The kept blocks hold the pages; the skipped ones (-1) still hold the `cleared` byte."""
         report = self.report
+        ids = ids if tail else ids[:self.blocks_per_request]
         if request_id in self.adapter.take_failed_retrieves():
             report.failures.append(f"{report.name}: {request_id}: the retrieve failed")
             return
@@ -198,6 +215,7 @@ class Worker:
                                    f"written; skipped blocks untouched: {untouched}")
             return
         report.chunks_retrieved += self.chunks
+        report.tail_retrieved = report.tail_retrieved or tail
 
 
 def lookup(scheduler: LMCacheMPSchedulerAdapter, request_id: str, hashes: list[bytes], expected: int,
@@ -211,15 +229,16 @@ def lookup(scheduler: LMCacheMPSchedulerAdapter, request_id: str, hashes: list[b
         report.failures.append(f"{report.name}: {request_id}: the lookup hit {hit} tokens of {expected}")
 
 
-def _check_stored(url: str, objects_before: int, workers: list[Worker]) -> None:
-    stored = daemon_status(url).objects - objects_before
+def _check_stored(url: str, objects_before: int, workers: list[Worker], tails: int = 0) -> None:
+    """The pool gained one object per chunk stored, and one per tail."""
+    stored = daemon_status(url).objects - objects_before - tails
     expected = sum(w.chunks for w in workers)
     for w in workers:
         w.report.chunks_expected += w.chunks
         w.report.chunks_stored += stored // len(workers)
     if stored != expected:
         workers[0].report.failures.append(f"{workers[0].report.name}: the daemon's pool gained {stored} "
-                                          f"objects for stores of {expected} chunks")
+                                          f"objects beside {tails} tail(s) for stores of {expected} chunks")
 
 
 def _check_no_leases(url: str, report: CaseReport, request_id: str) -> None:
@@ -271,7 +290,8 @@ def run_case(worker: Worker, scheduler: LMCacheMPSchedulerAdapter, url: str, rou
 def _round(worker: Worker, scheduler: LMCacheMPSchedulerAdapter, url: str, number: int,
            ordering: bool) -> tuple[float, float]:
     """Store fresh pages, look them up, retrieve them elsewhere, compare; (store s, retrieve s).
-    Ordering: the writes and the clearing run behind a long kernel, and the RETRIEVE skips blocks."""
+    Ordering: the writes and the clearing run behind a long kernel, the RETRIEVE skips blocks, and
+    the request ends with a tail."""
     device, request_id = worker.device, f"{worker.case.name}-{number}"
     hashes, pages = worker.hashes(request_id), worker.random_pages()
     objects_before = daemon_status(url).objects
@@ -285,8 +305,8 @@ def _round(worker: Worker, scheduler: LMCacheMPSchedulerAdapter, url: str, numbe
         event = device.record_event()
     if ordering:
         worker.report.ordering_store_pending = device.pending(event)
-    store_s = worker.store(request_id, hashes, event)
-    _check_stored(url, objects_before, [worker])
+    store_s = worker.store(request_id, hashes, event, tail=ordering)
+    _check_stored(url, objects_before, [worker], tails=int(ordering))
     lookup(scheduler, request_id, hashes, worker.chunks * worker.chunk_size, worker.report)
     ids = [-1 if ordering and i % SKIP_EVERY == 1 else b for i, b in enumerate(worker.dst_ids)]
     worker.fill_destination(0xFF)
@@ -299,8 +319,8 @@ def _round(worker: Worker, scheduler: LMCacheMPSchedulerAdapter, url: str, numbe
         event = device.record_event()
     if ordering:
         worker.report.ordering_retrieve_pending = device.pending(event)
-    retrieve_s = worker.retrieve(request_id, hashes, ids, event)
-    worker.check_retrieved(request_id, pages, ids, 0 if ordering else 0xFF)
+    retrieve_s = worker.retrieve(request_id, hashes, ids, event, tail=ordering)
+    worker.check_retrieved(request_id, pages, ids, 0 if ordering else 0xFF, tail=ordering)
     _check_no_leases(url, worker.report, request_id)
     return store_s, retrieve_s
 

@@ -52,6 +52,7 @@ def assert_every_case_round_tripped(figures: dict[str, Any], output: str) -> Non
         assert report["chunks_stored"] == expected, name
         assert report["chunks_hit"] == expected, name
         assert report["chunks_retrieved"] == expected, name
+        assert report["tail_retrieved"] is (name in CASES), name  # the ordering round's short chunk
         if name in CASES:
             for figure in ("store_gbps", "retrieve_gbps", "baseline_store_gbps", "baseline_retrieve_gbps"):
                 assert report[figure] > 0, (name, figure)
