@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
@@ -140,6 +141,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     configure_logging(cfg.log_level, cfg.log_format)
     _raise_descriptor_limit()
+    # `kill -USR1 <pid>` writes every thread's stack to stderr (the log), from the signal handler
+    # itself: it needs no GIL, so it also shows a daemon whose threads are all stuck.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     # Here, once the settings are good: `ping` and `status` need neither the server nor
     # prometheus_client.
     from lmcache_mp.daemon import Daemon

@@ -38,6 +38,27 @@ class DaemonProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def threads(self, wait_s: float = 5.0) -> str:
+        """What each of the daemon's threads is doing, for a report of a daemon that stopped
+        answering: the kernel's view (state, where it sleeps, CPU ticks; it needs no answer from
+        the daemon), then the Python stacks its SIGUSR1 handler writes into its log (`cli.py`;
+        they need no GIL, only that the process gets some CPU within `wait_s`)."""
+        if self.proc.poll() is not None:
+            return f"the daemon exited with {self.proc.returncode}"
+        lines = [f"pid {self.proc.pid}; per thread: tid name state wchan utime stime (ticks)"]
+        for task in sorted(Path(f"/proc/{self.proc.pid}/task").iterdir()):
+            with contextlib.suppress(OSError):
+                fields = (task / "stat").read_text().rpartition(")")[2].split()
+                lines.append(f"  {task.name} {(task / 'comm').read_text().strip()} {fields[0]} "
+                             f"{(task / 'wchan').read_text() or '-'} {fields[11]} {fields[12]}")
+        before = len(self.log())
+        self.proc.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + wait_s
+        while "Thread 0x" not in self.log()[before:] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)  # the rest of the dump
+        return "\n".join(lines) + "\n" + (self.log()[before:] or "(no stacks written)")
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0, *, keep_pool: bool = False) -> int:
         """Signal the daemon and wait for it; then discard its pool file (the memory it holds),
         unless `keep_pool`: the next daemon started as this one was then adopts it."""

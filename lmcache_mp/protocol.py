@@ -278,9 +278,11 @@ class StatusReport(msgspec.Struct, gc=False):
     kv_events_batches_total: int = 0
     kv_events_published_total: int = 0
     kv_events_dropped_total: int = 0
-    # Requests' tails (`tails.py`): noted in the index now, and offered by LOOKUP_PREFIX since start.
+    # Requests' tails (`tails.py`): in the index now; noted (NOTE_TAILS) and offered by
+    # LOOKUP_PREFIX since start.
     tails_indexed: int = 0
     tails_offered_total: int = 0
+    tails_noted_total: int = 0
 
 
 class HandlerKind(enum.Enum):

@@ -56,6 +56,7 @@ class EngineStatus(msgspec.Struct, gc=False):
     kv_events_dropped_total: int
     tails_indexed: int
     tails_offered_total: int
+    tails_noted_total: int
 
 
 assert set(EngineStatus.__struct_fields__) <= set(StatusReport.__struct_fields__), \
@@ -102,6 +103,7 @@ def engine_status(engine: Engine) -> EngineStatus:
         kv_events_dropped_total=published["dropped_total"],
         tails_indexed=len(engine.tails),
         tails_offered_total=engine.tails.offered_total,
+        tails_noted_total=engine.tails.noted_total,
     )
 
 
@@ -134,7 +136,9 @@ def gauges(engine: Engine) -> dict[str, float]:
         "retrieve_split_chunks_total": engine.copy_threads.helped_chunks,
         "capacity_sampled_chunks_total": engine.capacity.sampled,
         "registered_instances": len(engine.registry.instance_ids()),
-        "tails_indexed": len(engine.tails),  # requests' tails noted (`tails.py`), and offered by LOOKUPs
+        # requests' tails in the index (`tails.py`); noted since start, and offered by LOOKUPs
+        "tails_indexed": len(engine.tails),
+        "tails_noted_total": engine.tails.noted_total,
         "tails_offered_total": engine.tails.offered_total,
         **_kv_event_counters(engine),
         "attach_channels": engine.registry.num_attach_channels,

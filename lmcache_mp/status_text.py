@@ -51,7 +51,8 @@ def render_status(url: str, s: StatusReport) -> str:
         f"lookups   {s.lookup_chunks_total:,} chunks asked, {s.lookup_hits_total:,} found: "
         f"hit rate {hit_rate}",
         f"capacity  {_advice(s)}",
-        f"tails     {s.tails_indexed:,} noted, {s.tails_offered_total:,} offered to returning turns",
+        f"tails     {s.tails_indexed:,} indexed, {s.tails_noted_total:,} noted and "
+        f"{s.tails_offered_total:,} offered to returning turns since start",
         f"kv events {_events(s)}",
         f"leases    {s.leases:,} chunks leased by {s.sessions:,} sessions",
         f"requests  {s.requests_in_flight} in flight, {s.transfers_running} copies running, "

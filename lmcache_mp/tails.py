@@ -60,6 +60,7 @@ class TailIndex:
         # Per (model, world size), the last blocks indexed: a lookup intersects its window with
         # them (at C speed) rather than looking up a key per block of the window.
         self._blocks: dict[tuple[str, int], set[bytes]] = {}
+        self.noted_total = 0  # tails NOTE_TAILS indexed (STATUS, /metrics)
         self.offered_total = 0  # tails a LOOKUP_PREFIX answered with (STATUS, /metrics)
 
     def note(self, model: str, world_size: int, anchor: bytes, tail: TailHit) -> None:
@@ -69,6 +70,7 @@ class TailIndex:
             old = self._tails.pop(key, [])
             tails = [tail, *(t for t in old if t.tail_hash != tail.tail_hash)][:self._max_per_key]
             self._set(key, tails, len(old))
+            self.noted_total += 1
             while self._count > self._max_tails:
                 dropped_key, dropped = self._tails.popitem(last=False)
                 self._set(dropped_key, [], len(dropped))  # its count, and its block

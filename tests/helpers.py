@@ -28,7 +28,7 @@ from lmcache_mp.chunks import ChunkFormat
 from lmcache_mp.custom_types import CudaIPCWrapper, IPCCacheEngineKey, SharedMemoryTensor
 from lmcache_mp.dispatch import ARRIVAL
 from lmcache_mp.errors import ServerError
-from lmcache_mp.launcher import daemon_status
+from lmcache_mp.launcher import DaemonProcess, daemon_status
 from lmcache_mp.launcher import free_port as free_port  # the tests import it from here
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import ChunkOutcome, RequestType, StatusReport
@@ -164,17 +164,23 @@ def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) 
 
 
 def wait_for_status(url: str, reached: Callable[[StatusReport], bool], what: str,
-                    timeout_s: float = 60) -> StatusReport:
+                    timeout_s: float = 60, daemon: DaemonProcess | None = None) -> StatusReport:
     """The first STATUS for which `reached` holds, asked until a deadline: what a worker sent
     (a STORE, a release) takes effect in the daemon later, by an amount a busy machine stretches.
     One connection, one request at a time, 50 ms apart: a new connection per request at 100 Hz
-    took enough of a busy machine's CPU to starve the daemon it was waiting for."""
+    took enough of a busy machine's CPU to starve the daemon it was waiting for. If a STATUS goes
+    unanswered, the failure shows what `daemon`'s threads were doing (`DaemonProcess.threads`)."""
     deadline = time.monotonic() + timeout_s
     client = MessageQueueClient(url)
     try:
         while True:
             # Each STATUS may take what is left of the deadline: a starved daemon answers late.
-            report = client.submit(RequestType.STATUS, []).result(max(1.0, deadline - time.monotonic()))
+            future = client.submit(RequestType.STATUS, [])
+            if not future.wait(max(1.0, deadline - time.monotonic())):
+                threads = daemon.threads() if daemon is not None else "(no daemon process given)"
+                raise AssertionError(f"STATUS unanswered until the deadline ({timeout_s} s), waiting "
+                                     f"for {what}; the daemon's threads:\n{threads}")
+            report = future.result()
             if reached(report):
                 return report
             assert time.monotonic() < deadline, f"not reached in {timeout_s} s: {what}; STATUS {report}"

@@ -337,7 +337,7 @@ def test_vllm_tp2_engines_store_and_load_per_rank(short_tmp: Path) -> None:
             # While the engine runs (both ranks registered), once its STOREs have landed: a
             # request's STORE is sent as it finishes and copied by the daemon after that.
             report = wait_for_status(daemon.url, lambda r: r.objects >= real.STORED_CHUNKS * WORLD,
-                                     "every stored chunk on both ranks")
+                                     "every stored chunk on both ranks", daemon=daemon.proc)
             (barrier / "go-1").touch()
             engine.round(1)
             engine.finish()

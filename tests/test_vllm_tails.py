@@ -53,6 +53,16 @@ def _histories() -> list[list[int]]:
     return lengths
 
 
+def _after_round(i: int) -> tuple[int, int]:
+    """(the daemon's objects, the tails noted since start) once round i's stores and notes have
+    landed: each conversation's full chunks through its last computed token (all but the answer's
+    last), and its latest tail, the older ones freed as superseded; a tail noted per turn that did
+    not end on a chunk boundary."""
+    ends = [[p + MAX_TOKENS - 1 for p in prompts] for prompts in _histories()[:i + 1]]
+    objects = sum(end // CHUNK + (end % CHUNK > 0) for end in ends[-1])
+    return objects, sum(end % CHUNK > 0 for round_ends in ends for end in round_ends)
+
+
 @pytest.fixture(scope="module")
 def model(work_dir: Path) -> Path:
     return make_tiny_llama(work_dir / "tiny-llama-f32")
@@ -74,14 +84,22 @@ def test_returning_turns_load_their_whole_history(model: Path, work_dir: Path, d
     # freed with its model's formats, known while its ranks are registered.
     barrier = work_dir / f"barrier-{prefix_caching}"
     barrier.mkdir()
-    for i in range(1, len(ROUNDS)):
-        (barrier / f"go-{i}").touch()
     spec = engine_spec(model, daemon, [*ROUNDS, [[5], [5]]], prefix_caching=prefix_caching, conversation=True,
                        barrier_dir=str(barrier))
     spec["connector"]["lmcache.mp.tails"] = True
     engine = VllmEngine(spec, work_dir / f"tails-{prefix_caching}.log")
     try:
-        turns = [engine.round(i) for i in range(len(ROUNDS))]
+        turns = []
+        for i in range(len(ROUNDS)):
+            turns.append(engine.round(i))
+            # The next turn once this one's tails are noted and stored: a finished request's tail
+            # is stored with the engine's next step, and a LOOKUP_PREFIX offers only tails the
+            # pool holds (a turn sent before that finds the chunks alone: a slower user's would not).
+            landed = _after_round(i)
+            wait_for_status(daemon.url, lambda r, want=landed: (r.objects, r.tails_noted_total) == want,
+                            f"round {i}: (objects, tails noted) {landed}", timeout_s=120,
+                            daemon=daemon.proc)
+            (barrier / f"go-{i + 1}").touch()
         assert [tokens(r) for r in turns] == floor
         prompts = _histories()
         previous = [[p + MAX_TOKENS for p in round_prompts] for round_prompts in prompts]
@@ -89,12 +107,9 @@ def test_returning_turns_load_their_whole_history(model: Path, work_dir: Path, d
         for i in range(1, len(ROUNDS)):
             # All of the history but its last token, the last answer's, whose KV was never computed.
             assert cached(turns[i]) == [h - 1 for h in previous[i - 1]], f"round {i}"
-        # What stays: each conversation's full chunks, and only its latest tail (each turn's
-        # NOTE_TAILS superseded the tail it loaded: freed).
-        ends = [h - 1 for h in previous[-1]]
-        expected = sum(end // CHUNK + (end % CHUNK > 0) for end in ends)
-        wait_for_status(daemon.url, lambda r: r.objects == expected, f"{expected} objects")
-        (barrier / f"go-{len(ROUNDS)}").touch()
+        # What stayed (while the engine is up, at the barrier before its extra round): each
+        # conversation's full chunks and only its latest tail (each turn's NOTE_TAILS superseded
+        # the tail it loaded: freed), which the waits above counted.
         engine.round(len(ROUNDS))
         engine.finish()
     finally:

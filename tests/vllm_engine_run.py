@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-BARRIER_TIMEOUT_S = 120.0
+BARRIER_TIMEOUT_S = 300.0  # past the longest wait of a test between rounds (wait_for_status: 120 s)
 
 
 def kv_transfer_config(extra_config: dict[str, Any]) -> dict[str, Any]:
