@@ -56,6 +56,7 @@ import torch
 from lmcache_mp.chunks import ChunkKey
 from lmcache_mp.pool_location import lock_pool_file
 from lmcache_mp.storage import chunk_format
+from lmcache_mp.storage.seal_process import ChecksumProcess, start_checksum_process
 
 logger = logging.getLogger(__name__)
 
@@ -230,16 +231,29 @@ class PoolFile:
             return None
         return Record(state, seq, key, parent, head)
 
-    def seal(self, offset: int, payload: torch.Tensor, pace: Callable[[], None] | None) -> None:
+    def seal(self, offset: int, payload: torch.Tensor, pace: Callable[[], None] | None,
+             hasher: ChecksumProcess | None = None) -> None:
         """Checksum a COMMITTED record's payload into its head, then mark it SEALED. `pace` is
-        called between slices: the request path's copies go first."""
+        called between slices (before the whole payload, with `hasher`): the request path's copies
+        go first. `hasher`: computed by that child process (`seal_process`), else here."""
         at = self._record_at(offset)
         _, _, parent_len, head_len = _RECORD.unpack_from(self._view, at)
         head_at = at + _RECORD.size + parent_len
         head = self._view[head_at:head_at + head_len - chunk_format.CHECKSUM_SIZE]
-        digest = chunk_format.checksum(head, payload, _SLICE_BYTES, pace)
+        if hasher is None:
+            digest = chunk_format.checksum(head, payload, _SLICE_BYTES, pace)
+        else:
+            if pace is not None:
+                pace()
+            at_in_file = self.data_offset + payload.data_ptr() - self.data.data_ptr()
+            digest = hasher.digest(bytes(head), at_in_file, payload.nbytes)
         struct.pack_into("<Q", self._view, head_at + head_len - chunk_format.CHECKSUM_SIZE, digest)
         self.set_state(offset, SEALED)
+
+    def checksum_process(self) -> ChecksumProcess | None:
+        """A child that checksums this file's bytes at the lowest priority (`seal_process`); None
+        if it cannot start."""
+        return start_checksum_process(self.fd, self.file_bytes)
 
     def close(self) -> None:
         """Release the lock (the mapping goes with the last view of it)."""

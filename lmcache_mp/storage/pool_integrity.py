@@ -4,13 +4,10 @@
   recently used first (until then readers can't see them, so it runs at normal priority: every
   chunk it has not reached yet is a miss), and ends when none is left.
 - The sealer: it computes the checksum of every chunk committed since, off the request path, so
-  that a STORE costs what it cost without a pool file. It runs at the lowest priority (nice 19):
-  measured, sealing at normal priority cost STOREs 3% of their speed in
-  scripts/bench_data_plane.py (2 cores; docs/benchmarks.md section 13). Never SCHED_IDLE: a
-  thread of this process that holds the GIL (or the pool's lock) when it is preempted stalls every
-  other until it runs again, and on a machine with no idle CPU a SCHED_IDLE thread does not (a
-  tensor-parallel vLLM engine busy on both cores stalled the daemon for minutes, STATUS
-  included). At nice 19 it still gets a share of the CPU, so such a stall lasts milliseconds.
+  that a STORE costs what it cost without a pool file. The hashing itself runs in a child process
+  at nice 19 (`seal_process`: why not a thread at low priority); the thread, at the daemon's own
+  priority, only hands it each chunk and writes the result. Without the child (it could not
+  start, or died) the thread hashes, at the daemon's priority.
 Between slices of either, they wait for a gap in the request path's copies (`pace`).
 
 A chunk committed but not yet sealed when the daemon dies is adopted on the strength of the commit
@@ -20,31 +17,26 @@ seals what is left first, within a bound.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 
 from lmcache_mp.storage.pool import MemoryPool
 from lmcache_mp.storage.pool_file import verify
+from lmcache_mp.storage.pool_objects import PoolObject
+from lmcache_mp.storage.seal_process import ChecksumProcessGone
 
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 1.0  # a commit wakes the sealer (`poke`); this only bounds a missed wake-up
 
 
-def _yield_cpu() -> None:
-    """Run the calling thread at the lowest priority (see the module docstring: not SCHED_IDLE)."""
-    with contextlib.suppress(OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-
-
 class PoolIntegrity:
     def __init__(self, pool: MemoryPool, pace: Callable[[], None] | None):
         self._pool = pool
         self._pace = pace
+        self._hasher = pool.checksum_process()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._seal_loop, name="pool-seal", daemon=True)]
@@ -52,6 +44,11 @@ class PoolIntegrity:
             self._threads.append(threading.Thread(target=self._verify_all, name="pool-verify", daemon=True))
         for thread in self._threads:
             thread.start()
+
+    @property
+    def checksum_pid(self) -> int | None:
+        """The checksum process's pid (`seal_process`); None when the thread hashes itself."""
+        return self._hasher.pid if self._hasher is not None else None
 
     def poke(self) -> None:
         """Objects were committed: seal them."""
@@ -74,6 +71,8 @@ class PoolIntegrity:
         if left:
             still = self._pool.stats().unsealed
             logger.info("pool: sealed %d chunks at shutdown, %d left unsealed", left - still, still)
+        if self._hasher is not None:
+            self._hasher.close()
 
     def _verify_all(self) -> None:
         started = time.monotonic()
@@ -88,7 +87,6 @@ class PoolIntegrity:
                     time.monotonic() - started, adoption.dropped_total)
 
     def _seal_loop(self) -> None:
-        _yield_cpu()
         while not self._stop.is_set():
             try:
                 busy = self._seal_one(self._pace)
@@ -116,7 +114,18 @@ class PoolIntegrity:
         if obj is None:
             return False
         try:
-            self._pool.seal(obj, pace)
+            self._seal(obj, pace)
         finally:
             self._pool.sealed(obj)
         return True
+
+    def _seal(self, obj: PoolObject, pace: Callable[[], None] | None) -> None:
+        hasher = self._hasher
+        if hasher is not None:
+            try:
+                self._pool.seal(obj, pace, hasher)
+                return
+            except ChecksumProcessGone as err:
+                logger.warning("pool: %s; sealing in the daemon's own thread from now on", err)
+                self._hasher = None
+        self._pool.seal(obj, pace)

@@ -27,6 +27,7 @@ from lmcache_mp.storage.pool_chains import refresh
 from lmcache_mp.storage.pool_file import Record
 from lmcache_mp.storage.pool_objects import ObjectState, PoolObject
 from lmcache_mp.storage.pool_records import PoolRecords
+from lmcache_mp.storage.seal_process import ChecksumProcess
 from lmcache_mp.storage.slabs import Slab, SlabAllocator
 
 logger = logging.getLogger(__name__)
@@ -70,10 +71,17 @@ class PoolRestart:
         with self._lock:
             self._unpin_in_place(obj)
 
-    def seal(self, obj: PoolObject, pace: Callable[[], None] | None = None) -> None:
-        """Checksum a pinned object's payload into its record (no lock held: it is pinned)."""
+    def seal(self, obj: PoolObject, pace: Callable[[], None] | None = None,
+             hasher: ChecksumProcess | None = None) -> None:
+        """Checksum a pinned object's payload into its record (no lock held: it is pinned);
+        `hasher`: in that child process (`seal_process`)."""
         assert self._records is not None
-        self._records.file.seal(obj.offset, obj.data, pace)
+        self._records.file.seal(obj.offset, obj.data, pace, hasher)
+
+    def checksum_process(self) -> ChecksumProcess | None:
+        """A child process that checksums the pool file's bytes (`seal_process`); None without a
+        pool file, or if it cannot start."""
+        return self._records.file.checksum_process() if self._records is not None else None
 
     def take_unverified(self) -> tuple[PoolObject, Record] | None:
         """The most recently used adopted object still to be verified, pinned in place, and its

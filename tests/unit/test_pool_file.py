@@ -23,6 +23,7 @@ from lmcache_mp.storage.chunk_format import encode_head
 from lmcache_mp.storage.pool import MemoryPool, ObjectState, PoolObject
 from lmcache_mp.storage.pool_file import _layout, open_pool_file
 from lmcache_mp.storage.pool_integrity import PoolIntegrity
+from tests.helpers import wait_for
 
 CAPACITY = 1 << 20
 ALIGN = 4096
@@ -303,3 +304,82 @@ def test_a_directory_others_may_write_in_is_not_used(pool_path: Path,
     finally:
         os.chmod(pool_path.parent, 0o700)
     assert "is not this user's alone to write in" in caplog.text and not pool_path.exists()
+
+
+def _nice(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[16])
+
+
+def test_the_sealer_hashes_in_a_child_at_the_lowest_priority_as_the_daemon_would(pool_path: Path) -> None:
+    """The checksums come from a child process at nice 19 (it shares no GIL with the daemon's
+    threads, which all stay at the daemon's priority), and a restart verifies every one of them in
+    the daemon's own code: the two compute the same checksum."""
+    pool = open_pool(pool_path)
+    store_chain(pool, 0, 5)
+    integrity = PoolIntegrity(pool, None)
+    pid = integrity.checksum_pid
+    assert pid is not None and _nice(pid) == 19 and _nice(os.getpid()) == 0
+    wait_for(lambda: pool.stats().unsealed == 0, "the sealer sealed every chunk")
+    integrity.close(0)
+    assert not Path(f"/proc/{pid}").exists()  # close() waited for it
+    pool.close()
+    again = open_pool(pool_path)
+    drain(again)
+    adoption = again.stats().adoption
+    assert (adoption.adopted_unsealed, adoption.verified_total, adoption.dropped_total) == (0, 5, 0)
+    assert [readable(again, i) for i in range(5)] == [True] * 5
+    again.close()
+
+
+def test_a_sealer_whose_child_died_seals_in_its_own_thread(pool_path: Path) -> None:
+    pool = open_pool(pool_path)
+    integrity = PoolIntegrity(pool, None)
+    pid = integrity.checksum_pid
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    store_chain(pool, 0, 3)
+    integrity.poke()
+    wait_for(lambda: pool.stats().unsealed == 0, "sealed without the child")
+    assert integrity.checksum_pid is None
+    integrity.close(0)
+    pool.close()
+    again = open_pool(pool_path)
+    drain(again)
+    assert again.stats().adoption.verified_total == 3 and again.stats().adoption.dropped_total == 0
+    again.close()
+
+
+def _start_sealer_and_wait(path: Path, report_fd: int) -> None:
+    """In a child: a pool whose sealer has its checksum process; report that process's pid."""
+    pool = open_pool(path)
+    integrity = PoolIntegrity(pool, None)
+    os.write(report_fd, str(integrity.checksum_pid).encode() + b"\n")
+    signal.pause()
+
+
+def test_the_checksum_process_ends_with_the_daemon_however_it_dies(pool_path: Path) -> None:
+    """The kernel closes a SIGKILLed daemon's end of the pipe: the child reads its end and exits."""
+    read_fd, write_fd = os.pipe()
+    daemon = os.fork()
+    if daemon == 0:  # pragma: no cover - the child
+        os.close(read_fd)
+        try:
+            _start_sealer_and_wait(pool_path, write_fd)
+        finally:
+            os._exit(1)
+    os.close(write_fd)
+    with os.fdopen(read_fd) as report:
+        line = report.readline().strip()
+    assert line.isdigit(), line
+    checksum_pid = int(line)
+    assert Path(f"/proc/{checksum_pid}").exists()
+    os.kill(daemon, signal.SIGKILL)
+    os.waitpid(daemon, 0)
+
+    def gone() -> bool:  # exited (a zombie until its new parent reaps it counts)
+        try:
+            return Path(f"/proc/{checksum_pid}/stat").read_text().rpartition(")")[2].split()[0] in ("Z", "X")
+        except OSError:
+            return True
+
+    wait_for(gone, "the checksum process exited after the daemon was killed")
