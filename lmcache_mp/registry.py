@@ -114,7 +114,7 @@ class Registry:
             raise invalid(f"cannot register instance {instance_id}: {err}") from None
         except torch.OutOfMemoryError:
             raise invalid(f"cannot register instance {instance_id}: no room on its device for the "
-                          "daemon's two one-chunk staging buffers; lower --chunk-size or leave vLLM more "
+                          "daemon's four one-chunk staging buffers; lower --chunk-size or leave vLLM more "
                           "headroom (--gpu-memory-utilization)") from None
         try:
             # Refused here rather than at every STORE: a chunk the pool can't allocate in one

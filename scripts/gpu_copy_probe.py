@@ -15,6 +15,7 @@ control plane (ZeroMQ, the worker's event, the reply) to the first row.
 from __future__ import annotations
 
 import argparse
+import itertools
 import mmap
 import random
 import statistics
@@ -49,6 +50,31 @@ def timed(work: Callable[[], None], repeats: int) -> float:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def store_timeline(ctx: TransferContext, ids: list[int], chunks: list[torch.Tensor], repeats: int) -> None:
+    """A TransferContext STORE seen from the host and from the device: how long the host takes to
+    enqueue it, the device's time per chunk (gather and DMA; events on the lane's stream), and the
+    whole operation's wall time (the lane's wait for its completion included). Host-bound if the
+    enqueue takes about as long as the device does."""
+    rows: list[tuple[float, float, float, list[float]]] = []
+    for _ in range(repeats + 1):
+        torch.cuda.synchronize()
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(len(chunks) + 1)]
+        start = time.perf_counter()
+        with ctx.operation(ids, b"", Lane.STORE) as copies:
+            marks[0].record()  # the lane's stream is the current one inside the operation
+            for i, chunk in enumerate(chunks):
+                copies.gather(i, chunk)
+                marks[i + 1].record()
+            enqueued = time.perf_counter() - start
+        wall = time.perf_counter() - start
+        per_chunk = [a.elapsed_time(b) for a, b in itertools.pairwise(marks)]
+        rows.append((enqueued * 1e3, wall * 1e3, sum(per_chunk), per_chunk))
+    enqueued, wall, device_ms, per_chunk = sorted(rows[1:], key=lambda row: row[1])[len(rows[1:]) // 2]
+    print(f"STORE timeline (median of {repeats} by wall time): host enqueue {enqueued:.2f} ms, device "
+          f"{device_ms:.2f} ms (per chunk {' '.join(f'{ms:.2f}' for ms in per_chunk)}), wall {wall:.2f} ms",
+          flush=True)
 
 
 def per_request_costs(device: torch.device, ids: list[int], count: int = 200) -> dict[str, float]:
@@ -148,11 +174,30 @@ def main() -> int:
         for i, chunk in enumerate(chunks):
             chunk.copy_(staging[i], non_blocking=True)
 
+    gather_stream, dma_stream = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+    def overlapped() -> None:
+        """The next step's upper bound: each chunk's gather (into one of two staging slots, on its
+        own stream) overlaps the previous chunk's DMA (on another)."""
+        gathered = [torch.cuda.Event() for _ in chunks]
+        sent = [torch.cuda.Event() for _ in chunks]
+        for i, chunk in enumerate(chunks):
+            with torch.cuda.stream(gather_stream):
+                if i >= 2:
+                    gather_stream.wait_event(sent[i - 2])
+                torch.index_select(words, 1, index[i], out=staging_words[i % 2])
+                gathered[i].record(gather_stream)
+            with torch.cuda.stream(dma_stream):
+                dma_stream.wait_event(gathered[i])
+                chunk.copy_(staging[i % 2], non_blocking=True)
+                sent[i].record(dma_stream)
+
     rows = [
         ("STORE, TransferContext (gather + DMA per chunk)", store),
         ("  gathers alone (device -> staging), 2-byte elements", gathers_only),
         ("  gathers alone (device -> staging), 8-byte words", gathers_in_words),
         ("  chunk DMAs alone (staging -> registered host)", dmas_only),
+        ("  gathers overlapping the DMAs (2 slots, 2 streams)", overlapped),
         ("RETRIEVE, TransferContext (DMA + scatter per chunk)", retrieve),
         ("baseline: one copy_ device -> torch pinned", lambda: pinned.copy_(flat, non_blocking=True)),
         ("baseline: one copy_ device -> registered mmap", lambda: host.copy_(flat, non_blocking=True)),
@@ -163,6 +208,7 @@ def main() -> int:
     for name, work in rows:
         seconds = timed(work, args.repeats)
         print(f"{name:<55}{seconds * 1e3:>8.2f} ms {nbytes / seconds / 1e9:>7.1f} GB/s", flush=True)
+    store_timeline(ctx, ids, chunks, args.repeats)
     print("per-request costs besides the copies:")
     for name, micros in per_request_costs(device, ids).items():
         print(f"  {name:<53}{micros:>8.1f} us", flush=True)

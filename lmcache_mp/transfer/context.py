@@ -10,14 +10,16 @@ GIL, which 80 layers of 16 KiB pages turn into the larger part of a chunk's copy
 CUDA paths share this code; only the stream and event handling is CUDA's own (`transfer/cuda.py`).
 
 Caches on a device other than the pool's (CUDA caches, pinned host pool) are *staged*: a
-preallocated device buffer of one chunk holds the gathered pages before the one DMA down, and
-the chunk after the one DMA up. A context has two lanes, each with its own buffer, copy stream
-(the load lane's of high priority) and lock: loads (RETRIEVE: vLLM's forward pass waits for them)
-and stores (STORE, which may copy a long prefill's chunks), so that a load never queues behind a
-store. A lane's operations take turns, so its buffer is reused in stream order, while the other
-lane and other ranks' contexts copy at the same time. The daemon's device memory is taken from
-vLLM's headroom, so it is bounded by those two chunks (allocated at registration, where running
-out is a clear refusal) and a request's block-id tensor; nothing else is allocated per copy.
+preallocated device buffer of one chunk (a staging slot) holds the gathered pages before the one
+DMA down, and the chunk after the one DMA up. A context has two lanes, each with its own two
+slots, copy streams (the load lane's of high priority) and lock: loads (RETRIEVE: vLLM's forward
+pass waits for them) and stores (STORE, which may copy a long prefill's chunks), so that a load
+never queues behind a store. A lane's chunks take its slots in turn, so one chunk's DMA overlaps
+the next one's gather or scatter (`cuda.CopyStream` orders each slot's uses); a lane's operations
+take turns, while the other lane and other ranks' contexts copy at the same time. The daemon's
+device memory is taken from vLLM's headroom, so it is bounded by those four chunks (allocated at
+registration, where running out is a clear refusal) and a request's block-id tensor; nothing else
+is allocated per copy.
 """
 
 from __future__ import annotations
@@ -26,11 +28,11 @@ import enum
 import itertools
 import threading
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 
-from lmcache_mp.transfer.cuda import CopyStream
+from lmcache_mp.transfer.cuda import STAGING_SLOTS, CopyStream
 from lmcache_mp.transfer.layouts import KVGeometry
 
 
@@ -112,11 +114,11 @@ class Lane(enum.Enum):
 
 
 class _Lane:
-    """A staged context's lane: its staging buffer, its copy stream (CUDA caches only) and the
+    """A staged context's lane: its staging slots, its copy streams (CUDA caches only) and the
     lock its operations take turns by."""
 
-    def __init__(self, staging: torch.Tensor, stream: CopyStream | None):
-        self.staging = staging
+    def __init__(self, slots: list[torch.Tensor], stream: CopyStream | None):
+        self.slots = slots
         self.stream = stream
         self.turn = threading.Lock()
 
@@ -142,15 +144,15 @@ class TransferContext:
         if self.device.type != "cpu" if staged is None else staged:
             for lane in Lane:
                 # Raises torch.OutOfMemoryError when the device has no room: the registration is refused.
-                staging = torch.empty((geometry.num_layers, self.blocks_per_chunk, *geometry.page_shape),
-                                      dtype=geometry.dtype, device=self.device)
+                slots = [torch.empty((geometry.num_layers, self.blocks_per_chunk, *geometry.page_shape),
+                                     dtype=geometry.dtype, device=self.device) for _ in range(STAGING_SLOTS)]
                 stream = (CopyStream(self.device, urgent=lane is Lane.LOAD) if self.device.type == "cuda"
                           else None)
-                self._lanes[lane] = _Lane(staging, stream)
+                self._lanes[lane] = _Lane(slots, stream)
 
     @property
     def staging_nbytes(self) -> int:
-        return sum(lane.staging.nbytes for lane in self._lanes.values())
+        return sum(slot.nbytes for lane in self._lanes.values() for slot in lane.slots)
 
     def check_block_ids(self, block_ids: list[int], chunk_blocks: list[int] | None, num_chunks: int,
                         allow_skip: bool = False) -> None:
@@ -187,13 +189,13 @@ class TransferContext:
             return
         with own.turn:
             if own.stream is None:
-                yield Copies(self, block_ids, chunk_blocks, own.staging, None)
+                yield Copies(self, block_ids, chunk_blocks, own, None)
                 return
             with own.stream.ordered():
                 # Uploaded before the wait: an upload from pageable memory waits for the stream.
                 device_ids = self._ids(block_ids)
                 own.stream.wait_for(event_handle)
-                yield Copies(self, block_ids, chunk_blocks, own.staging, device_ids)
+                yield Copies(self, block_ids, chunk_blocks, own, device_ids)
 
     def write_pages(self, chunk: torch.Tensor, position: int, block: int, count: int) -> None:
         """Copy pages `[position, position + count)` of `chunk` (a `chunk_view`) into blocks
@@ -216,18 +218,33 @@ class Copies:
     first pages of its object)."""
 
     def __init__(self, context: TransferContext, block_ids: list[int], chunk_blocks: list[int] | None,
-                 staging: torch.Tensor | None, device_ids: torch.Tensor | None):
+                 lane: _Lane | None, device_ids: torch.Tensor | None):
         self._ctx = context
         self._block_ids = block_ids
         self._starts = None if chunk_blocks is None else list(itertools.accumulate(chunk_blocks, initial=0))
-        self._staging = staging  # the lane's, when staged
+        self._lane = lane  # when staged
         self._device_ids = device_ids
 
     @property
     def splittable(self) -> bool:
         """Whether chunks may be copied from several threads at once: yes, unless they go
-        through the lane's one staging buffer (caches on a device, copied in stream order)."""
-        return self._staging is None
+        through the lane's staging slots (caches on a device, copied in stream order)."""
+        return self._lane is None
+
+    def _slot(self, i: int) -> tuple[int, torch.Tensor]:
+        """Chunk `i`'s staging slot: the lane's slots in turn."""
+        assert self._lane is not None
+        slot = i % len(self._lane.slots)
+        return slot, self._lane.slots[slot]
+
+    def _use(self, slot: int, *, writes: bool, transfer: bool) -> AbstractContextManager[None]:
+        """The block's work writes or reads staging slot `slot`, on the lane's transfer stream (a
+        DMA) or its main one, in order with the slot's other uses (`CopyStream.writing`,
+        `reading`); without streams (the CPU), in program order."""
+        stream = self._lane.stream if self._lane is not None else None
+        if stream is None:
+            return nullcontext()
+        return (stream.writing if writes else stream.reading)(slot, transfer=transfer)
 
     def _span(self, i: int) -> tuple[int, list[int]]:
         if self._starts is None:
@@ -245,11 +262,20 @@ class Copies:
         ctx = self._ctx
         first, ids = self._span(i)
         index = self._index(first, ids, 0, len(ids))
-        staging = self._staging
         if len(ids) < ctx.blocks_per_chunk:  # a short chunk: its pages only
             chunk = chunk[:, :len(ids)]
-            staging = None if staging is None else staging[:, :len(ids)]
-        out = chunk if staging is None else staging
+        if self._lane is None:
+            self._gather_into(index, chunk)
+            return
+        slot, staging = self._slot(i)
+        staging = staging[:, :len(ids)]
+        with self._use(slot, writes=True, transfer=False):
+            self._gather_into(index, staging)
+        with self._use(slot, writes=False, transfer=True):
+            chunk.copy_(staging, non_blocking=True)  # one DMA down into the (pinned) object
+
+    def _gather_into(self, index: torch.Tensor, out: torch.Tensor) -> None:
+        ctx = self._ctx
         if ctx._all_layers is not None:
             source, target = as_words(ctx._all_layers, out)
             torch.index_select(source, 1, index, out=target)  # every layer in one call
@@ -257,16 +283,13 @@ class Copies:
             for layer, view in enumerate(ctx._views):
                 source, target = as_words(view, out[layer])
                 torch.index_select(source, 0, index, out=target)
-        if staging is not None:
-            chunk.copy_(staging, non_blocking=True)  # one DMA down into the (pinned) object
 
     def scatter(self, chunk: torch.Tensor, i: int) -> None:
         """Copy `chunk` into the pages of chunk `i`'s blocks of every layer; -1 ids are skipped."""
         ctx = self._ctx
         first, ids = self._span(i)
         runs = kept_runs(ids)
-        staging = self._staging
-        if staging is None:
+        if self._lane is None:
             # One copy_ per run of consecutive pages (of all layers at once, when they are one
             # allocation): slices copy 2.2-2.4x faster than index_copy_ on CPU (measured 15.6-17.4
             # vs 7.0-7.2 GB/s for 128-512 KiB bf16 pages, one thread), and fewer, larger copies
@@ -277,15 +300,18 @@ class Copies:
             return
         if not runs:
             return
+        slot, staging = self._slot(i)
         # One DMA up of the whole chunk, pinned to device, skipped pages included (they are only
         # staged, never written): a compacted copy would be a pageable, synchronous one.
-        staging.copy_(chunk, non_blocking=True)
-        for start, end in runs:
-            index = self._index(first, ids, start, end)
-            if ctx._all_layers is not None:
-                target, source = as_words(ctx._all_layers, staging[:, start:end])
-                target.index_copy_(1, index, source)  # every layer in one call
-            else:
-                for layer, view in enumerate(ctx._views):
-                    target, source = as_words(view, staging[layer, start:end])
-                    target.index_copy_(0, index, source)
+        with self._use(slot, writes=True, transfer=True):
+            staging.copy_(chunk, non_blocking=True)
+        with self._use(slot, writes=False, transfer=False):
+            for start, end in runs:
+                index = self._index(first, ids, start, end)
+                if ctx._all_layers is not None:
+                    target, source = as_words(ctx._all_layers, staging[:, start:end])
+                    target.index_copy_(1, index, source)  # every layer in one call
+                else:
+                    for layer, view in enumerate(ctx._views):
+                        target, source = as_words(view, staging[layer, start:end])
+                        target.index_copy_(0, index, source)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import cast
 
 import torch
@@ -178,17 +178,32 @@ def _is_cuda_error(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and str(err).startswith("CUDA error")
 
 
+STAGING_SLOTS = 2  # a lane's staging buffers: one chunk's DMA overlaps the next one's gather
+
+
 class CopyStream:
-    """A registered context's own copy stream (one per lane; `urgent`: the load lane's). An
-    operation's copies wait for the worker's event (on this stream only, not the device) and are
+    """A registered context's own copy streams (one pair per lane; `urgent`: the load lane's). An
+    operation's copies wait for the worker's event (on `stream` only, not the device) and are
     complete when `ordered` exits: an event recorded behind them is waited for, never a
-    device-wide synchronize, so other ranks' copies and vLLM's own work run on."""
+    device-wide synchronize, so other ranks' copies and vLLM's own work run on.
+
+    Its DMAs (between a staging slot and the pool) run on `transfer`, its gathers and scatters
+    (between the worker's cache and a slot) on `stream`, so that one chunk's DMA overlaps the next
+    chunk's gather (measured on H200s: a 256 MiB STORE in one process 5.9-6.05 -> 5.56-5.62 ms, the
+    DMAs alone 4.92; docs/benchmarks.md section 8). Per slot, its writer waits until the slot is free and marks it ready; its reader
+    waits until it is ready and marks it free (`writing`, `reading`)."""
 
     def __init__(self, device: torch.device, *, urgent: bool):
         self.device = device
         # Priority -1 (lower is more urgent) puts a load's copy kernels ahead of those of every
         # default-priority stream, vLLM's compute stream and the store lane's included.
-        self.stream = torch.cuda.Stream(device, priority=-1 if urgent else 0)
+        priority = -1 if urgent else 0
+        self.stream = torch.cuda.Stream(device, priority=priority)
+        self.transfer = torch.cuda.Stream(device, priority=priority)
+        # Per staging slot: it holds what its reader needs / its last reader is done with it. An
+        # event never recorded is complete: a slot's first use waits for nothing.
+        self._ready = [torch.cuda.Event() for _ in range(STAGING_SLOTS)]
+        self._free = [torch.cuda.Event() for _ in range(STAGING_SLOTS)]
         # Waits for this stream's copies (`wait_bounded`); at most one operation at a time uses
         # the stream (its lane's lock), so one thread. It exits when the context is dropped.
         self._waiter = ThreadPoolExecutor(1, thread_name_prefix="lmcache-mp-copy-wait")
@@ -206,6 +221,7 @@ class CopyStream:
                 with torch.cuda.stream(self.stream):
                     yield
             finally:  # also on error: the chunk objects are freed or handed on only after their copies
+                self.stream.wait_stream(self.transfer)
                 self._done.record(self.stream)
                 wait_bounded(self._waiter, self._done.synchronize, COMPLETION_DEADLINE_S,
                              f"the copies on {self.device}")
@@ -214,6 +230,33 @@ class CopyStream:
                 raise FatalError(f"a copy on {self.device} failed: {err} (CUDA errors are sticky: "
                                  "every later copy on this device would fail)") from err
             raise
+
+    @contextmanager
+    def writing(self, slot: int, *, transfer: bool) -> Iterator[None]:
+        """The block's work writes staging slot `slot`, on the transfer stream (a DMA in) or on this
+        one (a gather), once the slot's last reader is done with it."""
+        stream = self._enter(slot, self._free, transfer)
+        with self._on(stream):
+            yield
+        self._ready[slot].record(stream)
+
+    @contextmanager
+    def reading(self, slot: int, *, transfer: bool) -> Iterator[None]:
+        """The block's work reads staging slot `slot` (a DMA out; a scatter), once it is written."""
+        stream = self._enter(slot, self._ready, transfer)
+        with self._on(stream):
+            yield
+        self._free[slot].record(stream)
+
+    def _enter(self, slot: int, events: list[torch.cuda.Event], transfer: bool) -> torch.cuda.Stream:
+        stream = self.transfer if transfer else self.stream
+        stream.wait_event(events[slot])
+        return stream
+
+    def _on(self, stream: torch.cuda.Stream) -> AbstractContextManager[object]:
+        # Inside `ordered` this stream is the current one already: switching costs host time per
+        # chunk (the TRITON_MLA case's small chunks were host-bound).
+        return torch.cuda.stream(stream) if stream is self.transfer else nullcontext()
 
     def wait_for(self, event_handle: bytes) -> None:
         """Later copies on this stream start once the other process's event has completed."""
