@@ -190,8 +190,9 @@ class CopyStream:
     Its DMAs (between a staging slot and the pool) run on `transfer`, its gathers and scatters
     (between the worker's cache and a slot) on `stream`, so that one chunk's DMA overlaps the next
     chunk's gather (measured on H200s: a 256 MiB STORE in one process 5.9-6.05 -> 5.56-5.62 ms, the
-    DMAs alone 4.92; docs/benchmarks.md section 8). Per slot, its writer waits until the slot is free and marks it ready; its reader
-    waits until it is ready and marks it free (`writing`, `reading`)."""
+    DMAs alone 4.92; docs/benchmarks.md section 8). Per slot, its writer waits until the slot is
+    free and marks it ready; its reader waits until it is ready and marks it free (`writing`,
+    `reading`)."""
 
     def __init__(self, device: torch.device, *, urgent: bool):
         self.device = device
