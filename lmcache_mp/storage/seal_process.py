@@ -56,9 +56,12 @@ class ChecksumProcess:
         self.file_bytes = file_bytes
         self._lock = threading.Lock()
         own = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        # The daemon's own import path, whatever set it (a launcher may have added to sys.path):
+        # the child imports this module and xxhash from where the daemon did.
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(path for path in sys.path if path))
         try:
             self._proc = subprocess.Popen([sys.executable, "-m", __name__, str(own)], stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, pass_fds=(own,))
+                                          stdout=subprocess.PIPE, pass_fds=(own,), env=env)
         finally:
             os.close(own)
         # Set here, not by the child: it is at nice 19 before it is asked anything.
