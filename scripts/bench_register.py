@@ -11,7 +11,6 @@ daemon has confirmed the registration); then it stores that chunk and retrieves 
 blocks, and checks both byte-exact: the daemon really reads and writes the worker's memory.
 
 Paths, each in its own process:
-- `torch`: the old path, torch's `share_memory_()` on the cache's storage, then registering.
 - `memfd`: registering moves the cache itself (`lmcache_mp.transfer.shm_move`).
 - `allocated`: the cache is allocated in shared memory from the start (`AllocateInSharedMemory`, what
   the connector gives vLLM as its KV-cache allocation context), so registering moves nothing; its
@@ -50,7 +49,9 @@ LAYERS, KV_HEADS, HEAD, BLOCK, CHUNK = 32, 8, 128, 128, 256
 DTYPE = torch.bfloat16
 BLOCK_BYTES = LAYERS * KV_HEADS * BLOCK * 2 * HEAD * DTYPE.itemsize  # one block, all layers: 16 MiB
 STORED, RETRIEVED = [0, 1], [3, 2]  # one chunk's blocks, and where it is retrieved to
-PATHS = ("torch", "memfd", "allocated")
+# (torch's own `share_memory_()`, the path before issue 12, is gone: the daemon now maps only
+# memfds sealed against shrinking, which torch's are not.)
+PATHS = ("memfd", "allocated")
 TARGET_S_PER_GIB = 0.5
 SPARE_GIB = 2.0
 CHILD_TIMEOUT_S = 600
@@ -120,8 +121,6 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     worker = LMCacheMPWorkerAdapter(spec["url"], None, "bench", 1, 0, BLOCK)
     try:
         wall, cpu = time.perf_counter(), cpu_seconds()
-        if spec["path"] == "torch":
-            next(iter(kv.values())).untyped_storage().share_memory_()
         worker.register_kv_caches(kv, "CPU_ATTN")
         register_s, register_cpu_s = time.perf_counter() - wall, cpu_seconds() - cpu
         assert torch.equal(chunk_pages(kv, STORED), chunk), "registration changed the cache's bytes"
@@ -144,15 +143,15 @@ def run_child(url: str, path: str, nbytes: int) -> dict[str, Any]:
     if out.returncode != 0:
         raise RuntimeError(f"the {path} worker failed:\n{out.stderr[-4000:]}")
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    if path != "torch":  # the benchmark must measure the path it names, not the fallback
-        assert any(line.endswith("memfd)") for line in result["log"]), result["log"]
+    # The benchmark must measure the path it names, not a fallback.
+    assert any(line.endswith("memfd)") for line in result["log"]), result["log"]
     return result
 
 
 def needed_gib(path: str, size_gib: float) -> float:
-    # torch's move holds the old and the new memory at once; the memfd move gives the old back as
-    # it goes, and an allocation in shared memory has only one.
-    return (2 if path == "torch" else 1) * size_gib + SPARE_GIB
+    # The memfd move gives the old memory back as it goes, and an allocation in shared memory has
+    # only one: the cache's size once.
+    return size_gib + SPARE_GIB
 
 
 def measure(url: str, sizes: list[float], repeats: int) -> dict[str, dict[str, Any]]:

@@ -362,7 +362,7 @@ def bench_v1(tmp: Path, plan: list[Step]) -> dict:
     size_gb = (2 * largest + 256 * MiB) / GiB  # a batch and its overwrite; older sizes are evicted
     peer = RawPeer(max(batch for _, batch, _ in plan), max(size for size, _, _ in plan))
     try:
-        server = start_v1_server(tmp, "--log-level", "INFO", size_gb=f"{size_gb:.3f}")
+        server = start_v1_server(tmp, size_gb=f"{size_gb:.3f}")
     except BaseException:
         peer.close()
         raise
