@@ -128,4 +128,5 @@ class PoolIntegrity:
             except ChecksumProcessGone as err:
                 logger.warning("pool: %s; sealing in the daemon's own thread from now on", err)
                 self._hasher = None
+                hasher.close()  # reaps it
         self._pool.seal(obj, pace)
