@@ -245,8 +245,7 @@ class PoolFile:
         else:
             if pace is not None:
                 pace()
-            at_in_file = self.data_offset + payload.data_ptr() - self.data.data_ptr()
-            digest = hasher.digest(bytes(head), at_in_file, payload.nbytes)
+            digest = hasher.digest(bytes(head), self.data_offset + offset, payload.nbytes)
         struct.pack_into("<Q", self._view, head_at + head_len - chunk_format.CHECKSUM_SIZE, digest)
         self.set_state(offset, SEALED)
 
