@@ -12,16 +12,20 @@ publisher on), logprobs (optional bool: also report each generated token's
 logprob), rounds (a list of rounds, each a list of prompts, each a list of token ids), conversation
 (optional bool: prompt j of round i > 0 is then the previous round's prompt j and its answer,
 followed by these tokens: a multi-turn chat), barrier_dir (optional: before round i > 0, wait
-until the file `go-i` exists there, so a test can act between rounds).
+until the file `go-i` exists there, so a test can act between rounds), results_dir (optional:
+where each round's result is also written, whole, as `round-i.json`).
 
 After each round it prints one line `RESULT {"round": i, "outputs": [{"num_cached_tokens":
 n, "token_ids": [...]}, ...]}` (greedy decoding, fixed length). vLLM's own log goes to the
-same stream, hence the prefix. vLLM spawns its processes, so the entry point is guarded.
+same stream, hence the prefix. A reader of the log can catch that line half written, so a test
+reads `results_dir` instead: each file appears by a rename, complete or not at all. vLLM spawns
+its processes, so the entry point is guarded.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -75,6 +79,15 @@ def _chosen_logprobs(completion: Any) -> list[float]:
     return [step[token].logprob for token, step in steps]
 
 
+def publish(result: dict[str, Any], results_dir: str | None) -> None:
+    line = json.dumps(result)
+    print("RESULT " + line, flush=True)
+    if results_dir:
+        path = Path(results_dir) / f"round-{result['round']}.json"
+        path.with_suffix(".tmp").write_text(line)
+        os.replace(path.with_suffix(".tmp"), path)
+
+
 def main() -> int:
     spec = json.loads(sys.argv[1])
     from vllm import LLM, SamplingParams
@@ -94,7 +107,7 @@ def main() -> int:
         results = [{"num_cached_tokens": o.num_cached_tokens, "token_ids": list(o.outputs[0].token_ids),
                     **({"logprobs": _chosen_logprobs(o.outputs[0])} if spec.get("logprobs") else {})}
                    for o in outputs]
-        print("RESULT " + json.dumps({"round": i, "outputs": results}), flush=True)
+        publish({"round": i, "outputs": results}, spec.get("results_dir"))
     return 0
 
 

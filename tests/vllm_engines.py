@@ -75,11 +75,16 @@ def engine_spec(model: Path, daemon: DaemonUnderTest | None, rounds: list[list[l
 
 
 class VllmEngine:
-    """One engine process; its log (vLLM's and the RESULT lines) goes to a file."""
+    """One engine process; its log (vLLM's and the RESULT lines) goes to a file, and each round's
+    result, whole, to a file in `results_dir` beside it (a log line can be read half written)."""
 
     def __init__(self, spec: dict[str, Any], log_path: Path, env: dict[str, str] = ENV,
                  timeout_s: float = ENGINE_TIMEOUT_S):
         self.log_path = log_path
+        self.results_dir = log_path.with_suffix(".results")
+        shutil.rmtree(self.results_dir, ignore_errors=True)
+        self.results_dir.mkdir(parents=True)
+        spec = {**spec, "results_dir": str(self.results_dir)}
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "tests.vllm_engine_run", json.dumps(spec)],
                                          cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -91,13 +96,12 @@ class VllmEngine:
 
     def round(self, i: int) -> list[dict[str, Any]]:
         """The outputs of round i, waiting for them."""
+        result_path = self.results_dir / f"round-{i}.json"
         while True:
-            for line in self.log_path.read_text(errors="replace").splitlines():
-                if line.startswith("RESULT "):
-                    result = json.loads(line.removeprefix("RESULT "))
-                    if result["round"] == i:
-                        return result["outputs"]
-            if self.proc.poll() is not None:
+            exited = self.proc.poll() is not None  # before looking: a round written as it exits counts
+            if result_path.exists():
+                return json.loads(result_path.read_text())["outputs"]
+            if exited:
                 pytest.fail(f"engine exited with {self.proc.returncode} before round {i}:\n{self.log_tail()}")
             if time.monotonic() > self.deadline:
                 self.kill()
