@@ -45,12 +45,12 @@ class DaemonProcess:
         they need no GIL, only that the process gets some CPU within `wait_s`)."""
         if self.proc.poll() is not None:
             return f"the daemon exited with {self.proc.returncode}"
-        lines = [f"pid {self.proc.pid}; per thread: tid name state wchan utime stime (ticks)"]
+        lines = [f"pid {self.proc.pid}; per thread: tid name state wchan utime stime (ticks) nice policy "
+                 "cpu allowed-cpus on-cpu-s runqueue-wait-s"]
         for task in sorted(Path(f"/proc/{self.proc.pid}/task").iterdir()):
             with contextlib.suppress(OSError):
-                fields = (task / "stat").read_text().rpartition(")")[2].split()
-                lines.append(f"  {task.name} {(task / 'comm').read_text().strip()} {fields[0]} "
-                             f"{(task / 'wchan').read_text() or '-'} {fields[11]} {fields[12]}")
+                lines.append(f"  {task.name} {_thread_line(task)}")
+        lines += _busiest_threads() + self._socket_queues()
         before = len(self.log())
         self.proc.send_signal(signal.SIGUSR1)
         deadline = time.monotonic() + wait_s
@@ -58,6 +58,23 @@ class DaemonProcess:
             time.sleep(0.05)
         time.sleep(0.2)  # the rest of the dump
         return "\n".join(lines) + "\n" + (self.log()[before:] or "(no stacks written)")
+
+    def _socket_queues(self) -> list[str]:
+        """The daemon's sockets and every socket with bytes queued (`ss`): whether a request that
+        got no answer sits in a client's send queue, in the daemon's receive queue, or nowhere."""
+        try:
+            out = subprocess.run(["ss", "-xtnpa"], capture_output=True, text=True, timeout=5).stdout
+        except (OSError, subprocess.TimeoutExpired) as err:
+            return [f"(no socket table: {err})"]
+        mine = f"pid={self.proc.pid},"
+
+        def queued(row: str) -> bool:  # a listener's Send-Q is its backlog, its Recv-Q the unaccepted
+            fields = row.split()
+            return len(fields) > 3 and (fields[2] != "0" or (fields[3] != "0" and fields[1] != "LISTEN"))
+
+        rows = [row for row in out.splitlines()[1:] if mine in row or queued(row)]
+        return ["sockets: the daemon's, and any with bytes queued (ss -xtnpa: Recv-Q Send-Q)",
+                *(f"  {row}" for row in rows)]
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0, *, keep_pool: bool = False) -> int:
         """Signal the daemon and wait for it; then discard its pool file (the memory it holds),
@@ -73,6 +90,30 @@ class DaemonProcess:
         if self.pool_path is not None:
             with contextlib.suppress(PoolFileError):  # a daemon started on it since holds it
                 discard_pool_file(self.pool_path)
+
+
+def _thread_line(task: Path) -> str:
+    """One thread's kernel state (/proc/PID/task/TID): what a starved thread shows is a long
+    run-queue wait (schedstat) beside few ticks on a CPU."""
+    fields = (task / "stat").read_text().rpartition(")")[2].split()  # fields 3.. of stat(5)
+    allowed = next((line.split(":")[1].strip() for line in (task / "status").read_text().splitlines()
+                    if line.startswith("Cpus_allowed_list")), "?")
+    on_cpu_ns, waited_ns = (task / "schedstat").read_text().split()[:2]
+    return (f"{(task / 'comm').read_text().strip()} {fields[0]} {(task / 'wchan').read_text() or '-'} "
+            f"{fields[11]} {fields[12]} {fields[16]} {fields[38]} {fields[36]} {allowed} "
+            f"{int(on_cpu_ns) / 1e9:.2f} {int(waited_ns) / 1e9:.2f}")
+
+
+def _busiest_threads(count: int = 12) -> list[str]:
+    """The machine's threads by CPU share, with their scheduling class and nice (`ps`): who holds
+    the CPUs a starved daemon waits for."""
+    try:
+        out = subprocess.run(["ps", "-eLo", "pid,tid,cls,ni,rtprio,psr,pcpu,stat,comm", "--sort=-pcpu"],
+                             capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return [f"(no thread table: {err})"]
+    return ["the busiest threads on this machine (ps -eLo ... --sort=-pcpu):",
+            *(f"  {row}" for row in out.splitlines()[: count + 1])]
 
 
 # Every pool file a daemon started here may have left, discarded when this process exits (a daemon
@@ -108,9 +149,14 @@ def start_daemon(tmp_dir: Path, *args: str, url: str | None = None, ready_timeou
     env = dict(os.environ, **(env or {}), LMCACHE_MP_RUNTIME_DIR=str(tmp_dir))
     started_at = time.monotonic()
     with open(log_path, "wb") as log:
+        # A session of its own, as a daemon has under systemd or started from its own shell: Linux
+        # shares the CPUs between sessions first (autogroups), then between the threads of each.
+        # In the caller's session, a daemon mostly asleep beside a busy caller got a tiny share:
+        # beside a tensor-parallel vLLM engine spinning on both cores of a 2-core machine, its
+        # runnable threads waited 160-210 s for a CPU and ran 0.15 s (STOREs and STATUS unanswered).
         proc = subprocess.Popen(
             [*command_prefix, sys.executable, "-m", "lmcache_mp.cli", "serve", "--listen", url, *args],
-            stdout=log, stderr=subprocess.STDOUT, env=env,
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
     daemon = DaemonProcess(url, proc, log_path, started_at, _pool_path(url, tmp_dir, args))
     _started.append(daemon)

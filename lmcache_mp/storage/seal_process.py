@@ -2,12 +2,12 @@
 
 Sealing (`pool_integrity`) is background work: it must take only what the request path leaves.
 On 2 cores, sealing at the daemon's own priority cost a pool file's STOREs about 20% of their
-speed (docs/benchmarks.md section 13). But no thread of the daemon may run below the others: one
-preempted while it holds the GIL gets the CPU back only at its own small share, and Python's GIL
-hand-over waits for the taker to run, so every thread then moves at its pace (at SCHED_IDLE, STATUS
-went unanswered for minutes beside a busy tensor-parallel vLLM engine; at nice 19, one went
-unanswered for 49 s in the same test in CI, the likely cause).
+speed (docs/benchmarks.md section 13). But no thread of the daemon should run below the others:
+one preempted while it holds the GIL gets the CPU back only at its own small share, and Python's
+GIL hand-over waits for the taker to run, so every thread would then move at its pace.
 A child process shares no GIL and no lock with the daemon: at nice 19 it slows nothing but itself.
+(The minutes-long stalls once blamed on a low-priority sealer thread were the whole daemon starved
+of CPU by the scheduler's per-session shares: `launcher.start_daemon`.)
 
 The child maps the pool file read-only, through an open file description of its own (the daemon's
 lock on the file is not shared), answers one request at a time on its stdin and stdout, and exits
