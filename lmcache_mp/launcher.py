@@ -149,14 +149,9 @@ def start_daemon(tmp_dir: Path, *args: str, url: str | None = None, ready_timeou
     env = dict(os.environ, **(env or {}), LMCACHE_MP_RUNTIME_DIR=str(tmp_dir))
     started_at = time.monotonic()
     with open(log_path, "wb") as log:
-        # A session of its own, as a daemon has under systemd or started from its own shell: Linux
-        # shares the CPUs between sessions first (autogroups), then between the threads of each.
-        # In the caller's session, a daemon mostly asleep beside a busy caller got a tiny share:
-        # beside a tensor-parallel vLLM engine spinning on both cores of a 2-core machine, its
-        # runnable threads waited 160-210 s for a CPU and ran 0.15 s (STOREs and STATUS unanswered).
         proc = subprocess.Popen(
             [*command_prefix, sys.executable, "-m", "lmcache_mp.cli", "serve", "--listen", url, *args],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            stdout=log, stderr=subprocess.STDOUT, env=env,
         )
     daemon = DaemonProcess(url, proc, log_path, started_at, _pool_path(url, tmp_dir, args))
     _started.append(daemon)

@@ -207,6 +207,11 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("bench-out"),
                         help="where to write warm_restart.png and warm_restart.json")
     args = parser.parse_args()
+    request_gib = CHUNK_BYTES * CHUNKS_PER_REQUEST / 2**30
+    if too_small := [size for size in args.sizes_gb if int(size * 0.9 / request_gib) < 2]:
+        # the pool is filled to ~90%, and a warm start looks up the last request but one
+        parser.error(f"--sizes-gb {too_small}: a pool must hold two requests of {request_gib:g} GiB "
+                     f"at 90% full (at least {2 * request_gib / 0.9:.2f} GiB)")
     args.out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="lmc-warm-", dir="/tmp"))
     figures, checks = {}, {}

@@ -88,7 +88,7 @@ class VllmEngine:
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "tests.vllm_engine_run", json.dumps(spec)],
                                          cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+                                         process_group=0)
         self.deadline = time.monotonic() + timeout_s
 
     def log_tail(self) -> str:

