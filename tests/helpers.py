@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import os
 import random
 import re
 import signal
@@ -201,6 +202,24 @@ def run_worker(spec: dict, timeout: float = 120) -> subprocess.CompletedProcess:
                          capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr
     return out
+
+
+def run_benchmark(script: str, args: list[str], timeout_s: float) -> str:
+    """Run `scripts/SCRIPT ARGS` to its end and return its output (stdout, then stderr), failing the
+    test if it exits non-zero. It runs in a process group of its own, killed whole if it overruns
+    `timeout_s`: a benchmark killed alone would leave its daemons running, holding their pools."""
+    script_path = Path(__file__).resolve().parent.parent / "scripts" / script
+    proc = subprocess.Popen([sys.executable, str(script_path), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, process_group=0)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{script} did not finish in {timeout_s} s:\n{stdout[-6000:]}{stderr[-3000:]}")
+    output = stdout[-6000:] + stderr[-3000:]
+    assert proc.returncode == 0, output
+    return output
 
 
 def freeze(proc: subprocess.Popen, timeout: float = 5.0) -> None:

@@ -8,23 +8,20 @@ busy machines, and the quick run's two rounds are too few for it."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "scripts" / "bench_kv_events.py"
+from tests.helpers import run_benchmark
+
 RUN_TIMEOUT_S = 240  # ~30 s on 2 quiet cores
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 def test_the_kv_events_benchmark_stores_through_all_three_daemons_and_publishes_every_event(
         tmp_path: Path) -> None:
-    run = subprocess.run([sys.executable, str(BENCH), "--quick", "--min-ratio", "0", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    output = run.stdout[-6000:] + run.stderr[-3000:]
-    assert run.returncode == 0, output
+    output = run_benchmark("bench_kv_events.py", ["--quick", "--min-ratio", "0", "--out", str(tmp_path)],
+                           RUN_TIMEOUT_S)
     figures = json.loads((tmp_path / "kv_events.json").read_text())
     assert figures["path_exercised"], output
     assert set(figures["results"]) == {"32x8", "32x1"}, output

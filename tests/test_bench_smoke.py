@@ -7,15 +7,14 @@ Targets are not judged here: the suite runs on busy machines, and these runs are
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+from tests.helpers import run_benchmark
+
 RUN_TIMEOUT_S = 300  # each ~10-60 s on 2 quiet cores
 
 
@@ -55,7 +54,5 @@ BENCHMARKS: dict[str, tuple[list[str], str, Callable[[dict[str, Any]], None]]] =
 @pytest.mark.parametrize("script", sorted(BENCHMARKS))
 def test_benchmark_runs_and_measures_its_path(script: str, tmp_path: Path) -> None:
     args, json_name, check = BENCHMARKS[script]
-    run = subprocess.run([sys.executable, str(SCRIPTS / script), *args, "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    run_benchmark(script, [*args, "--out", str(tmp_path)], RUN_TIMEOUT_S)
     check(json.loads((tmp_path / json_name).read_text()))

@@ -6,22 +6,18 @@ here: the suite runs on busy machines, and the quick run's few requests are too 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "scripts" / "bench_tiers.py"
+from tests.helpers import run_benchmark
+
 RUN_TIMEOUT_S = 300  # ~40 s on 2 quiet cores
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 def test_the_tiers_benchmark_stores_writes_behind_promotes_and_restarts(tmp_path: Path) -> None:
-    run = subprocess.run([sys.executable, str(BENCH), "--quick", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    output = run.stdout[-6000:] + run.stderr[-3000:]
-    assert run.returncode == 0, output
+    run_benchmark("bench_tiers.py", ["--quick", "--out", str(tmp_path)], RUN_TIMEOUT_S)
     figures = json.loads((tmp_path / "tiers.json").read_text())
     # a. STOREs through both daemons, the disk tier's written behind them, none lost.
     disk = figures["store"]["disk_tier"]

@@ -119,7 +119,7 @@ class VllmEngine:
 
     def kill(self) -> None:
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the engine's whole session: EngineCore, worker
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the engine's process group: EngineCore, workers
             self.proc.wait(10)
 
 
