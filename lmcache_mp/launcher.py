@@ -50,7 +50,7 @@ class DaemonProcess:
         for task in sorted(Path(f"/proc/{self.proc.pid}/task").iterdir()):
             with contextlib.suppress(OSError):
                 lines.append(f"  {task.name} {_thread_line(task)}")
-        lines += _busiest_threads() + self._socket_queues()
+        lines += _busiest_threads() + _socket_queues(self.proc.pid)
         before = len(self.log())
         self.proc.send_signal(signal.SIGUSR1)
         deadline = time.monotonic() + wait_s
@@ -58,23 +58,6 @@ class DaemonProcess:
             time.sleep(0.05)
         time.sleep(0.2)  # the rest of the dump
         return "\n".join(lines) + "\n" + (self.log()[before:] or "(no stacks written)")
-
-    def _socket_queues(self) -> list[str]:
-        """The daemon's sockets and every socket with bytes queued (`ss`): whether a request that
-        got no answer sits in a client's send queue, in the daemon's receive queue, or nowhere."""
-        try:
-            out = subprocess.run(["ss", "-xtnpa"], capture_output=True, text=True, timeout=5).stdout
-        except (OSError, subprocess.TimeoutExpired) as err:
-            return [f"(no socket table: {err})"]
-        mine = f"pid={self.proc.pid},"
-
-        def queued(row: str) -> bool:  # a listener's Send-Q is its backlog, its Recv-Q the unaccepted
-            fields = row.split()
-            return len(fields) > 3 and (fields[2] != "0" or (fields[3] != "0" and fields[1] != "LISTEN"))
-
-        rows = [row for row in out.splitlines()[1:] if mine in row or queued(row)]
-        return ["sockets: the daemon's, and any with bytes queued (ss -xtnpa: Recv-Q Send-Q)",
-                *(f"  {row}" for row in rows)]
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0, *, keep_pool: bool = False) -> int:
         """Signal the daemon and wait for it; then discard its pool file (the memory it holds),
@@ -102,6 +85,24 @@ def _thread_line(task: Path) -> str:
     return (f"{(task / 'comm').read_text().strip()} {fields[0]} {(task / 'wchan').read_text() or '-'} "
             f"{fields[11]} {fields[12]} {fields[16]} {fields[38]} {fields[36]} {allowed} "
             f"{int(on_cpu_ns) / 1e9:.2f} {int(waited_ns) / 1e9:.2f}")
+
+
+def _socket_queues(pid: int) -> list[str]:
+    """The daemon's sockets and every socket with bytes queued (`ss`): whether a request that
+    got no answer sits in a client's send queue, in the daemon's receive queue, or nowhere."""
+    try:
+        out = subprocess.run(["ss", "-xtnpa"], capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return [f"(no socket table: {err})"]
+    mine = f"pid={pid},"
+
+    def queued(row: str) -> bool:  # a listener's Send-Q is its backlog, its Recv-Q the unaccepted
+        fields = row.split()
+        return len(fields) > 3 and (fields[2] != "0" or (fields[3] != "0" and fields[1] != "LISTEN"))
+
+    rows = [row for row in out.splitlines()[1:] if mine in row or queued(row)]
+    return ["sockets: the daemon's, and any with bytes queued (ss -xtnpa: Recv-Q Send-Q)",
+            *(f"  {row}" for row in rows)]
 
 
 def _busiest_threads(count: int = 12) -> list[str]:

@@ -41,6 +41,7 @@ SPARE_GIB = 4
 TARGET_FIRST_HIT_S = 2.0  # from the start, for a 16 GiB pool (issue 29)
 POLL_S = 0.005
 G = DEFAULT
+FILL_SHARE = 0.9  # of the pool that `fill` stores into
 CHUNK_BYTES = G.layers * G.blocks_per_chunk * G.kv_heads * G.block * 2 * 128 * DTYPE.itemsize
 REQUEST_BLOCKS = list(range(CHUNKS_PER_REQUEST * G.blocks_per_chunk))
 
@@ -49,12 +50,17 @@ def daemon_args(size_gb: float, *extra: str) -> tuple[str, ...]:
     return ("--l1-size-gb", str(size_gb), "--chunk-size", str(CHUNK), *extra)
 
 
+def requests_filling(size_gb: float) -> int:
+    """The requests `fill` stores into a pool of `size_gb`: FILL_SHARE of it."""
+    return int(size_gb * 2**30 * FILL_SHARE / (CHUNK_BYTES * CHUNKS_PER_REQUEST))
+
+
 def fill(url: str, kv: dict[str, torch.Tensor], size_gb: float) -> int:
-    """STOREs until the pool holds ~90% of its size; returns how many requests were stored."""
+    """STOREs until the pool holds FILL_SHARE of its size; returns how many requests were stored."""
     worker = LMCacheMPWorkerAdapter(url, None, "bench", 1, 0, G.block)
     try:
         worker.register_kv_caches(kv, "CPU_ATTN")
-        requests = int(size_gb * 2**30 * 0.9 / (CHUNK_BYTES * CHUNKS_PER_REQUEST))
+        requests = requests_filling(size_gb)
         for it in range(requests):
             op = LoadStoreOp(REQUEST_BLOCKS, block_hashes=hashes_for(it, G))
             keys = worker._keys.keys_for(f"f{it}", op)
@@ -207,11 +213,11 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("bench-out"),
                         help="where to write warm_restart.png and warm_restart.json")
     args = parser.parse_args()
-    request_gib = CHUNK_BYTES * CHUNKS_PER_REQUEST / 2**30
-    if too_small := [size for size in args.sizes_gb if int(size * 0.9 / request_gib) < 2]:
-        # the pool is filled to ~90%, and a warm start looks up the last request but one
+    if too_small := [size for size in args.sizes_gb if requests_filling(size) < 2]:
+        # a warm start looks up the last request stored but one
+        request_gib = CHUNK_BYTES * CHUNKS_PER_REQUEST / 2**30
         parser.error(f"--sizes-gb {too_small}: a pool must hold two requests of {request_gib:g} GiB "
-                     f"at 90% full (at least {2 * request_gib / 0.9:.2f} GiB)")
+                     f"at {FILL_SHARE:.0%} full (at least {2 * request_gib / FILL_SHARE:.2f} GiB)")
     args.out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="lmc-warm-", dir="/tmp"))
     figures, checks = {}, {}

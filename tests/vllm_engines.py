@@ -85,6 +85,9 @@ class VllmEngine:
         shutil.rmtree(self.results_dir, ignore_errors=True)
         self.results_dir.mkdir(parents=True)
         spec = {**spec, "results_dir": str(self.results_dir)}
+        # A process group of its own (killed whole), but the test's session, the daemon's too: Linux
+        # shares CPUs between sessions first, and a daemon in another session than an engine whose
+        # workers busy-wait on every core waited minutes for a CPU (docs/benchmarks.md section 13).
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "tests.vllm_engine_run", json.dumps(spec)],
                                          cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
