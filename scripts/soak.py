@@ -2,727 +2,90 @@
 """Chaos soak: client processes store, look up and retrieve KV through the real daemon while it is
 killed, restarted and sent garbage; every byte a RETRIEVE reports loaded is checked.
 
-    .venv/bin/python scripts/soak.py [--duration-s 600] [--clients 4] [--out bench-out]
+    .venv/bin/python scripts/soak.py [--duration-s 600] [--clients 4] [--warm-restart] [--out bench-out]
 
 Each client process is a vLLM stand-in: a scheduler adapter and a worker adapter with real
-shared-memory CPU caches ("CPU_ATTN"). It loops over a few hundred prompts built from a small set
-of shared prefixes plus random suffixes (vLLM-like chained block hashes, the same in every
-process): LOOKUP (leasing the hits), RETRIEVE of the hits into poisoned blocks, STORE of the
-rest, END_SESSION, then a read-back (LOOKUP + RETRIEVE of the whole prompt). A chunk's content
-is a function of its key, so any client can check any chunk, whoever stored it.
+shared-memory CPU caches ("CPU_ATTN"). It loops over a few hundred prompts built from a small set of
+shared prefixes plus random suffixes (vLLM-like chained block hashes, the same in every process):
+LOOKUP (leasing the hits), RETRIEVE of the hits into poisoned blocks, STORE of the rest,
+END_SESSION, then a read-back (LOOKUP + RETRIEVE of the whole prompt). A chunk's content is a
+function of its key, so any client can check any chunk, whoever stored it.
 
 Meanwhile the parent's chaos loop, every --chaos-interval-s, SIGKILLs a client (a replacement
 starts) and, every other time, restarts the daemon (SIGTERM or SIGKILL, then a new daemon on the
-same socket with the same disk tier, so chunks survive) or freezes it (SIGSTOP past the clients'
-timeouts, then SIGCONT). A thread sends, every half interval, a burst of malformed traffic from
-a raw ZeroMQ socket (garbage frames, unknown types, bad payloads, bad block ids, unknown
-instance ids, an oversized message, a registration whose attach channel never opens). Hostile
-workers too, each on a schedule of its own (issue 25): every interval a registered worker floods
-CANCEL_TRANSFERS for its own instance past what the daemon keeps per instance (OVERLOADED), and
-every other flood names the clients' instances too (FORBIDDEN); a shrinking worker process
-registers a fresh cache every interval, tries to ftruncate its memfd (the seal must refuse it),
-then serves a round like any client; every other interval, --idle-connections ZeroMQ
-connections and as many raw connections to the attach socket say nothing for a while, during
-which a worker must still register and STATUS be answered. Restarts stop for the last
---last-daemon-frac of the run, all chaos --settle-s before the end; then the clients stop,
-their leases are released, and the last daemon's RSS, open descriptors and leases are compared
-with a fresh daemon's.
+same socket, which adopts the pool file the last one left, with the same disk tier) or freezes it
+(SIGSTOP past the clients' timeouts, then SIGCONT). With --warm-restart there is no disk tier:
+chunks outlive a restart in the pool file alone, and after each restart every chunk the new daemon
+adopted is read back and compared bit for bit, and every prompt whose STORE was acknowledged before
+the signal must be there whole (`soak_warm.py`). The clients are in `soak_client.py`, the hostile
+traffic below in `soak_attacks.py`. A thread sends, every half interval, a burst of malformed
+traffic from a raw ZeroMQ socket (garbage frames, unknown types, bad payloads, bad block ids,
+unknown instance ids, an oversized message, a registration whose attach channel never opens).
+Hostile workers too, each on a schedule of its own (issue 25): every interval a registered worker
+floods CANCEL_TRANSFERS for its own instance past what the daemon keeps per instance (OVERLOADED),
+and every other flood names the clients' instances too (FORBIDDEN); a shrinking worker process
+registers a fresh cache every interval, tries to ftruncate its memfd (the seal must refuse it), then
+serves a round like any client; every other interval, --idle-connections ZeroMQ connections and as
+many raw connections to the attach socket say nothing for a while, during which a worker must still
+register and STATUS be answered. Restarts stop for the last --last-daemon-frac of the run, all chaos
+--settle-s before the end; then the clients stop, their leases are released, and the last daemon's
+RSS, open descriptors and leases are compared with a fresh daemon's.
 
-Fails (exit 1) on: any wrong byte served, any request without a reply (a future that did not
-settle within its timeout plus a grace period, or a malformed or flooding request the daemon
-never answered), a restart after which no client stored and read back a prompt before the next
-one, a daemon traceback, a client's instance cancelled by another connection, a registered
-cache shrunk, a registration or STATUS not served while idle connections were held, or
-resources beyond the tolerances. Prints a report, writes soak.json and, where matplotlib is
-installed, soak.png (a timeline) to --out; the exit status is the checks' either way.
+Fails (exit 1) on: any wrong byte served, any request without a reply (a future that did not settle
+within its timeout plus a grace period, or a malformed or flooding request the daemon never
+answered), a restart after which no client stored and read back a prompt before the next one, a
+daemon traceback, a client's instance cancelled by another connection, a registered cache shrunk, a
+registration or STATUS not served while idle connections were held, an adopted chunk wrong or an
+acknowledged one lost (--warm-restart), or resources beyond the tolerances. Prints a report, writes
+soak.json and, where matplotlib is installed, soak.png (a timeline) to --out; the exit status is the
+checks' either way.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
-import hashlib
 import itertools
 import json
-import logging
 import multiprocessing as mp
 import os
 import random
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from functools import lru_cache
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
-import msgspec
-import torch
-import zmq
+# Run as a script or loaded by the tests: the soak's own modules (beside it) and the stand-in
+# worker's helpers (tests.*, in the repository) are imported from the paths of this checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.*: the stand-in worker's helpers
+from soak_attacks import (
+    FLOOD_IDS_PER_REQUEST,
+    IDLE_HOLD_S,
+    CancelFlooder,
+    GarbageSender,
+    IdleConnections,
+    try_status,
+)
+from soak_client import SHRINK_NOT_TRIED, SHRINK_REFUSED, ClientConfig, client_main
+from soak_warm import AdoptionCheck, check_adoption
 
-from lmcache_mp.cancellation import DEFAULT_MAX_CANCELLED_PER_INSTANCE
-from lmcache_mp.custom_types import IPCCacheEngineKey, get_customized_encoder
-from lmcache_mp.errors import LMCacheMPError, ServerError
 from lmcache_mp.launcher import DaemonProcess, daemon_status, start_daemon
-from lmcache_mp.mq.client import MessageQueueClient
-from lmcache_mp.mq.frames import MAX_FRAME_BYTES, REQUEST_ID
-from lmcache_mp.protocol import CANCEL_PAYLOAD, ErrorCode, KVCacheRegistration, RequestType, StatusReport
-from tests.helpers import BLOCK, CHUNK, LAYERS, NUM_BLOCKS, SHAPE, block_hashes, freeze
-from tests.kv_worker import make_caches, pages
-from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp
-from vllm_adapter.kv_export import export_kv_caches
-from vllm_adapter.ops import striding_block_hashes
+from lmcache_mp.protocol import RequestType, StatusReport
+from tests.helpers import CHUNK, freeze
 
-MODEL = "soak-model"
-LAYOUT = "CPU_ATTN"
-DTYPE = torch.bfloat16
-BLOCKS_PER_CHUNK = CHUNK // BLOCK
-POISON = -7.0  # what a block holds before a RETRIEVE: a block the daemon did not write shows it
 # Resource tolerances, idle fresh daemon vs idle daemon after the load: the daemon's RSS settles
 # within a few MiB (allocator caches, imported code paths); a descriptor or two may be an
 # epoll/eventfd that libzmq creates lazily on the first connection.
 RSS_TOLERANCE_MIB = 48.0
 FD_TOLERANCE = 4
-PR_SET_PDEATHSIG = 1
-RESTORE_FRACTION = 0.2
-FAILED_ROUND_PAUSE_S = 0.05
-MAX_KEYS_KEPT = 2000  # per client, of the chunk-key lists in its stats
-
-
-# ---- prompts and their content, identical in every process ---------------------------------
-
-
-def make_prompts(seed: int, num_prompts: int, num_prefixes: int) -> list[list[bytes]]:
-    """Block hashes of `num_prompts` prompts: one of `num_prefixes` shared 2-chunk prefixes plus
-    a random suffix of 1-3 chunks. Depends only on `seed`."""
-    rng = random.Random(seed)
-    prefixes = [[rng.randrange(50_000) for _ in range(2 * CHUNK)] for _ in range(num_prefixes)]
-    prompts = []
-    for _ in range(num_prompts):
-        suffix = [rng.randrange(50_000) for _ in range(rng.randint(1, 3) * CHUNK)]
-        prompts.append(block_hashes(rng.choice(prefixes) + suffix))
-    return prompts
-
-
-@lru_cache(maxsize=4096)
-def expected_block(chunk_key: bytes, index_in_chunk: int) -> torch.Tensor:
-    """The content of one block (all layers) of the chunk stored under `chunk_key`."""
-    digest = hashlib.blake2b(chunk_key + bytes([index_in_chunk]), digest_size=8).digest()
-    gen = torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
-    return torch.randn([LAYERS, *SHAPE[1:]], generator=gen).to(DTYPE)
-
-
-def chunk_keys(hashes: list[bytes]) -> list[bytes]:
-    """The key of each chunk, as the adapters make it."""
-    return list(striding_block_hashes(hashes, BLOCKS_PER_CHUNK))
-
-
-# ---- a client process -----------------------------------------------------------------------
-
-
-@dataclass
-class ClientConfig:
-    index: int
-    url: str
-    seed: int
-    prompt_seed: int
-    num_prompts: int
-    num_prefixes: int
-    end_time: float  # time.time() at which the client stops its load and shuts down
-    timeout_s: float
-    grace_s: float
-    freeze_s: float
-    stats_path: str
-    pairs_path: str
-    log_path: str
-    shrink_every_s: float = 0.0  # > 0: a ShrinkingWorker, a fresh registration this often
-
-
-@dataclass
-class ClientStats:
-    index: int
-    pid: int
-    ops: Counter = field(default_factory=Counter)  # completed operations and outcomes, by type
-    errors: Counter = field(default_factory=Counter)  # failed operations, "TYPE: reason class"
-    wrong_chunks: int = 0
-    wrong_bytes: int = 0
-    unreplied: int = 0
-    timeouts_sent_at: list[float] = field(default_factory=list)  # time.time() of the request
-    timed_out_store_keys: list[str] = field(default_factory=list)  # chunk keys of STOREs timed out
-    wrong_keys: list[str] = field(default_factory=list)  # chunk keys that were served wrong
-    wrong_examples: list[str] = field(default_factory=list)
-    other_reasons: list[str] = field(default_factory=list)
-    shrink: Counter = field(default_factory=Counter)  # a ShrinkingWorker's ftruncate outcomes
-    clean_exit: bool = False
-
-
-class _FailureLog(logging.Handler):
-    """The adapters report why a lookup, store or retrieve failed only in their log: keep the
-    reason per (operation, request id)."""
-
-    PREFIXES = {"lookup for request": "LOOKUP", "store for request": "STORE",
-                "retrieve for request": "RETRIEVE"}
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.reasons: dict[tuple[str, str], str] = {}
-
-    def emit(self, record: logging.LogRecord) -> None:
-        for prefix, op in self.PREFIXES.items():
-            if isinstance(record.msg, str) and record.msg.startswith(prefix) and record.args:
-                args = record.args if isinstance(record.args, tuple) else (record.args,)
-                self.reasons[(op, str(args[0]))] = str(args[-1])
-
-
-def reason_class(reason: str) -> str:
-    if "no reply" in reason:
-        return "timeout"
-    if "unavailable" in reason:
-        return "daemon unavailable"
-    if "closed" in reason:
-        return "client closed"
-    for code in ErrorCode:
-        if reason.startswith(code.name) or f"{code.name}:" in reason:
-            return code.name
-    return "other"
-
-
-class SoakClient:
-    def __init__(self, cfg: ClientConfig):
-        self.cfg = cfg
-        self.rng = random.Random(cfg.seed)
-        self.prompts = make_prompts(cfg.prompt_seed, cfg.num_prompts, cfg.num_prefixes)
-        self.stats = ClientStats(cfg.index, os.getpid())
-        self.failures = _FailureLog()
-        logging.getLogger("vllm_adapter").addHandler(self.failures)
-        self.pairs = open(cfg.pairs_path, "a", buffering=1)  # noqa: SIM115 (open for the process)
-        self.seq = 0
-        self.next_snapshot = 0.0
-        self.scheduler = self._connect(LMCacheMPSchedulerAdapter)
-        self.new_worker()
-
-    def new_worker(self) -> None:
-        """A worker adapter with fresh caches, registered (the adapter moves them into a memfd)."""
-        self.caches = make_caches(SHAPE, DTYPE, LAYERS, seed=None)
-        self.worker = self._connect(LMCacheMPWorkerAdapter)
-        with contextlib.suppress(LMCacheMPError, OSError):  # not up yet: ensure_registered retries
-            self.worker.register_kv_caches(self.caches, LAYOUT)
-
-    def _connect(self, cls: type) -> Any:
-        """The adapters' constructors say HELLO: retry while the daemon restarts."""
-        deadline = time.time() + 60
-        while True:
-            try:
-                return cls(self.cfg.url, None, MODEL, 1, 0, BLOCK, timeout_s=self.cfg.timeout_s,
-                           connect_timeout_s=1.0)
-            except LMCacheMPError:
-                if time.time() > deadline:
-                    raise
-
-    def run(self) -> None:
-        while time.time() < self.cfg.end_time:
-            errors = self.stats.errors.total()
-            self.one_round(self.rng.randrange(len(self.prompts)))
-            if self.stats.errors.total() > errors:
-                # Failures while the daemon is away come back at once: a client spinning on them
-                # would starve the restarting daemon of the machine's CPUs. vLLM, too, spends a
-                # forward pass between two steps.
-                time.sleep(FAILED_ROUND_PAUSE_S)
-            if time.time() >= self.next_snapshot:
-                self.snapshot()
-        self.scheduler.shutdown()
-        self.worker.shutdown()
-        self.stats.clean_exit = True
-        self.snapshot()
-
-    def snapshot(self) -> None:
-        self.next_snapshot = time.time() + 0.5
-        tmp = self.cfg.stats_path + ".tmp"
-        Path(tmp).write_text(json.dumps(vars(self.stats)))  # not asdict: it mangles Counters
-        os.replace(tmp, self.cfg.stats_path)
-
-    # ---- one prompt, as vLLM would serve it ------------------------------------------------
-
-    def one_round(self, prompt: int) -> None:
-        hashes = self.prompts[prompt]
-        num_chunks = len(hashes) // BLOCKS_PER_CHUNK
-        rid = self._request_id()
-        hit = self.lookup(rid, hashes)
-        if hit is None:
-            return
-        if hit:
-            self.retrieve(rid, hashes[: hit * BLOCKS_PER_CHUNK])
-        # Now and then the whole prompt again, chunks present or not: STOREs of keys that other
-        # processes store at the same time, or that are on disk only.
-        from_chunk = 0 if self.rng.random() < RESTORE_FRACTION else hit
-        stored_at = time.time()
-        stored = from_chunk < num_chunks and self.store(rid, hashes, from_chunk)
-        self.end_session(rid)
-        if stored:  # read back what was just stored: the store+retrieve pair that proves recovery
-            rid = self._request_id()
-            if self.lookup(rid, hashes) == num_chunks and self.retrieve(rid, hashes):
-                self.pairs.write(f"{stored_at:.6f} {time.time():.6f}\n")
-            self.end_session(rid)
-
-    def _request_id(self) -> str:
-        self.seq += 1
-        return f"soak-{self.cfg.index}-{self.seq}"
-
-    def _deadline(self, held_s: float = 0.0) -> float:
-        """Every future settles within the adapter's timeout; past this (and `held_s` more, for
-        a report the adapter may hold back) it never will."""
-        return time.monotonic() + self.cfg.timeout_s + self.cfg.grace_s + held_s
-
-    def _failed(self, op: str, rid: str, sent: float) -> str:
-        """Why the operation failed ("" if it did not): its reason class."""
-        reason = self.failures.reasons.pop((op, rid), None)
-        if reason is None:
-            return ""
-        kind = reason_class(reason)
-        self.stats.errors[f"{op}: {kind}"] += 1
-        if kind == "timeout" and len(self.stats.timeouts_sent_at) < 10_000:
-            self.stats.timeouts_sent_at.append(sent)
-        if kind == "other" and len(self.stats.other_reasons) < 10:
-            self.stats.other_reasons.append(f"{op}: {reason}")
-        return kind
-
-    def _unreplied(self, op: str, rid: str) -> None:
-        self.stats.unreplied += 1
-        self.stats.errors[f"{op}: never settled"] += 1
-        self.snapshot()
-
-    def lookup(self, rid: str, hashes: list[bytes]) -> int | None:
-        """Chunks hit (leased to `rid`), or None if the lookup never settled."""
-        sent = time.time()
-        self.scheduler.maybe_submit_lookup_request(rid, block_hashes=hashes)
-        deadline = self._deadline()
-        while (tokens := self.scheduler.check_lookup_result(rid)) is None:
-            if time.monotonic() > deadline:
-                self._unreplied("LOOKUP", rid)
-                return None
-            time.sleep(0.0005)
-        self.scheduler.cleanup_lookup_result(rid)
-        self.stats.ops["LOOKUP"] += 1
-        if not self._failed("LOOKUP", rid, sent):
-            self.stats.ops["LOOKUP ok"] += 1
-            self.stats.ops["chunks hit"] += tokens // CHUNK
-        return tokens // CHUNK
-
-    def _blocks(self, count: int) -> list[int]:
-        return self.rng.sample(range(NUM_BLOCKS), count)
-
-    def retrieve(self, rid: str, hashes: list[bytes]) -> bool:
-        """RETRIEVE `hashes`' chunks into poisoned blocks; True if it loaded them and every byte
-        is what was stored under their keys."""
-        block_ids = self._blocks(len(hashes))
-        for layer in self.caches.values():
-            layer[block_ids] = POISON
-        sent = time.time()
-        self.worker.submit_retrieve_request(rid, LoadStoreOp(block_ids, block_hashes=hashes), None)
-        # A RETRIEVE that timed out is reported only once the daemon confirms that it has been
-        # cancelled: after a freeze, when the daemon is thawed.
-        deadline = self._deadline(held_s=self.cfg.freeze_s)
-        while rid not in self.worker.get_finished(set())[1]:
-            if time.monotonic() > deadline:
-                self._unreplied("RETRIEVE", rid)
-                return False
-            time.sleep(0.0005)
-        failed = rid in self.worker.take_failed_retrieves()
-        self.stats.ops["RETRIEVE"] += 1
-        if self._failed("RETRIEVE", rid, sent) or failed:
-            return False
-        self.stats.ops["RETRIEVE ok"] += 1
-        return self.verify(chunk_keys(hashes), block_ids)
-
-    def verify(self, keys: list[bytes], block_ids: list[int]) -> bool:
-        loaded = pages(self.caches, LAYOUT, SHAPE, block_ids)  # layers x blocks x ...
-        wrong_chunks = 0
-        for c, key in enumerate(keys):
-            wrong = 0
-            for j in range(BLOCKS_PER_CHUNK):
-                got = loaded[:, c * BLOCKS_PER_CHUNK + j].contiguous().view(torch.uint8)
-                wrong += int((got != expected_block(key, j).view(torch.uint8)).sum())
-            self.stats.ops["chunks verified"] += 1
-            if wrong:
-                wrong_chunks += 1
-                self.stats.wrong_bytes += wrong
-                if key.hex() not in self.stats.wrong_keys and len(self.stats.wrong_keys) < MAX_KEYS_KEPT:
-                    self.stats.wrong_keys.append(key.hex())
-                if len(self.stats.wrong_examples) < 10:
-                    self.stats.wrong_examples.append(
-                        f"client {self.cfg.index}: chunk {c} ({key.hex()[:16]}) of {len(keys)} in block ids "
-                        f"{block_ids}: {wrong} bytes wrong")
-        if wrong_chunks:
-            self.stats.wrong_chunks += wrong_chunks
-            self.snapshot()
-        return not wrong_chunks
-
-    def store(self, rid: str, hashes: list[bytes], from_chunk: int) -> bool:
-        """STORE the prompt's chunks from `from_chunk` on, filled with their expected content."""
-        tail = hashes[from_chunk * BLOCKS_PER_CHUNK :]
-        block_ids = self._blocks(len(tail))
-        for c, key in enumerate(chunk_keys(tail)):
-            for j in range(BLOCKS_PER_CHUNK):
-                content = expected_block(key, j)
-                for layer, t in enumerate(self.caches.values()):
-                    t[block_ids[c * BLOCKS_PER_CHUNK + j]] = content[layer]
-        sent = time.time()
-        self.worker.submit_store_request(rid, LoadStoreOp(block_ids, block_hashes=tail), None)
-        # A store that did not land is tried again for another timeout (each try bounded by the
-        # timeout), and one made while the daemon is frozen is held until it answers.
-        deadline = self._deadline(held_s=2 * self.cfg.timeout_s + self.cfg.freeze_s)
-        while rid not in self.worker.get_finished({rid})[0]:
-            if time.monotonic() > deadline:
-                self._unreplied("STORE", rid)
-                return False
-            time.sleep(0.0005)
-        self.stats.ops["STORE"] += 1
-        failure = self._failed("STORE", rid, sent)
-        if failure == "timeout" and len(self.stats.timed_out_store_keys) < MAX_KEYS_KEPT:
-            # The daemon may still run it, later, from blocks reused since: see the report.
-            self.stats.timed_out_store_keys.extend(k.hex() for k in chunk_keys(tail))
-        if failure:
-            return False
-        self.stats.ops["STORE ok"] += 1
-        return True
-
-    def end_session(self, rid: str) -> None:
-        self.scheduler.end_session(rid)  # fire and forget, as in vLLM
-        self.stats.ops["END_SESSION"] += 1
-
-
-SHRINK_REFUSED = "ftruncate refused (EPERM)"
-SHRINK_NOT_TRIED = "not tried: the cache is not in the adapter's memfd"
-SHRINK_SUCCEEDED = "ftruncate SUCCEEDED"
-
-
-class ShrinkingWorker(SoakClient):
-    """Issue 25 item 3, repeated: a worker registers its CPU caches (the adapter moves them into a
-    memfd, which the daemon maps), cuts that file short, then serves a round like any client
-    (its STOREs and read-backs checked byte for byte). A shrink under the daemon's mapping and
-    a STORE once killed the daemon with SIGBUS; the adapter seals the memfd against shrinking,
-    so the ftruncate must fail with EPERM. A fresh cache and registration every round."""
-
-    def one_round(self, prompt: int) -> None:
-        if self.stats.shrink:  # not the first round: a new memfd, registered afresh
-            self.worker.shutdown()
-            self.new_worker()
-        self.try_to_shrink()
-        super().one_round(prompt)
-        time.sleep(max(0.0, min(self.cfg.shrink_every_s, self.cfg.end_time - time.time())))
-
-    def try_to_shrink(self) -> None:
-        storage = next(iter(self.caches.values())).untyped_storage()
-        # _share_fd_cpu_ on a storage not shared yet would move it (into torch's own file): no.
-        fd = storage._share_fd_cpu_()[0] if storage.is_shared() else -1
-        if fd < 0 or "memfd:lmcache-mp-kv" not in os.readlink(f"/proc/self/fd/{fd}"):
-            self.stats.shrink[SHRINK_NOT_TRIED] += 1
-            return
-        try:
-            os.ftruncate(fd, 0)
-        except PermissionError:
-            self.stats.shrink[SHRINK_REFUSED] += 1
-            return
-        except OSError as err:
-            self.stats.shrink[f"ftruncate failed otherwise: {err}"] += 1
-            return
-        self.stats.shrink[SHRINK_SUCCEEDED] += 1
-        self.snapshot()
-        os._exit(3)  # its caches are gone (a touch is SIGBUS): the report fails the soak
-
-
-def client_main(cfg: ClientConfig) -> None:
-    # Die with the soak, whatever kills it: no orphans.
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    logging.basicConfig(filename=cfg.log_path, level=logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(1)
-    (ShrinkingWorker if cfg.shrink_every_s > 0 else SoakClient)(cfg).run()
-
-
-# ---- malformed traffic ------------------------------------------------------------------------
-
-
-class GarbageSender:
-    """Malformed and hostile requests from a raw DEALER, none of which may change what a client
-    reads back: bad block ids and other models' keys only, never a valid RETRIEVE into a
-    client's caches."""
-
-    def __init__(self, url: str, rng: random.Random):
-        self.url = url
-        self.rng = rng
-        self.encode = get_customized_encoder().encode
-        self.next_id = 1 << 40
-        self.sent = 0
-        self.replies: Counter = Counter()  # by status name
-        self.unreplied_kinds: Counter = Counter()
-        self.oversized = 0  # messages over the daemon's size limit: dropped with their connection
-        self.handles, _ = export_kv_caches(make_caches([4, *SHAPE[1:]], DTYPE, LAYERS, seed=None))
-
-    def _key(self) -> IPCCacheEngineKey:
-        return IPCCacheEngineKey("garbage-model", 1, 0, chunk_hash=self.rng.randbytes(32),
-                                 request_id=f"garbage-{self.rng.randrange(1000)}")
-
-    def _request(self, request_type: int, *payload: Any) -> list[bytes]:
-        self.next_id += 1
-        return [REQUEST_ID.pack(self.next_id), self.encode(request_type), self.encode(list(payload))]
-
-    def messages(self, instances: list[int]) -> dict[str, list[bytes]]:
-        """One message of each kind, by what is wrong with it."""
-        r = self.rng
-        real = r.choice(instances) if instances else r.getrandbits(63)
-        nobody = r.getrandbits(63)  # an instance id that is not registered
-        keys = [self._key() for _ in range(r.randint(1, 4))]
-        n = len(keys) * BLOCKS_PER_CHUNK  # block ids that go with the keys
-        store, retrieve = int(RequestType.STORE), int(RequestType.RETRIEVE)
-        return {
-            "noise": [r.randbytes(r.randrange(64)) for _ in range(r.randint(1, 4))],
-            "an id alone": [r.randbytes(8)],
-            "unknown type": self._request(999),
-            "undecodable type": [REQUEST_ID.pack(r.getrandbits(64)), r.randbytes(5)],
-            "no payload": self._request(int(RequestType.LOOKUP)),
-            "garbage payload": [*self._request(store), r.randbytes(40), b"x", b"y", b"z"],
-            "garbage registration": self._request(int(RequestType.REGISTER_KV_CACHE), r.getrandbits(63),
-                                                  [r.randbytes(9)], "no"),
-            "STORE, unknown instance": self._request(store, keys, nobody, list(range(n)), b""),
-            "RETRIEVE, unknown instance": self._request(retrieve, keys, nobody, list(range(n)), b""),
-            "STORE, block ids out of range": self._request(store, keys, real,
-                                                           [NUM_BLOCKS + r.randrange(10**6)] * n, b""),
-            "RETRIEVE, negative block ids": self._request(retrieve, keys, real, [-(2**40)] * n, b""),
-            "RETRIEVE, too few block ids": self._request(retrieve, keys, real, list(range(n - 1)), b""),
-            "STORE, bogus event handle": self._request(store, keys, real, [0] * n, b"not an event handle"),
-            "LOOKUP, another model": self._request(int(RequestType.LOOKUP), keys),
-            "END_SESSION, unknown": self._request(int(RequestType.END_SESSION), f"garbage-{nobody}"),
-            "UNREGISTER, unknown": self._request(int(RequestType.UNREGISTER_KV_CACHE), nobody),
-            "PING": self._request(int(RequestType.PING), r.getrandbits(63)),
-            # Well-formed caches whose attach channel never opens: the daemon waits for it.
-            "REGISTER, attach channel never opened": self._request(
-                int(RequestType.REGISTER_KV_CACHE), r.getrandbits(63), self.handles,
-                KVCacheRegistration("garbage-model", 1, 0, LAYOUT, r.randbytes(16))),
-        }
-
-    def _socket(self) -> zmq.Socket:
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.url)
-        return sock
-
-    def oversize(self) -> None:
-        """One message over the daemon's size limit; libzmq drops it with the connection, so
-        it gets no reply: its own socket, and nothing waited for."""
-        sock = self._socket()
-        try:
-            sock.send_multipart([*self._request(int(RequestType.LOOKUP)), bytes(MAX_FRAME_BYTES + 1)])
-            self.oversized += 1
-            sock.poll(100)
-        finally:
-            sock.close(linger=0)
-
-    def burst(self, instances: list[int], timeout_s: float) -> None:
-        """Send one round of every kind, then wait for one reply per message."""
-        self.oversize()
-        sock = self._socket()
-        try:
-            batch = self.messages(instances)
-            waiting = {}  # first frame (echoed in the reply) -> kind
-            for kind, frames in batch.items():
-                sock.send_multipart(frames)
-                waiting[frames[0]] = kind
-            self.sent += len(batch)
-            deadline = time.monotonic() + timeout_s
-            while waiting and sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
-                reply = sock.recv_multipart()
-                waiting.pop(reply[0], None)
-                status = msgspec.msgpack.decode(reply[1]) if len(reply) == 3 else -1
-                self.replies[ErrorCode(status).name if status in ErrorCode._value2member_map_
-                             else f"malformed reply {len(reply)} frames"] += 1
-            self.unreplied_kinds.update(waiting.values())
-        finally:
-            sock.close(linger=0)
-
-
-# ---- hostile workers: cheap attacks, each repeated on a schedule of its own (issue 25) --------
-
-# Ids of 47 characters (see `CancelFlooder.flood`): ~196 KiB of msgpack per CANCEL_TRANSFERS,
-# within the daemon's cap on one request's payload (a bigger one is refused BAD_PAYLOAD unread).
-FLOOD_IDS_PER_REQUEST = 4096
-assert FLOOD_IDS_PER_REQUEST * 50 < CANCEL_PAYLOAD
-# Past what the daemon keeps per instance: the last request finds the instance's record full.
-FLOOD_REQUESTS = DEFAULT_MAX_CANCELLED_PER_INSTANCE // FLOOD_IDS_PER_REQUEST + 1
-FLOOD_VICTIMS = 2  # clients' instances named by every other flood
-IDLE_HOLD_S = 3.0  # at most; half a chaos interval in shorter runs
-
-
-def registered_worker(url: str, model: str, timeout_s: float) -> LMCacheMPWorkerAdapter:
-    """A worker adapter with a small CPU cache registered; raises what made that fail."""
-    worker = LMCacheMPWorkerAdapter(url, None, model, 1, 0, BLOCK, timeout_s=timeout_s,
-                                    connect_timeout_s=timeout_s)
-    try:
-        worker.register_kv_caches(make_caches([4, *SHAPE[1:]], DTYPE, LAYERS, seed=None), LAYOUT)
-    except BaseException:
-        worker.shutdown()
-        raise
-    return worker
-
-
-class CancelFlooder:
-    """Issue 25 item 1: a registered worker floods CANCEL_TRANSFERS. For its own instance the
-    daemon keeps what it is told (a confirmed cancel is a promise it never forgets early), so
-    the record is bounded per instance: past the bound, OVERLOADED, and the clients' cancels
-    still find room. For another connection's instance, FORBIDDEN: anything else would let any
-    client cancel a worker's transfers (its flood once evicted a worker's confirmed cancel)."""
-
-    def __init__(self, url: str, seed: int, timeout_s: float):
-        self.url = url
-        self.rng = random.Random(seed)
-        self.timeout_s = timeout_s
-        self.floods = 0
-        self.answers: Counter = Counter()  # "own instance: OVERLOADED", "a client's instance: FORBIDDEN"...
-        self.unanswered = 0
-        self.failures: list[str] = []  # an answer no correct daemon gives
-
-    def flood(self, clients: list[int]) -> None:
-        try:
-            worker = registered_worker(self.url, "soak-cancel-flood", self.timeout_s)
-        except (LMCacheMPError, OSError) as err:
-            self.answers[f"not registered ({reason_class(str(err))})"] += 1
-            return
-        try:
-            self.floods += 1
-            for n in range(FLOOD_REQUESTS):
-                ids = [f"flood-{self.floods:06d}-{n}-{i:032x}" for i in range(FLOOD_IDS_PER_REQUEST)]
-                self._count("own instance", worker.instance_id, self._cancel(worker, worker.instance_id, ids),
-                            ("answered", "OVERLOADED"))
-            if self.floods % 2 == 0:  # ids shaped like the clients' own request ids
-                for victim in self.rng.sample(clients, min(FLOOD_VICTIMS, len(clients))):
-                    ids = [f"soak-{self.rng.randrange(8)}-{self.rng.randrange(1, 10**5)}" for _ in range(256)]
-                    answer = self._cancel(worker, victim, ids)
-                    self._count("a client's instance", victim, answer, ("FORBIDDEN",))
-        finally:
-            worker.shutdown()
-
-    def _cancel(self, worker: LMCacheMPWorkerAdapter, instance_id: int, ids: list[str]) -> str:
-        try:
-            worker.mq_client.submit(RequestType.CANCEL_TRANSFERS, [instance_id, ids],
-                                    timeout_s=self.timeout_s).result(self.timeout_s)
-        except ServerError as err:
-            return err.code.name
-        except LMCacheMPError:
-            return "no reply"
-        return "answered"
-
-    def _count(self, whose: str, instance_id: int, answer: str, expected: tuple[str, ...]) -> None:
-        if answer not in expected and answer != "no reply" and whose != "own instance":
-            report = try_status(self.url)
-            if report is not None and instance_id not in report.registered_instances:
-                answer += ", the instance gone meanwhile"  # its client was killed: nothing to forbid
-                expected = (answer,)
-        self.answers[f"{whose}: {answer}"] += 1
-        if answer == "no reply":
-            self.unanswered += 1
-        elif answer not in expected and len(self.failures) < 10:
-            self.failures.append(f"CANCEL_TRANSFERS for {whose} {instance_id}: {answer}")
-
-
-def closed_by_peer(sock: socket.socket) -> bool:
-    """Whether the other end has closed (a peek that finds the end of the stream)."""
-    sock.setblocking(False)  # a socket with a timeout would wait that long for something to read
-    try:
-        return sock.recv(1, socket.MSG_PEEK) == b""
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
-
-
-class IdleConnections:
-    """Connections that never say anything: `count` ZeroMQ DEALERs on the daemon's socket and as
-    many raw Unix connections to its attach socket (HELLO's attach_socket, where a worker hands
-    its memfds over), held a while, then closed. Stalled clients must neither hold the daemon's
-    memory or descriptors once gone (the final checks) nor block anyone while there: meanwhile a
-    worker registers through that same attach socket and STATUS is answered. The daemon may
-    close an idle attach connection first (a deadline of its own): counted, not a failure."""
-
-    def __init__(self, url: str, count: int, timeout_s: float):
-        self.url = url
-        self.count = count
-        self.timeout_s = timeout_s
-        self.rounds = 0
-        self.opened: Counter = Counter()  # "ZeroMQ", "attach", "attach refused at connect"
-        self.closed_by_daemon = 0  # attach connections the daemon had closed when we closed them
-        self.served: Counter = Counter()  # "registration", "STATUS"; "... failed"
-        self.registration_s: list[float] = []  # how long a registration took while they were held
-        self.failures: list[str] = []
-
-    def hold(self, hold_s: float) -> None:
-        """Open them, check that the daemon serves meanwhile, close them after `hold_s`."""
-        hello_client = MessageQueueClient(self.url)
-        try:
-            attach_socket = hello_client.handshake("soak idle connections", self.timeout_s).attach_socket
-        except LMCacheMPError:
-            return  # daemon away (not during a restart: the soak holds them off); nothing to attack
-        finally:
-            hello_client.close()
-        started = time.monotonic()
-        dealers, raws = self._open(attach_socket)
-        self.rounds += 1
-        registration = threading.Thread(target=self._register, name="idle-connections-probe", daemon=True)
-        try:
-            registration.start()
-            self.served["STATUS" if try_status(self.url) is not None else "STATUS failed"] += 1
-            time.sleep(max(0.0, started + hold_s - time.monotonic()))
-            self.closed_by_daemon += sum(closed_by_peer(raw) for raw in raws)
-        finally:
-            for dealer in dealers:
-                dealer.close(linger=0)
-            for raw in raws:
-                raw.close()
-        registration.join(4 * self.timeout_s + 5)  # HELLO, attach, REGISTER, UNREGISTER: each bounded
-        if registration.is_alive():
-            self.served["registration failed"] += 1
-            self.failures.append("a registration made while idle connections were held never finished")
-
-    def _open(self, attach_socket: str) -> tuple[list[zmq.Socket], list[socket.socket]]:
-        dealers, raws = [], []
-        for _ in range(self.count):
-            dealer = zmq.Context.instance().socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.connect(self.url)
-            dealers.append(dealer)
-            raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            raw.settimeout(1.0)
-            try:
-                raw.connect(attach_socket)
-            except OSError:  # a daemon that bounds pending attach connections may refuse more
-                raw.close()
-                self.opened["attach refused at connect"] += 1
-                continue
-            raws.append(raw)
-        self.opened["ZeroMQ"] += len(dealers)
-        self.opened["attach"] += len(raws)
-        return dealers, raws
-
-    def _register(self) -> None:
-        """A worker registering while they are held: HELLO, the attach hand-over, REGISTER."""
-        started = time.monotonic()
-        try:
-            registered_worker(self.url, "soak-idle-probe", self.timeout_s).shutdown()
-        except (LMCacheMPError, OSError) as err:
-            self.served["registration failed"] += 1
-            if len(self.failures) < 10:
-                self.failures.append(f"a registration made while idle connections were held failed: {err}")
-            return
-        self.served["registration"] += 1
-        self.registration_s.append(time.monotonic() - started)
 
 
 # ---- the daemon and its resources -----------------------------------------------------------
@@ -751,22 +114,19 @@ def fd_count(pid: int) -> int | None:
     return None
 
 
-def try_status(url: str) -> StatusReport | None:
-    with contextlib.suppress(LMCacheMPError):
-        return daemon_status(url, timeout_s=2.0)
-    return None
-
-
 class Soak:
     def __init__(self, args: argparse.Namespace, tmp: Path):
         self.args = args
         self.tmp = tmp
         self.rng = random.Random(args.seed)
         self.url = f"ipc://{tmp / 'daemon.sock'}"
-        disk = tmp / "disk"
-        disk.mkdir()
-        self.daemon_args = ("--chunk-size", str(CHUNK), "--l1-size-gb", str(args.l1_size_gb),
-                            "--l2", f"disk://{disk}?size_gb=1", "--lease-ttl-s", str(args.lease_ttl_s),
+        # Warm restarts: the pool file alone keeps chunks across restarts (no tier below it).
+        tiers: tuple[str, ...] = ()
+        if not args.warm_restart:
+            (tmp / "disk").mkdir()
+            tiers = ("--l2", f"disk://{tmp / 'disk'}?size_gb=1")
+        self.daemon_args = ("--chunk-size", str(CHUNK), "--l1-size-gb", str(args.l1_size_gb), *tiers,
+                            "--lease-ttl-s", str(args.lease_ttl_s),
                             "--queue-deadline-s", str(min(2.0, args.timeout_s / 2)))
         # The daemon dies with the soak too (setpriv sets its parent-death signal).
         self.prefix = ("setpriv", "--pdeathsig", "KILL") if shutil.which("setpriv") else ()
@@ -779,6 +139,7 @@ class Soak:
         self.shrinker: mp.process.BaseProcess | None = None
         self.samples: list[Sample] = []
         self.restarts: list[dict] = []
+        self.adoption_checks: list[AdoptionCheck] = []
         self.client_kills: list[float] = []
         self.killed: set[int] = set()
         self.restarting = threading.Lock()  # held by a restart or freeze, and by each attack (`every`)
@@ -795,14 +156,18 @@ class Soak:
         self.daemons.append(start_daemon(self.tmp, *self.daemon_args, url=self.url,
                                          command_prefix=self.prefix))
 
+    def client_config(self, index: int, stem: str, shrink_every_s: float = 0.0) -> ClientConfig:
+        a = self.args
+        return ClientConfig(index, self.url, a.seed * 1000 + index, a.seed, a.prompts, a.prefixes,
+                            self.end_time, a.timeout_s, a.grace_s, a.freeze_s,
+                            str(self.tmp / f"{stem}.json"), str(self.tmp / f"{stem}.pairs"),
+                            str(self.tmp / f"{stem}.log"), shrink_every_s,
+                            acked_path=str(self.tmp / f"{stem}.acked") if a.warm_restart else "")
+
     def start_client(self, index: int, shrink_every_s: float = 0.0) -> mp.process.BaseProcess:
         """A client process; with `shrink_every_s`, the shrinking worker (not in `clients`)."""
-        a = self.args
         stem = f"client-{'shrinking' if shrink_every_s else index}"
-        cfg = ClientConfig(index, self.url, a.seed * 1000 + index, a.seed, a.prompts, a.prefixes,
-                           self.end_time, a.timeout_s, a.grace_s, a.freeze_s,
-                           str(self.tmp / f"{stem}.json"), str(self.tmp / f"{stem}.pairs"),
-                           str(self.tmp / f"{stem}.log"), shrink_every_s)
+        cfg = self.client_config(index, stem, shrink_every_s)
         proc = self.ctx.Process(target=client_main, args=(cfg,), name=f"soak-{stem}")
         proc.start()
         if not shrink_every_s:
@@ -842,10 +207,15 @@ class Soak:
         sig = self.rng.choice((signal.SIGTERM, signal.SIGKILL))
         with self.restarting:
             killed = time.time()
-            exit_code = self.daemon.stop(sig, timeout=30)
+            exit_code = self.daemon.stop(sig, timeout=30, keep_pool=True)  # the next daemon adopts it
             stopped = time.time()
             self.start_daemon()
             ready = time.time()
+            if self.args.warm_restart:  # the clients go on meanwhile; the attacks wait
+                index = -2 - len(self.adoption_checks)  # a client index no client process has
+                cfg = self.client_config(index, f"warm-check-{len(self.adoption_checks)}")
+                self.adoption_checks.append(check_adoption(cfg, self.tmp, killed - self.start, sig.name,
+                                                           killed))
         self.restarts.append({"t": killed - self.start, "signal": sig.name, "exit_code": exit_code,
                               "stop_s": stopped - killed, "down_s": ready - killed,
                               "killed": killed, "ready": ready})
@@ -1043,6 +413,8 @@ class Soak:
                                      "failures": self.idle.failures},
             },
             "restarts": self.recoveries(),
+            "warm_restart": ({"checks": [asdict(c) for c in self.adoption_checks]}
+                             if self.args.warm_restart else None),
             "daemon_tracebacks": sum(log.count("Traceback") for log in logs),
             "final_daemon_exit_code": final_exit,
             "resources": {"start": baseline, "end": end,
@@ -1050,6 +422,25 @@ class Soak:
             "timeline": [asdict(s) for s in self.samples],
             "client_kill_times_s": self.client_kills,
         }
+
+
+def warm_checks_of(f: dict) -> dict[str, bool]:
+    """With --warm-restart: every restart's adopted chunks checked, none wrong, none lost."""
+    if f["warm_restart"] is None:
+        return {}
+    checks = f["warm_restart"]["checks"]
+    restarts = [r for r in f["restarts"] if r["signal"] != "SIGSTOP"]
+    verified = sum(c["chunks_verified"] for c in checks)
+    wrong = sum(c["wrong_bytes"] for c in checks)
+    lost = sum(c["lost_chunks"] for c in checks)
+    failed = [line for c in checks for line in c["failed"]]
+    return {
+        f"every restart's adopted chunks read back ({len(checks)} checks of {len(restarts)} restarts, "
+        f"{verified} chunks verified, {len(failed)} reads not completed)":
+            len(checks) == len(restarts) and verified > 0 and not failed,
+        f"0 wrong bytes in adopted chunks ({wrong})": wrong == 0,
+        f"0 acknowledged chunks lost by a restart ({lost})": lost == 0,
+    }
 
 
 def checks_of(f: dict) -> dict[str, bool]:
@@ -1091,6 +482,7 @@ def checks_of(f: dict) -> dict[str, bool]:
         f"no registration left ({end['registered_instances']})": end["registered_instances"] == 0,
         f"final daemon stopped cleanly by SIGTERM (exit {f['final_daemon_exit_code']})":
             f["final_daemon_exit_code"] == 0,
+        **warm_checks_of(f),
     }
 
 
@@ -1127,6 +519,8 @@ def print_report(f: dict) -> None:
         rec = "NEVER" if r["recovery_s"] is None else f"{r['recovery_s']:.2f}"
         print(f"{r['t']:>12.1f}{r['signal']:>9}{r['exit_code']!s:>6}{r['stop_s']:>8.2f}{r['down_s']:>8.2f}"
               f"{rec:>12}")
+    if f["warm_restart"] is not None:
+        print_adoption_checks(f["warm_restart"]["checks"])
     start, end = f["resources"]["start"], f["resources"]["end"]
     print(f"\ndaemon at start (fresh) / at end (idle, uptime {end['daemon_uptime_s'] or 0:.0f} s): "
           f"RSS {start['rss_mib']:.1f} / {end['rss_mib'] or 0:.1f} MiB, fds {start['fds']} / {end['fds']}, "
@@ -1137,6 +531,18 @@ def print_report(f: dict) -> None:
               "(the daemon may have run it later, reading blocks the client had reused)")
     for line in f["wrong_examples"] + f["other_reasons"]:
         print("  ", line)
+
+
+def print_adoption_checks(checks: list[dict]) -> None:
+    """Each warm restart: what the new daemon adopted, and what reading it all back found."""
+    print(f"\n{'restart at s':>12}{'signal':>9}{'adopted':>9}{'unsealed':>9}{'dropped':>8}{'acked':>7}"
+          f"{'verified':>9}{'wrong B':>8}{'lost':>6}{'check s':>8}")
+    for c in checks:
+        print(f"{c['t']:>12.1f}{c['signal']:>9}{c['adopted_chunks']:>9}{c['adopted_unsealed']:>9}"
+              f"{c['dropped_chunks']:>8}{c['acked_prompts']:>7}{c['chunks_verified']:>9}{c['wrong_bytes']:>8}"
+              f"{c['lost_chunks']:>6}{c['check_s']:>8.2f}")
+        for line in c["failed"] + c["examples"]:
+            print("  ", line)
 
 
 RESTART_STYLES = {"SIGKILL": ("red", "-"), "SIGTERM": ("red", "--"), "SIGSTOP": ("purple", "-")}
@@ -1217,8 +623,13 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=300, help="distinct prompts the clients draw from")
     parser.add_argument("--prefixes", type=int, default=8,
                         help="shared 2-chunk prefixes the prompts start with")
-    parser.add_argument("--l1-size-gb", type=float, default=0.01,
-                        help="the daemon's CPU pool; small, so chunks are evicted and read up from disk")
+    parser.add_argument("--l1-size-gb", type=float, default=None,
+                        help="the daemon's CPU pool; default 0.01, small, so chunks are evicted and read "
+                        "up from disk; with --warm-restart 0.1, large enough that nothing is evicted")
+    parser.add_argument("--warm-restart", action="store_true",
+                        help="no disk tier: chunks survive a restart in the daemon's pool file alone; after "
+                        "each restart every chunk the new daemon adopted is compared bit for bit, and every "
+                        "prompt whose STORE was acknowledged before the signal must be there whole")
     parser.add_argument("--lease-ttl-s", type=float, default=5.0,
                         help="the daemon's lease TTL: how long a killed client's leases outlive it")
     parser.add_argument("--timeout-s", type=float, default=5.0,
@@ -1232,6 +643,8 @@ def main() -> int:
                         help="where to write soak.json and soak.png (the chart: with matplotlib only)")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures (JSON) here")
     args = parser.parse_args()
+    if args.l1_size_gb is None:
+        args.l1_size_gb = 0.1 if args.warm_restart else 0.01
     if args.freeze_s is None:
         args.freeze_s = 3 * args.timeout_s + 1
     args.out.mkdir(parents=True, exist_ok=True)
