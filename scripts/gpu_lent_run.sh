@@ -2,8 +2,8 @@
 # The checks to make whenever a GPU machine is lent (docs/benchmarks.md section 8): where a copy's
 # time goes (gpu_copy_probe.py), the full self-test, then the tests marked `cuda`, each bounded,
 # every log kept under $OUT. Run from the repository root with the pyzmq, msgspec and redis wheels
-# in .whl (that machine has torch and pytest but no registry); about 3 minutes on an H100:
-#   device run, carry [".whl"], command "bash scripts/gpu_lent_run.sh", timeout_s 590
+# in .whl (that machine has torch and pytest but no registry): `bash scripts/gpu_lent_run.sh`,
+# about 3 minutes on an H100.
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
