@@ -21,10 +21,15 @@ RETRIEVE of those requests touches that instance's blocks any more.
   the deadline plus a second, and never earlier. A confirmed cancel is a promise the worker acts
   on (it hands the blocks back to vLLM), so the record is bounded by refusing new cancels when
   it is full (OVERLOADED: the worker keeps its blocks and asks again), never by forgetting old
-  ones: per instance (a worker cancels at most what it had in flight) and in all.
+  ones: per instance (a worker cancels at most what it had in flight) and in all. Each
+  registered instance has a reserve that only it may fill; past its reserve it draws on a
+  shared part, so one client, whatever number of instances it registers, can fill the shared
+  part but never keeps another instance from cancelling what a worker has in flight.
   Only the registered instance's own connection may cancel its transfers (the engine checks);
   a CANCEL for an instance that is not registered records nothing, as none of its operations can
-  start any more (each looks its registration up first), and only waits for copies still running.
+  start any more (each looks its registration up first, and again once `begin` has let it in),
+  and only waits for copies still running. For the same reason an instance's cancels are
+  forgotten once it is dropped (`forget_instance`): the record holds registered instances' only.
 """
 
 from __future__ import annotations
@@ -48,10 +53,15 @@ Pair = tuple[int, str]  # (instance id, request id)
 # may still be on its way to `begin` (a descheduled thread); another deadline and this margin
 # cover it generously.
 KEEP_MARGIN_S = 1.0
+# The shared part of the record: the pairs kept beyond each instance's reserve, all instances
+# together.
 DEFAULT_MAX_CANCELLED = 65_536
 # Per instance: a worker cancels what it had in flight (vLLM's running requests), re-sending the
 # same pairs until answered; far below this.
 DEFAULT_MAX_CANCELLED_PER_INSTANCE = 8_192
+# Per registered instance, kept for it alone: vLLM's default batch of running requests (256),
+# so a worker can always cancel the transfers of a whole batch (~64 KiB per registration).
+DEFAULT_RESERVE_PER_INSTANCE = 256
 # CANCELs waiting for copies to stop (each a deferred reply); more are refused OVERLOADED.
 DEFAULT_MAX_WAITERS = 4_096
 
@@ -59,11 +69,15 @@ DEFAULT_MAX_WAITERS = 4_096
 class TransferFence:
     def __init__(self, queue_deadline_s: float, max_cancelled: int = DEFAULT_MAX_CANCELLED,
                  max_waiters: int = DEFAULT_MAX_WAITERS,
-                 max_per_instance: int = DEFAULT_MAX_CANCELLED_PER_INSTANCE):
+                 max_per_instance: int = DEFAULT_MAX_CANCELLED_PER_INSTANCE,
+                 reserve_per_instance: int = DEFAULT_RESERVE_PER_INSTANCE):
+        """`max_cancelled`: the shared part of the record (beyond each instance's reserve)."""
         self._keep_s = 2 * queue_deadline_s + KEEP_MARGIN_S
-        self._max_cancelled = max_cancelled
+        self._max_shared = max_cancelled
         self._max_per_instance = max_per_instance
-        self._per_instance: dict[int, int] = {}  # instance id -> its pairs in `_cancelled`
+        self._reserve = reserve_per_instance
+        self._of_instance: dict[int, set[str]] = {}  # instance id -> its request ids in `_cancelled`
+        self._shared = 0  # pairs kept beyond their instance's reserve
         self._max_waiters = max_waiters
         self._copying: dict[Pair, int] = {}
         # pair -> (when it is forgotten, the CANCEL's ARRIVAL), oldest first
@@ -132,22 +146,38 @@ class TransferFence:
 
     def _record_locked(self, instance_id: int, pairs: set[Pair], now: float) -> None:
         new = [pair for pair in pairs if pair not in self._cancelled]
-        mine = self._per_instance.get(instance_id, 0)
-        if mine + len(new) > self._max_per_instance or len(self._cancelled) + len(new) > self._max_cancelled:
+        mine = len(self._of_instance.get(instance_id, ()))
+        shared = self._beyond_reserve(mine + len(new)) - self._beyond_reserve(mine)
+        if mine + len(new) > self._max_per_instance or self._shared + shared > self._max_shared:
             logger.warning("refused a CANCEL_TRANSFERS of %d requests for instance %d: the cancelled-"
-                           "transfer record is full (%d of %d for the instance, %d of %d in all)",
-                           len(pairs), instance_id, mine, self._max_per_instance, len(self._cancelled),
-                           self._max_cancelled)
+                           "transfer record is full (%d of %d for the instance, its first %d its own; "
+                           "%d of %d shared beyond those)", len(pairs), instance_id, mine,
+                           self._max_per_instance, self._reserve, self._shared, self._max_shared)
             raise ServerError(ErrorCode.OVERLOADED,
                               f"the cancelled-transfer record is full ({mine} cancelled requests of "
-                              f"instance {instance_id} kept, {len(self._cancelled)} in all, for "
-                              f"{self._keep_s:.0f} s each); nothing recorded: retry later")
+                              f"instance {instance_id} kept, its first {self._reserve} in a reserve of its "
+                              f"own, {len(self._cancelled)} in all, for {self._keep_s:.0f} s each); "
+                              "nothing recorded: retry later")
         entry = (now + self._keep_s, ARRIVAL.get())
         for pair in pairs:
             self._cancelled[pair] = entry
             self._cancelled.move_to_end(pair)
         if new:
-            self._per_instance[instance_id] = mine + len(new)
+            self._of_instance.setdefault(instance_id, set()).update(request_id for _, request_id in new)
+            self._shared += shared
+
+    def _beyond_reserve(self, count: int) -> int:
+        """Of an instance's `count` pairs, those kept in the shared part."""
+        return max(0, count - self._reserve)
+
+    def forget_instance(self, instance_id: int) -> None:
+        """The instance was dropped: its cancels are of no more use (none of its operations starts
+        once it is gone; the engine checks after `begin`), and it holds no reserve any more."""
+        with self._lock:
+            request_ids = self._of_instance.pop(instance_id, set())
+            for request_id in request_ids:
+                del self._cancelled[instance_id, request_id]
+            self._shared -= self._beyond_reserve(len(request_ids))
 
     def counts(self) -> tuple[int, int]:
         """(pairs copying, pairs remembered as cancelled)."""
@@ -157,9 +187,9 @@ class TransferFence:
 
     def _forget_expired(self, now: float) -> None:
         while self._cancelled and next(iter(self._cancelled.values()))[0] <= now:
-            (instance_id, _), _ = self._cancelled.popitem(last=False)
-            left = self._per_instance[instance_id] - 1
-            if left:
-                self._per_instance[instance_id] = left
-            else:
-                del self._per_instance[instance_id]
+            (instance_id, request_id), _ = self._cancelled.popitem(last=False)
+            mine = self._of_instance[instance_id]
+            self._shared -= self._beyond_reserve(len(mine)) - self._beyond_reserve(len(mine) - 1)
+            mine.discard(request_id)
+            if not mine:
+                del self._of_instance[instance_id]

@@ -19,14 +19,15 @@ from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 import msgspec
 
-from lmcache_mp import __version__, config, sd_notify, settings, sockets
+from lmcache_mp import __version__, config, pools_command, sd_notify, settings, sockets
 from lmcache_mp.chunks import TierCleared
 from lmcache_mp.curve import ClientCurve, generate_keys
 from lmcache_mp.errors import LMCacheMPError
 from lmcache_mp.logs import configure_logging
 from lmcache_mp.mq.client import MessageQueueClient
+from lmcache_mp.pool_directory import remove_stale
 from lmcache_mp.pool_location import PoolFileError, default_pool_file, discard_pool_file
-from lmcache_mp.protocol import RequestType
+from lmcache_mp.protocol import ModelScope, RequestType
 from lmcache_mp.status_text import render_status
 from lmcache_mp.storage.urls import redact_url
 from lmcache_mp.v1remote.protocol import DEFAULT_MAX_CONNECTIONS, DEFAULT_PORT
@@ -108,10 +109,16 @@ def build_parser() -> argparse.ArgumentParser:
                                        "shared tiers are emptied for every daemon that uses them. "
                                        "With --pool-file, remove a stopped daemon's pool file "
                                        "instead, and the memory it holds (a running daemon's pool "
-                                       "is emptied by plain `clear`).")
+                                       "is emptied by plain `clear`). With --model, drop that model's "
+                                       "chunks alone, from the pool and every lower tier (as vLLM's "
+                                       "reset_prefix_cache with reset_connector does); exit 1 if a "
+                                       "tier could not.")
     _add_url(clear)
     clear.add_argument("--tiers", action="store_true",
                        help="also empty the lower tiers (disk, Redis); a v1 server cannot be emptied")
+    clear.add_argument("--model", action="append", metavar="NAME",
+                       help="only this model's chunks, every tier (repeat for several): its name as its "
+                            "workers register it, MODEL@DIGEST (`lmcache-mp status` lists them)")
     clear.add_argument("--pool-file", metavar="PATH", nargs="?", const="auto",
                        help="remove this pool file (no daemon may be using it) instead of asking a "
                             "daemon; without PATH, the default one of a daemon at --url")
@@ -125,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     keygen.add_argument("dir", type=Path, help="directory to write the two files into")
     keygen.add_argument("--name", default="lmcache-mp", help="file name stem (default: %(default)s)")
     keygen.set_defaults(func=cmd_keygen)
+    pools_command.add_parser(sub)
     _add_remote_server(sub)
     return parser
 
@@ -141,6 +149,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     configure_logging(cfg.log_level, cfg.log_format)
     _raise_descriptor_limit()
+    if cfg.pool_path is not None:
+        remove_stale(cfg.pool_path, cfg.pool_file_ttl_s)
     # `kill -USR1 <pid>` writes every thread's stack to stderr (the log), from the signal handler
     # itself: it needs no GIL, so it also shows a daemon whose threads are all stuck.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -223,7 +233,7 @@ def _raise_descriptor_limit() -> None:
 def _why(err: Exception) -> str:
     """An engine build's failure in one line: the expected kinds (memory, a tier's directory or
     address, a module missing) by their message, anything else with its type."""
-    if isinstance(err, (ValueError, OSError, ImportError)):
+    if isinstance(err, (ValueError, OSError, ImportError, PoolFileError)):
         return str(err)
     return f"building the engine failed: {type(err).__name__}: {err}"
 
@@ -313,6 +323,9 @@ def cmd_clear(args: argparse.Namespace) -> int:
         return _discard_pool_file(args)
 
     def clear(client: MessageQueueClient) -> tuple[int, list[TierCleared]]:
+        if args.model:
+            reset = client.submit(RequestType.RESET_MODEL, [ModelScope(args.model)]).result(args.timeout)
+            return reset.pool_chunks, reset.tiers
         dropped = client.submit(RequestType.CLEAR, []).result(args.timeout)
         tiers = client.submit(RequestType.CLEAR_TIERS, []).result(args.timeout) if args.tiers else []
         return dropped, tiers
@@ -367,6 +380,10 @@ def _add_remote_server(sub: argparse._SubParsersAction) -> None:
     remote.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                         help="client connections served at once; more are accepted and closed at "
                              "once (default: %(default)s)")
+    remote.add_argument("--max-connections-per-host", type=int, default=None, metavar="N",
+                        help="of those, the most one host may hold (an IPv4 address, or an IPv6 /64), "
+                             "so that one client cannot take every one; on loopback every local "
+                             "client is one host (default: a quarter of --max-connections)")
     # 60 s, as server.DEFAULT_IDLE_TIMEOUT_S: not imported from there, as it would pull numpy into
     # every lmcache-mp command.
     remote.add_argument("--idle-timeout-s", type=float, default=60.0, metavar="S",
@@ -391,15 +408,18 @@ def cmd_remote_server(args: argparse.Namespace) -> int:
         if not args.size_gb > 0:
             raise ValueError(f"--size-gb must be positive, not {args.size_gb}")
         server = RemoteServer(host, port, capacity_bytes=int(args.size_gb * 2**30),
-                              max_connections=args.max_connections, idle_timeout_s=args.idle_timeout_s)
+                              max_connections=args.max_connections,
+                              max_connections_per_host=args.max_connections_per_host,
+                              idle_timeout_s=args.idle_timeout_s)
     except (ValueError, OSError) as err:
         logger.error("cannot start: %s", err)
         return 2
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: server.stop())
     logger.info("v1 remote server listening on %s:%d capacity=%.3f GiB (%d bytes) max_connections=%d "
-                "idle_timeout_s=%g pid=%d", *server.address, args.size_gb, server.store.capacity,
-                args.max_connections, server.idle_timeout_s, os.getpid())
+                "(%d per host) idle_timeout_s=%g pid=%d", *server.address, args.size_gb,
+                server.store.capacity, args.max_connections, server.max_connections_per_host,
+                server.idle_timeout_s, os.getpid())
     try:
         server.serve_forever()
     finally:

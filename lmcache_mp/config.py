@@ -13,7 +13,9 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from lmcache_mp.curve import ServerCurve
+from lmcache_mp.kv_events import DEFAULT_LOG_RECORDS, MIN_LOG_RECORDS
 from lmcache_mp.kv_events_publisher import replay_endpoint
+from lmcache_mp.pool_directory import stopped_note, stopped_pool_files
 from lmcache_mp.pool_location import default_pool_file
 from lmcache_mp.settings import SettingError, positive, setting
 from lmcache_mp.settings import check as check_settings
@@ -36,6 +38,9 @@ DEFAULT_MAX_QUEUED_REQUESTS = 1024
 # A queued request not started within this is refused. Clients time out later (the adapters
 # wait 30 s), so a request they gave up on is never carried out behind their back.
 DEFAULT_QUEUE_DEADLINE_S = 10.0
+# A stopped daemon's pool file is removed by another daemon's start after this long unused: a
+# restart within it (a crash, an upgrade) still finds its pool.
+DEFAULT_POOL_FILE_TTL_S = 600.0
 
 
 def check_tier_directory(url: str) -> None:
@@ -55,6 +60,10 @@ def _pool_size(value: float) -> str | None:
     return None if value > 0 else "must be positive"
 
 
+def _not_negative(value: float) -> str | None:
+    return None if value >= 0 else "must be 0 or more"
+
+
 def _known_group(value: str) -> str | None:
     try:
         grp.getgrnam(value)
@@ -69,6 +78,10 @@ def _existing_file(value: str) -> str | None:
 
 def _existing_directory(value: str) -> str | None:
     return None if Path(value).is_dir() else "no such directory"
+
+
+def _log_records(value: int) -> str | None:
+    return None if value >= MIN_LOG_RECORDS else f"must be at least {MIN_LOG_RECORDS}"
 
 
 def _port(value: int) -> str | None:
@@ -128,12 +141,18 @@ class ServerConfig:
         "chunk it holds (warm restart: a crash, an upgrade or `systemctl restart` loses nothing). "
         "On a tmpfs (/dev/shm; mounted huge=advise for huge pages: copies 3-4 percent faster); "
         "created 0600 in a 0700 directory; adopted only if it is this user's, 0600, and of this "
-        "l1_size_gb. Its memory stays allocated (shared memory) while no daemon runs, until "
-        "`lmcache-mp clear --pool-file` or a reboot. Empty: anonymous memory, lost at every restart",
+        "l1_size_gb. Its memory stays allocated (shared memory) while no daemon runs, until the next "
+        "daemon adopts it, `lmcache-mp clear --pool-file`, the start of another daemon in its directory "
+        "once unused for pool_file_ttl_s, or a reboot. Empty: anonymous memory, lost at every restart",
         metavar="PATH", default_text="auto: /dev/shm/lmcache-mp-$UID/pool-<digest of the runtime directory "
         "and the first endpoint>")
     fresh_pool: bool = setting(
         False, "discard what the pool file holds and start with an empty pool")
+    pool_file_ttl_s: float = setting(
+        DEFAULT_POOL_FILE_TTL_S, "at start, remove the pool files of stopped daemons in the pool file's "
+        "directory that no process holds and that no daemon used for this many seconds (each holds its "
+        "memory until removed, a tmpfs until a reboot; a daemon restarted within it adopts its own); 0: "
+        "every stopped daemon's. `lmcache-mp pools` lists them", check=_not_negative)
     l2: list[str] = setting(
         list, "a storage tier below the CPU pool; repeat for several, fastest first. "
         "disk:///ABS/PATH?size_gb=N: a local (NVMe) directory, kept across restarts, LRU-evicted "
@@ -171,6 +190,10 @@ class ServerConfig:
         None, "the ROUTER endpoint where a subscriber that missed batches asks for them again "
         "(vLLM's replay protocol)", metavar="URL",
         default_text="beside kv_events_listen: PATH.replay for ipc://PATH, the next port for tcp://")
+    kv_events_log_records: int = setting(
+        DEFAULT_LOG_RECORDS, "KV events the daemon's log keeps for its readers (the PUB endpoint's "
+        "publisher, connectors' KV_EVENTS), ~150 bytes each: a reader further behind loses events "
+        "and resyncs", check=_log_records)
     metrics_port: int = setting(
         0, "serve Prometheus metrics over HTTP on this port; 0: off", check=_port)
     metrics_host: str = setting(
@@ -244,17 +267,25 @@ class ServerConfig:
         return default_pool_file(self.listen) if self.pool_file == "auto" else Path(self.pool_file)
 
     def _check_pool_memory(self) -> None:
-        """The pool is allocated in full; a pool file it adopts holds that memory already."""
+        """The pool is allocated in full. What the pool file at its path holds goes to it (adopted,
+        or replaced), and so does what the stale files its start removes hold (`pool_directory`); the
+        stopped daemons' files it keeps are named if memory is short."""
         available = available_memory_bytes()
         if available is None:
             return
-        if self.pool_path is not None and not self.fresh_pool:
+        path = self.pool_path
+        if path is not None:
             with contextlib.suppress(OSError):  # what it holds, not its (sparse) size
-                available += os.stat(self.pool_path).st_blocks * 512
+                available += os.stat(path).st_blocks * 512
+        directory = (path or default_pool_file(self.listen)).parent
+        stopped = stopped_pool_files(directory, keep=path)
+        removed = [info for info in stopped if path is not None and info.unused_s >= self.pool_file_ttl_s]
+        available += sum(info.held_bytes for info in removed)
         if self.l1_size_gb * 2**30 > available:
+            kept = [info for info in stopped if info not in removed]
             raise SettingError(f"l1_size_gb (--l1-size-gb) is {self.l1_size_gb}: the machine has only "
                                f"{available / 2**30:.1f} GiB available: lower it (the pool is allocated "
-                               "in full)")
+                               f"in full){stopped_note(kept, directory)}")
 
     @property
     def attach_socket(self) -> Path:

@@ -16,6 +16,14 @@ from typing import Annotated, Any, ClassVar, Self
 
 import msgspec
 
+# The names and ids a client puts into the daemon's tables (sessions, cancels, tails) and logs,
+# bounded as they are decoded (BAD_PAYLOAD past it). vLLM's request ids are ~50 characters, model
+# names a path or a hub name.
+MAX_REQUEST_ID_CHARS = 256
+MAX_MODEL_NAME_CHARS = 1024
+RequestId = Annotated[str, msgspec.Meta(max_length=MAX_REQUEST_ID_CHARS)]
+BoundedModelName = Annotated[str, msgspec.Meta(max_length=MAX_MODEL_NAME_CHARS)]
+
 # Extension type codes on the wire. Never reorder or reuse a number.
 EXT_CUDA_IPC_WRAPPER = 1
 EXT_SHARED_MEMORY_TENSOR = 2
@@ -32,7 +40,7 @@ class IPCCacheEngineKey(msgspec.Struct, frozen=True, array_like=True, gc=False):
     and decode, which is most of a LOOKUP's cost; it encodes as a compact array.)
     """
 
-    model_name: str
+    model_name: BoundedModelName
     world_size: Annotated[int, msgspec.Meta(ge=1)]
     worker_id: Annotated[int, msgspec.Meta(ge=0)] | None
     chunk_hash: bytes = b""
@@ -40,7 +48,7 @@ class IPCCacheEngineKey(msgspec.Struct, frozen=True, array_like=True, gc=False):
     # Checked as they are decoded: a negative token position is refused (BAD_PAYLOAD).
     start: Annotated[int, msgspec.Meta(ge=0)] = 0
     end: Annotated[int, msgspec.Meta(ge=0)] = 0
-    request_id: str | None = None
+    request_id: RequestId | None = None
     # Hash mode: the vLLM blocks of a short chunk (a request's tail, `lmcache_mp/tails.py`), which
     # takes that many block ids in a STORE or RETRIEVE; 0 for a whole chunk (protocol 4 on).
     num_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0

@@ -1,4 +1,4 @@
-"""The daemon's semantics: LOOKUP / STORE / RETRIEVE / RELEASE_LEASES / END_SESSION / CLEAR.
+"""The daemon's semantics: LOOKUP / STORE / RETRIEVE / RELEASE_LEASES / END_SESSION / CLEAR / RESET_MODEL.
 
 A chunk is keyed by `(chunk hash, fingerprint)` (`chunks.pool_key`), where the fingerprint is
 the registering worker's `ChunkFormat` (model, world size, rank, layout, dtype, geometry, chunk
@@ -14,6 +14,9 @@ operation here; where each runs is its row in `protocol.PROTOCOL`.
 
 from __future__ import annotations
 
+import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -26,7 +29,7 @@ from lmcache_mp.capacity_advisor import CapacityAdvisor
 from lmcache_mp.chunks import PoolKey, TierCleared, pool_key
 from lmcache_mp.config import ServerConfig
 from lmcache_mp.custom_types import IPCCacheEngineKey, KVCache
-from lmcache_mp.dispatch import Handler, ReplyThen
+from lmcache_mp.dispatch import ARRIVAL, Handler, ReplyThen
 from lmcache_mp.errors import FatalError, ServerError
 from lmcache_mp.keys import ChunkMapper, OpChunks, check_keys_for, check_same_model, invalid, short_chunks
 from lmcache_mp.kv_events import EventLog, EventsReply
@@ -36,6 +39,8 @@ from lmcache_mp.protocol import (
     ChunkOutcome,
     ErrorCode,
     KVCacheRegistration,
+    ModelReset,
+    ModelScope,
     PrefixHit,
     RegisterReply,
     RequestType,
@@ -53,10 +58,15 @@ from lmcache_mp.transfer import cuda
 from lmcache_mp.transfer.context import Copies, Lane, TransferContext
 from lmcache_mp.transfer.threads import CopyThreads
 
+logger = logging.getLogger(__name__)
+
 _OUTCOMES = {ReserveFailure.ALREADY_PRESENT: ChunkOutcome.ALREADY_PRESENT,
              ReserveFailure.NO_SPACE: ChunkOutcome.NO_SPACE}
 _CANCELLED = RetrieveResult(b"", False, "cancelled")
 MAX_EVENTS_PER_REPLY = 8192  # KV_EVENTS: a client asking for more gets this many, and asks again
+# Models whose last RESET_MODEL is remembered, for the STOREs that arrived before it and run after
+# (the oldest is forgotten first: a STORE queued that long was refused by the queue's deadline).
+MAX_RESETS_REMEMBERED = 4096
 
 
 def _pairs(instance_id: int, request_ids: list[str | None]) -> set[Pair]:
@@ -95,7 +105,7 @@ class Engine:
         self.capacity = CapacityAdvisor()  # what other pool sizes would hit (STATUS, /metrics)
         self.tails = TailIndex()  # which requests' tails follow which chunk (LOOKUP_PREFIX)
         self.epoch = epoch
-        self.events = EventLog()
+        self.events = EventLog(config.kv_events_log_records)
         # Where CUDA is present, the pool is page-locked as it is prepared, for DMA.
         self.storage = StorageManager.open(
             int(config.l1_size_gb * 2**30), config.l2, int(config.write_queue_gb * 2**30),
@@ -106,9 +116,12 @@ class Engine:
         self.fence = TransferFence(config.queue_deadline_s)
         self.keys = ChunkMapper(config.chunk_size)
         self.copy_threads = CopyThreads(config.max_workers)
+        # Model -> the ARRIVAL of its last RESET_MODEL: a STORE that arrived before it stores nothing.
+        self._resets: OrderedDict[str, int] = OrderedDict()
+        self._resets_lock = threading.Lock()
         try:
             self.registry = Registry(config.attach_socket, config.socket_access, config.chunk_size,
-                                     self.storage.admit)
+                                     self.storage.admit, on_drop=self.fence.forget_instance)
             if config.kv_events_urls:
                 self.publisher = EventPublisher(self.events, *config.kv_events_urls,
                                                 curve=config.server_curve, access=config.socket_access,
@@ -141,6 +154,7 @@ class Engine:
             RequestType.END_SESSION: self.end_session,
             RequestType.CLEAR: self.clear,
             RequestType.CLEAR_TIERS: self.clear_tiers,
+            RequestType.RESET_MODEL: self.reset_model,
             RequestType.KV_EVENTS: self.kv_events,
         }
 
@@ -299,8 +313,11 @@ class Engine:
         instance = self.registry.instance(instance_id)
         check_keys_for(instance.registration, keys)
         chunks, chunk_blocks = self._op_chunks(keys, instance.context, block_ids, allow_skip=False)
+        if not chunks.hashes:
+            raise invalid(f"STORE: its keys name no chunk (no key, or token ranges shorter than a chunk "
+                          f"of {self.chunk_size} tokens): nothing to store")
         pairs = _pairs(instance_id, chunks.request_ids)
-        if not self.fence.begin(pairs):
+        if not self._begin(instance, pairs):
             raise _store_cancelled()
         try:
             slots = self._copy_in(instance, chunks, chunk_blocks, block_ids, event_handle, pairs)
@@ -309,6 +326,18 @@ class Engine:
         outcomes = [ChunkOutcome.STORED if isinstance(s, PoolObject) else _OUTCOMES[s] for s in slots]
         self.metrics.stored(outcomes, instance.context.chunk_nbytes)
         return StoreResult(b"", outcomes)
+
+    def _begin(self, instance: Instance, pairs: set[Pair]) -> bool:
+        """`fence.begin` for an operation on `instance`'s blocks, which must still be registered
+        once let in: a dropped instance's cancels are forgotten (`TransferFence.forget_instance`),
+        so one dropped since this operation looked it up must not have it start now."""
+        if not self.fence.begin(pairs):
+            return False
+        if pairs and not self.registry.current(instance):
+            self.fence.end(pairs)
+            raise ServerError(ErrorCode.UNKNOWN_INSTANCE, f"instance {instance.instance_id} was "
+                                                          "unregistered while this request waited")
+        return True
 
     def _copy_in(self, instance: Instance, chunks: OpChunks, chunk_blocks: list[int] | None,
                  block_ids: list[int], event_handle: bytes, pairs: set[Pair]) -> list[Slot]:
@@ -321,6 +350,11 @@ class Engine:
         context = instance.context
         slots = self.storage.reserve(instance.fmt, chunks.hashes, context.chunk_nbytes, parent)
         fresh = [slot for slot in slots if isinstance(slot, PoolObject)]
+        if self._reset_since_arrival(instance.fmt.model_name):
+            # After the reserve: a reset that began before it is seen here, one that begins after
+            # it finds the slots WRITING and frees them at their commit (`pool_drop`).
+            self.storage.abort(fresh)
+            return [ReserveFailure.ALREADY_PRESENT] * len(slots)
         try:
             # Nothing fresh (every chunk present already, or no room): no copy, and no wait for
             # the worker's event, which holds the store lane while its forward pass runs.
@@ -357,7 +391,7 @@ class Engine:
             request_ids = chunks.request_ids
             pool_keys = [pool_key(h, instance.fmt) for h in chunks.hashes]
             pairs = _pairs(instance_id, request_ids)
-            if not self.fence.begin(pairs):
+            if not self._begin(instance, pairs):
                 return _CANCELLED
             try:
                 return self._copy_out(context, pool_keys, chunk_blocks, block_ids, event_handle, pairs)
@@ -439,16 +473,40 @@ class Engine:
     def clear_tiers(self) -> list[TierCleared]:
         return self.storage.clear_tiers()
 
+    def reset_model(self, scope: ModelScope) -> ModelReset:
+        """RESET_MODEL (see protocol.py): the models' chunks out of every tier, their tails out of the
+        index; STOREs of theirs that arrived before it store nothing."""
+        models = frozenset(scope.model_names)
+        arrival = ARRIVAL.get()
+        with self._resets_lock:  # before the drop: see `_copy_in`
+            for model in models:
+                self._resets.pop(model, None)
+                self._resets[model] = arrival
+            while len(self._resets) > MAX_RESETS_REMEMBERED:
+                self._resets.popitem(last=False)
+        pool_chunks, tiers = self.storage.drop_models(models)
+        reset = ModelReset(pool_chunks, self.tails.forget_models(models), tiers)
+        failed = "; ".join(f"{tier.name}: {tier.error}" for tier in tiers if tier.error)
+        logger.log(logging.WARNING if failed else logging.INFO,
+                   "RESET_MODEL %s: %d chunks dropped from the pool, %s%s", sorted(models), pool_chunks,
+                   ", ".join(f"{t.removed} from {t.name}" for t in tiers if not t.error) or "no tier",
+                   f"; not dropped from {failed}" if failed else "")
+        return reset
+
+    def _reset_since_arrival(self, model: str) -> bool:
+        """Whether `model` was reset after the running request arrived."""
+        return ARRIVAL.get() < self._resets.get(model, 0)
+
     def kv_events(self, since: int, models: list[str], max_events: int) -> EventsReply:
         """The event log's records of `models`' chunks from `since` (see `kv_events`)."""
         limit = min(max(max_events, 1), MAX_EVENTS_PER_REPLY)
         return self.events.chunk_events(since, limit, set(models), self.epoch)
 
     def kv_events_counters(self) -> dict[str, int]:
-        """The publisher's counters (zeros without one)."""
-        if self.publisher is None:
-            return {"batches_total": 0, "events_total": 0, "dropped_total": 0, "replays_total": 0}
-        return self.publisher.counters()
+        """The publisher's counters (zeros without one), and the event log's resyncs."""
+        published = self.publisher.counters() if self.publisher is not None else {
+            "batches_total": 0, "events_total": 0, "dropped_total": 0, "replays_total": 0}
+        return {**published, **self.storage.resync_counters()}
 
     def tick(self) -> None:
         self.sessions.expire()

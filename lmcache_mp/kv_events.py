@@ -12,7 +12,9 @@ Every tier tells the event log when a chunk becomes readable there and when it s
 
 Records are plain tuples appended under one lock (a STORE pays a deque append per chunk), in a
 bounded ring: a reader that falls further behind than the ring misses records and is told so
-(`Records.missed`), never slowed down, never slowing a writer.
+(`Records.missed`), never slowed down, never slowing a writer. One writer alone waits: a resync's
+announcements (`kv_events_resync`), which may outnumber the ring, wait for room past what the
+publisher has read (`pace_by`, `wait_for_room`), so that a resync never overruns it.
 
 Two readers: the daemon's PUB endpoint (`kv_events_publisher`, every engine and tier of the node)
 and the KV_EVENTS request, with which each engine's connector follows its own chunks and hands
@@ -41,8 +43,10 @@ import msgspec
 from lmcache_mp.chunks import ChunkFormat, ChunkKey, PoolKey
 
 # Records kept for readers that lag (the PUB's publisher thread, connectors' KV_EVENTS polls): at
-# about 150 bytes each, some 40 MB. A resync of a large disk tier may pass it; a reader is then told.
+# about 150 bytes each, some 40 MB. A reader further behind is told (`Records.missed`); a resync,
+# however large, waits for the publisher instead (`wait_for_room`).
 DEFAULT_LOG_RECORDS = 262_144
+MIN_LOG_RECORDS = 256  # a resync's slices need a few records of room
 
 STORED, REMOVED, CLEARED = 0, 1, 2
 POOL_SOURCE = 0  # the CPU pool's source number; lower tiers get theirs from `add_source`
@@ -154,6 +158,8 @@ class EventLog:
 
     def __init__(self, capacity: int = DEFAULT_LOG_RECORDS):
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # the paced reader read on (`pace_by`)
+        self._paced_by: int | None = None  # where the paced reader stands; None: nobody to wait for
         # A ring: record `seq` at `seq % capacity`, the last `capacity` kept (read by index, in
         # O(1) each, wherever a reader stands).
         self._ring: list[Record | None] = [None] * capacity
@@ -205,6 +211,28 @@ class EventLog:
             count = min(limit, self._end - first)
             records = [ring[seq % len(ring)] for seq in range(first, first + count)]
             return Records(first, records, missed=since < oldest)  # type: ignore[arg-type]
+
+    # ---- pacing (a resync's announcements wait for the publisher) ---------------------------------
+
+    def pace_by(self, seq: int | None) -> None:
+        """The paced reader (the publisher) has read every record before `seq`; None: there is none
+        (any more), nobody waits."""
+        with self._room:
+            self._paced_by = seq
+            self._room.notify_all()
+
+    def wait_for_room(self, records: int, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` until `records` more records keep the paced reader within half the
+        ring (the other half is for live writes meanwhile); whether they do."""
+        with self._room:
+            return self._room.wait_for(lambda: self._has_room(records), timeout_s)
+
+    def _has_room(self, records: int) -> bool:
+        return self._paced_by is None or self._end + records - self._paced_by <= len(self._ring) // 2
+
+    @property
+    def capacity(self) -> int:
+        return len(self._ring)
 
     def residence(self, source: int) -> Residence:
         return self._sources[source]

@@ -1,6 +1,14 @@
 """Start the daemon (`lmcache-mp serve`) as a child process and wait until it answers.
 
-Used by the tests, the benchmarks and the examples; `lmcache-mp serve` itself does not need it."""
+Used by the tests, the benchmarks and the examples; `lmcache-mp serve` itself does not need it.
+
+The pool files of the daemons started here live in a directory of their own
+(`launched_pool_directory`) unless their arguments or environment name one: a daemon's start
+removes the stale pool files of its directory (pool_file_ttl_s), and one started here must never
+take those of the daemons the user runs; the next run's daemons take what a killed run left. A
+daemon's pool file is discarded when it stops (or when this process exits), and only if a daemon
+started here made it: a file it found (a crashed daemon's, waiting for its restart) is never
+removed."""
 
 from __future__ import annotations
 
@@ -19,7 +27,12 @@ from pathlib import Path
 from lmcache_mp.curve import ClientCurve
 from lmcache_mp.errors import LMCacheMPError
 from lmcache_mp.mq.client import MessageQueueClient
-from lmcache_mp.pool_location import PoolFileError, default_pool_file, discard_pool_file
+from lmcache_mp.pool_location import (
+    PoolFileError,
+    default_pool_directory,
+    default_pool_file,
+    discard_pool_file,
+)
 from lmcache_mp.protocol import PHASE_SERVING, RequestType, StatusReport
 
 
@@ -60,8 +73,9 @@ class DaemonProcess:
         return "\n".join(lines) + "\n" + (self.log()[before:] or "(no stacks written)")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0, *, keep_pool: bool = False) -> int:
-        """Signal the daemon and wait for it; then discard its pool file (the memory it holds),
-        unless `keep_pool`: the next daemon started as this one was then adopts it."""
+        """Signal the daemon and wait for it; then discard its pool file (the memory it holds) if a
+        daemon started here made it, unless `keep_pool`: the next daemon started as this one was
+        then adopts it."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         code = self.proc.wait(timeout)
@@ -70,9 +84,11 @@ class DaemonProcess:
         return code
 
     def discard_pool(self) -> None:
-        if self.pool_path is not None:
+        """Discard its pool file if a daemon started here made it (never one it found)."""
+        if self.pool_path in _made:
             with contextlib.suppress(PoolFileError):  # a daemon started on it since holds it
                 discard_pool_file(self.pool_path)
+                _made.discard(self.pool_path)
 
 
 def _thread_line(task: Path) -> str:
@@ -117,20 +133,39 @@ def _busiest_threads(count: int = 12) -> list[str]:
             *(f"  {row}" for row in out.splitlines()[: count + 1])]
 
 
-# Every pool file a daemon started here may have left, discarded when this process exits (a daemon
-# killed without `stop` leaves its pool file behind, holding memory, by design).
+_POOL_FILE_ENV = "LMCACHE_MP_POOL_FILE"
 _started: list[DaemonProcess] = []
-atexit.register(lambda: [daemon.discard_pool() for daemon in _started if daemon.proc.poll() is not None])
+_made: set[Path] = set()  # the pool files that daemons started here made
 
 
-def _pool_path(url: str, tmp_dir: Path, args: Sequence[str]) -> Path | None:
-    """The pool file of `lmcache-mp serve --listen url ARGS` run with runtime directory `tmp_dir`."""
-    value = "auto"
+def discard_pools() -> None:
+    """Discard the pool files of the stopped daemons started here, those they made (a daemon killed
+    without `stop` leaves its pool file behind, holding memory, by design). Done at exit too."""
+    for daemon in _started:
+        if daemon.proc.poll() is not None:
+            daemon.discard_pool()
+
+
+atexit.register(discard_pools)
+
+
+def launched_pool_directory() -> Path:
+    """Where the pool files of the daemons started here go (see the module docstring)."""
+    default = default_pool_directory()
+    return default.with_name(f"{default.name}-launched")
+
+
+def _pool_path(url: str, tmp_dir: Path, args: Sequence[str], env: Mapping[str, str]) -> Path | None:
+    """The pool file of `lmcache-mp serve --listen url ARGS` run with runtime directory `tmp_dir`
+    and environment `env` (without either naming one: its file in `launched_pool_directory`)."""
+    value = env.get(_POOL_FILE_ENV)
     for i, arg in enumerate(args):
         if arg == "--pool-file":
             value = args[i + 1]
         elif arg.startswith("--pool-file="):
             value = arg.partition("=")[2]
+    if value is None:
+        return default_pool_file([url], tmp_dir, launched_pool_directory())
     if not value:
         return None
     return default_pool_file([url], tmp_dir) if value == "auto" else Path(value)
@@ -138,23 +173,30 @@ def _pool_path(url: str, tmp_dir: Path, args: Sequence[str]) -> Path | None:
 
 def start_daemon(tmp_dir: Path, *args: str, url: str | None = None, ready_timeout: float = 30.0,
                  command_prefix: Sequence[str] = (), serving: bool = True, pool_ready: bool = True,
-                 curve: ClientCurve | None = None, env: Mapping[str, str] | None = None) -> DaemonProcess:
+                 curve: ClientCurve | None = None, env: Mapping[str, str] | None = None,
+                 cwd: Path | None = None) -> DaemonProcess:
     """Start `lmcache-mp serve --listen URL ARGS...` (under `command_prefix`, e.g. a namespace
     wrapper, when given) and wait until it answers HELLO; with `serving`, until its engine is built
     (before that, everything but HELLO, PING, GET_CHUNK_SIZE and STATUS gets STARTING); with
     `pool_ready`, until its pool's memory is all prepared too (it serves before that, but a STORE
     may find NO_SPACE). `curve`: the keys to ask with, for a daemon that requires CURVE. `env`: variables
-    set for the daemon on top of this process's (e.g. its own CUDA_VISIBLE_DEVICES)."""
+    set for the daemon on top of this process's (e.g. its own CUDA_VISIBLE_DEVICES). `cwd`: its
+    working directory (this process's by default)."""
     url = url or f"ipc://{tmp_dir / 'daemon.sock'}"
     log_path = tmp_dir / f"daemon-{time.monotonic_ns()}.log"
     env = dict(os.environ, **(env or {}), LMCACHE_MP_RUNTIME_DIR=str(tmp_dir))
+    pool_path = _pool_path(url, tmp_dir, args, env)
+    if pool_path is not None:
+        env.setdefault(_POOL_FILE_ENV, str(pool_path))  # a --pool-file in `args` wins over it
+        if not os.path.lexists(pool_path) or "--fresh-pool" in args:
+            _made.add(pool_path)
     started_at = time.monotonic()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [*command_prefix, sys.executable, "-m", "lmcache_mp.cli", "serve", "--listen", url, *args],
-            stdout=log, stderr=subprocess.STDOUT, env=env,
+            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
         )
-    daemon = DaemonProcess(url, proc, log_path, started_at, _pool_path(url, tmp_dir, args))
+    daemon = DaemonProcess(url, proc, log_path, started_at, pool_path)
     _started.append(daemon)
 
     def ready(report: StatusReport) -> bool:

@@ -23,7 +23,7 @@ from typing import Annotated, Any
 import msgspec
 
 from lmcache_mp.chunks import TierCleared, TierStats
-from lmcache_mp.custom_types import IPCCacheEngineKey, KVCache
+from lmcache_mp.custom_types import BoundedModelName, IPCCacheEngineKey, KVCache, RequestId
 from lmcache_mp.kv_events import EventsReply
 
 # Bump on any incompatible change to a schema below. Clients refuse a server whose
@@ -54,6 +54,7 @@ class RequestType(enum.IntEnum):
     KV_EVENTS = 16
     LOOKUP_PREFIX = 17
     NOTE_TAILS = 18
+    RESET_MODEL = 19
 
 
 class ErrorCode(enum.IntEnum):
@@ -199,6 +200,30 @@ class TailNote(msgspec.Struct, array_like=True, gc=False):
     tail: TailHit
 
 
+# A model as its workers register it (`vllm_adapter.model_identity`; a hybrid model's KV cache groups
+# each under a name of its own: `vllm_adapter.kv_groups`).
+ModelName = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+
+
+class ModelScope(msgspec.Struct, array_like=True, gc=False):
+    """RESET_MODEL's payload: the models whose chunks go, each named as its workers register it."""
+
+    model_names: Annotated[list[ModelName], msgspec.Meta(min_length=1, max_length=64)]
+
+
+class ModelReset(msgspec.Struct, gc=False):
+    """RESET_MODEL's answer: what went, where. Confirmed (`ok`) only if every lower tier dropped
+    the models' chunks; a tier's `error` says why it did not."""
+
+    pool_chunks: int  # objects (one per rank) taken out of the pool
+    tails: int  # tails forgotten by the index (`tails.py`)
+    tiers: list[TierCleared] = []  # per lower tier, in order: objects removed, or why not
+
+    @property
+    def ok(self) -> bool:
+        return not any(tier.error for tier in self.tiers)
+
+
 class InstanceInfo(msgspec.Struct, gc=False):
     """A registered worker, as STATUS shows it."""
 
@@ -278,6 +303,11 @@ class StatusReport(msgspec.Struct, gc=False):
     kv_events_batches_total: int = 0
     kv_events_published_total: int = 0
     kv_events_dropped_total: int = 0
+    # Resyncs (AllBlocksCleared, then every chunk held; `kv_events_resync`) finished since start,
+    # and whether one is asked for or running: the stream has settled when none is and
+    # kv_events_published_total + kv_events_dropped_total == kv_events_seq.
+    kv_events_resyncs_total: int = 0
+    kv_events_resyncing: bool = False
     # Requests' tails (`tails.py`): in the index now; noted (NOTE_TAILS) and offered by
     # LOOKUP_PREFIX since start.
     tails_indexed: int = 0
@@ -309,6 +339,7 @@ REGISTER_PAYLOAD = 4 << 20  # a handle per layer: ~0.5 MiB for 1,000 layers
 # Request ids a worker cancels at once: those it had in flight (~100 bytes each), far below this.
 CANCEL_PAYLOAD = 256 << 10
 TAILS_PAYLOAD = 64 << 10  # a finished request's few tails
+RESET_PAYLOAD = 96 << 10  # up to 64 model names of up to 1 KiB
 
 
 @dataclass(frozen=True)
@@ -343,18 +374,19 @@ PROTOCOL: dict[RequestType, RequestSpec] = {
     # hash-mode key per hash (without worker id, all of that request): the scheduler's usual
     # LOOKUP with the fields its keys share sent once. A list of bytes decodes ~40x faster than as
     # many keys, which made most of a LOOKUP's cost beyond a PING's (issue 14).
-    RequestType.LOOKUP_CHUNKS: RequestSpec((str, int, str | None, list[bytes]), int, HandlerKind.DEFERRED,
-                                            KEYS_PAYLOAD),
+    RequestType.LOOKUP_CHUNKS: RequestSpec((BoundedModelName, int, RequestId | None, list[bytes]), int,
+                                            HandlerKind.DEFERRED, KEYS_PAYLOAD),
     # LOOKUP_PREFIX(as LOOKUP_CHUNKS, then the window: vLLM's block hashes of the prompt's last
     # chunk and past it) -> the leading chunks held, as LOOKUP_CHUNKS counts them, and the tails
     # noted after the last of them whose last full block is in the window (or that have none)
     # that the pool holds, leased too (`tails.py`).
-    RequestType.LOOKUP_PREFIX: RequestSpec((str, int, str | None, list[bytes], list[bytes]), PrefixHit,
-                                            HandlerKind.DEFERRED, KEYS_PAYLOAD),
+    RequestType.LOOKUP_PREFIX: RequestSpec(
+        (BoundedModelName, int, RequestId | None, list[bytes], list[bytes]), PrefixHit, HandlerKind.DEFERRED,
+        KEYS_PAYLOAD),
     # NOTE_TAILS(model name, world size, tails stored, tails superseded): index the first (their
     # STOREs may land later), forget the second and free them from the pool where unleased. Fire
     # and forget.
-    RequestType.NOTE_TAILS: RequestSpec((str, int, list[TailNote], list[TailNote]), None,
+    RequestType.NOTE_TAILS: RequestSpec((BoundedModelName, int, list[TailNote], list[TailNote]), None,
                                          HandlerKind.INLINE, TAILS_PAYLOAD),
     # STORE / RETRIEVE(keys, instance id, block ids, CUDA event IPC handle or b""). The last
     # chunk may be short: fewer block ids than a chunk's (a tail; `keys.short_chunk_hash`).
@@ -363,7 +395,7 @@ PROTOCOL: dict[RequestType, RequestSpec] = {
     RequestType.RETRIEVE: RequestSpec((Keys, int, list[int], bytes), RetrieveResult,
                                          HandlerKind.LOAD, KEYS_PAYLOAD),
     # END_SESSION(request id): release everything the request still holds.
-    RequestType.END_SESSION: RequestSpec((str,), None, HandlerKind.INLINE),
+    RequestType.END_SESSION: RequestSpec((RequestId,), None, HandlerKind.INLINE),
     # RELEASE_LEASES(keys without worker id, as for LOOKUP, request id set; a token key names
     # the chunks from its `start`): release the leases the keys' requests hold on those chunks,
     # on every rank: chunks a request will not retrieve (e.g. inside vLLM's own prefix hit).
@@ -376,6 +408,14 @@ PROTOCOL: dict[RequestType, RequestSpec] = {
     # model) or why it could not (a v1 server has no DELETE; a tier that is down). Chunks queued
     # for writing may still land after it. Slow on a large network tier (it scans).
     RequestType.CLEAR_TIERS: RequestSpec((), list[TierCleared], HandlerKind.WORKER),
+    # RESET_MODEL(models) -> what went: every chunk of these models (every rank, world size and
+    # layout; other models' stay) out of the pool and every lower tier, and their tails out of the
+    # index, answered once no reader can find one (vLLM's `reset_prefix_cache(reset_connector=True)`
+    # after a weight update). Chunks a request holds leased are freed once released; a STORE of
+    # theirs reserved before and committed after stores nothing, nor does one that arrived before
+    # it and runs after (answered ALREADY_PRESENT: there is nothing for its worker to send again).
+    # `ModelReset.ok` is False where a tier could not drop them (down, or a v1 server: no DELETE).
+    RequestType.RESET_MODEL: RequestSpec((ModelScope,), ModelReset, HandlerKind.WORKER, RESET_PAYLOAD),
     # CANCEL_TRANSFERS(instance id, request ids) -> how many of these requests had a STORE or
     # RETRIEVE copying that was stopped and waited for. Sent by a worker whose STORE or RETRIEVE
     # got no reply in time, before it lets vLLM reuse the blocks. Once it is answered, no STORE
@@ -386,7 +426,8 @@ PROTOCOL: dict[RequestType, RequestSpec] = {
     # (deferred until then; a stopped STORE publishes nothing). Unknown requests answer 0 at once.
     # Only the connection that registered the instance may send it (FORBIDDEN otherwise); one
     # for an instance not registered records nothing. A full record answers OVERLOADED.
-    RequestType.CANCEL_TRANSFERS: RequestSpec((int, list[str]), int, HandlerKind.DEFERRED, CANCEL_PAYLOAD),
+    RequestType.CANCEL_TRANSFERS: RequestSpec((int, list[RequestId]), int, HandlerKind.DEFERRED,
+                                               CANCEL_PAYLOAD),
     # KV_EVENTS(from seq, model names, most events) -> the event log's records (`kv_events`) of
     # these models' chunks, and every clear, from that seq (-1: none, only where the log ends):
     # what a connector follows to hand its engine's chunks to vLLM's KV event stream.

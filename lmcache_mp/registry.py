@@ -43,6 +43,11 @@ logger = logging.getLogger(__name__)
 
 RankKey = tuple[str, int, int]  # (model, world size, worker id)
 
+# What a registration puts into the daemon's tables, STATUS and logs, in UTF-8 bytes: a model name
+# (a path or a hub name) and a layout (a vLLM attention backend's name).
+MAX_MODEL_NAME_BYTES = 1024
+MAX_LAYOUT_BYTES = 128
+
 
 @dataclass
 class Instance:
@@ -71,12 +76,22 @@ def _cache_kind(fmt: ChunkFormat) -> tuple:
     return fmt.layout, fmt.dtype, fmt.num_layers, fmt.page_shape, fmt.chunk_tokens
 
 
+def _check_names(reg: KVCacheRegistration) -> None:
+    for what, name, limit in (("model name", reg.model_name, MAX_MODEL_NAME_BYTES),
+                              ("layout", reg.layout, MAX_LAYOUT_BYTES)):
+        size = len(name.encode())
+        if size > limit:
+            raise invalid(f"cannot register a {what} of {size} bytes: at most {limit} (UTF-8)")
+
+
 class Registry:
     def __init__(self, attach_socket: Path, access: SocketAccess, chunk_size: int,
-                 admit_chunk: Callable[[int], None]):
-        """`admit_chunk(nbytes)` raises ValueError when the pool can never hold a chunk of `nbytes`."""
+                 admit_chunk: Callable[[int], None], on_drop: Callable[[int], None] = lambda _: None):
+        """`admit_chunk(nbytes)` raises ValueError when the pool can never hold a chunk of `nbytes`;
+        `on_drop(instance_id)` runs once a registration is gone (unregistered, or its worker)."""
         self.chunk_size = chunk_size
         self._admit_chunk = admit_chunk
+        self._on_drop = on_drop
         self._instances: dict[int, Instance] = {}
         # rank -> {format fingerprint: the registered instances with that format}
         self._rank_formats: dict[RankKey, dict[bytes, list[Instance]]] = {}
@@ -99,6 +114,7 @@ class Registry:
     def register(self, instance_id: int, kv_caches: KVCache, reg: KVCacheRegistration) -> RegisterReply:
         if not 0 <= reg.worker_id < reg.world_size:
             raise invalid(f"worker_id {reg.worker_id} is outside world_size {reg.world_size}")
+        _check_names(reg)
         self._check_unused(instance_id)  # before mapping anything; checked again when inserting
         try:
             # A rank is one byte of the seed's packed `kv_rank`, which a chunk stored here must
@@ -183,6 +199,7 @@ class Registry:
         with self._lock:
             found = self._owned_locked(instance_id) and self._drop_locked(instance_id)
         if found:
+            self._on_drop(instance_id)
             logger.info("unregistered instance %d", instance_id)
         return found
 
@@ -213,6 +230,7 @@ class Registry:
             if instance_id is not None:
                 self._drop_locked(instance_id)
         if instance_id is not None:
+            self._on_drop(instance_id)
             logger.info("worker of instance %d went away: dropped its registration", instance_id)
 
     def owned(self, instance_id: int) -> bool:
@@ -231,6 +249,11 @@ class Registry:
             raise ServerError(ErrorCode.FORBIDDEN, f"instance {instance_id} was registered on another "
                                                    "connection: only its own worker may act on it")
         return True
+
+    def current(self, instance: Instance) -> bool:
+        """Whether `instance` (looked up earlier) is still registered."""
+        with self._lock:
+            return self._instances.get(instance.instance_id) is instance
 
     def instance(self, instance_id: int) -> Instance:
         with self._lock:

@@ -316,8 +316,8 @@ class Server:
             # open past its unregistration).
             error.__traceback__ = None
             error = None
-        self._mq.reply(identity, request_id, status, body)
-        self.metrics.request_done(request_type, status, time.perf_counter() - start)
+        sent = self._mq.reply(identity, request_id, status, body)
+        self.metrics.request_done(request_type, ErrorCode(sent), time.perf_counter() - start)
 
     def _error_reply(self, request_type: RequestType, err: BaseException) -> tuple[ErrorCode, bytes]:
         """The error reply for a handler's exception: a ServerError keeps its code; anything else

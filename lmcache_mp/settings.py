@@ -6,7 +6,7 @@ help text and an optional check. From that one declaration come:
   `--x/--no-x` for a boolean;
 - the environment (`LMCACHE_MP_CHUNK_SIZE`; list items separated by whitespace);
 - a TOML file (`chunk_size = 256`), and `to_toml`, which writes one back;
-- the README's settings table (`markdown_table`).
+- the settings tables of docs/configuration.md (`markdown_table`).
 
 Precedence, for every setting: flag > environment > file > default (`resolve`). A value of the
 wrong type, an unknown key in the file or a failed check (`check`) raises `SettingError`, whose
@@ -14,7 +14,7 @@ message is one line naming the setting and what to change.
 
 The vLLM connector's settings are declared the same way but come from one place, a dict of
 prefixed keys (`kv_connector_extra_config`'s `lmcache.mp.*`): `from_keys` reads them, and
-`markdown_table(cls, prefix)` writes the README's table of those keys.
+`markdown_table(cls, prefix)` writes docs/configuration.md's table of those keys.
 """
 
 from __future__ import annotations
@@ -287,7 +287,7 @@ def _toml_value(value: Any) -> str:
 
 
 def markdown_table(cls: type, prefix: str | None = None) -> str:
-    """The README's settings table; with `prefix`, the table of the keys `from_keys` reads."""
+    """docs/configuration.md's settings table; with `prefix`, the table of the keys `from_keys` reads."""
     if prefix is None:
         rows = ["| setting (file) | flag | environment | default | meaning |", "|---|---|---|---|---|"]
     else:

@@ -54,6 +54,8 @@ class EngineStatus(msgspec.Struct, gc=False):
     kv_events_batches_total: int
     kv_events_published_total: int
     kv_events_dropped_total: int
+    kv_events_resyncs_total: int
+    kv_events_resyncing: bool
     tails_indexed: int
     tails_offered_total: int
     tails_noted_total: int
@@ -101,6 +103,8 @@ def engine_status(engine: Engine) -> EngineStatus:
         kv_events_batches_total=published["batches_total"],
         kv_events_published_total=published["events_total"],
         kv_events_dropped_total=published["dropped_total"],
+        kv_events_resyncs_total=published["resyncs_total"],
+        kv_events_resyncing=bool(published["resyncing"]),
         tails_indexed=len(engine.tails),
         tails_offered_total=engine.tails.offered_total,
         tails_noted_total=engine.tails.noted_total,
@@ -153,13 +157,16 @@ def capacity_gauges(engine: Engine) -> dict[str, float]:
 
 def _kv_event_counters(engine: Engine) -> dict[str, float]:
     """Events recorded in the log; batches and events published, events lost (the log's ring overran
-    the publisher), replay requests served (0 without --kv-events-listen)."""
+    the publisher), replay requests served (0 without --kv-events-listen); resyncs finished, and 1
+    while one is asked for or running."""
     published = engine.kv_events_counters()
     return {"kv_events_recorded_total": engine.events.end,
             "kv_events_batches_total": published["batches_total"],
             "kv_events_published_total": published["events_total"],
             "kv_events_dropped_total": published["dropped_total"],
-            "kv_events_replays_total": published["replays_total"]}
+            "kv_events_replays_total": published["replays_total"],
+            "kv_events_resyncs_total": published["resyncs_total"],
+            "kv_events_resyncing": published["resyncing"]}
 
 
 def tier_gauges(engine: Engine) -> dict[str, dict[str, float]]:

@@ -29,8 +29,10 @@ def _events(s: StatusReport) -> str:
     if not s.kv_events_endpoints:
         return f"not published (--kv-events-listen); {s.kv_events_seq:,} in the log connectors follow"
     pub, replay = s.kv_events_endpoints
+    resyncing = ", resyncing" if s.kv_events_resyncing else ""
     return (f"published on {pub} (replay {replay}): {s.kv_events_published_total:,} events in "
-            f"{s.kv_events_batches_total:,} batches, {s.kv_events_dropped_total:,} lost")
+            f"{s.kv_events_batches_total:,} batches, {s.kv_events_dropped_total:,} lost, "
+            f"{s.kv_events_resyncs_total:,} resyncs{resyncing}")
 
 
 def render_status(url: str, s: StatusReport) -> str:

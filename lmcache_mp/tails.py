@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Set
 
 from lmcache_mp.keys import short_chunk_hash
 from lmcache_mp.protocol import TailHit
@@ -112,6 +112,17 @@ class TailIndex:
                     self._tails.move_to_end(key)
                     found += tails
         return found
+
+    def forget_models(self, models: Set[str]) -> int:
+        """Forget every tail of these models (their KV was reset); how many."""
+        with self._lock:
+            keys = [key for key in self._tails if key[0] in models]
+            forgotten = sum(len(self._tails[key]) for key in keys)
+            for key in keys:
+                self._set(key, [], len(self._tails[key]))
+            for scope in [scope for scope in self._blocks if scope[0] in models]:
+                del self._blocks[scope]
+            return forgotten
 
     def clear(self) -> None:
         with self._lock:

@@ -225,14 +225,15 @@ def run(g: Geometry, tmp: Path, iterations: int) -> dict[str, float]:
           f"{nbytes / 2**20:.0f} MiB per request", flush=True)
     daemons = {}
     try:
-        # Copy threads: two split a RETRIEVE. The pool lives in a pool file (warm restart), but for
-        # the "anonymous pool" daemon's, in anonymous memory as it did before issue 29.
-        for name, workers, pool_file in (("1 thread", 1, "auto"), ("split", 2, "auto"),
-                                         ("anonymous pool", 1, "")):
+        # Copy threads: two split a RETRIEVE. The pool lives in a pool file (warm restart; where
+        # the launcher puts them), but for the "anonymous pool" daemon's, in anonymous memory as it
+        # did before issue 29.
+        for name, workers, pool_file in (("1 thread", 1, ()), ("split", 2, ()),
+                                         ("anonymous pool", 1, ("--pool-file", ""))):
             home = tmp / f"{g.layers}x{g.kv_heads}-{name.replace(' ', '-')}"
             home.mkdir()
             daemons[name] = start_daemon(home, "--l1-size-gb", "1.2", "--chunk-size", str(CHUNK),
-                                         "--max-workers", str(workers), "--pool-file", pool_file)
+                                         "--max-workers", str(workers), *pool_file)
         samples = measure(g, {name: d.url for name, d in daemons.items()}, iterations)
     finally:
         for daemon in daemons.values():

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import contextlib
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -8,9 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmcache_mp.launcher import DaemonProcess, start_daemon
+from lmcache_mp.launcher import DaemonProcess, discard_pools, start_daemon
 from lmcache_mp.mq import MessageQueueClient
-from lmcache_mp.pool_location import PoolFileError, default_pool_file, discard_pool_file
 from tests.helpers import BLOCK, LAYERS, SHAPE
 from tests.kv_worker import make_caches
 from vllm_adapter import LMCacheMPWorkerAdapter
@@ -18,15 +16,11 @@ from vllm_adapter import LMCacheMPWorkerAdapter
 
 @pytest.fixture(scope="session", autouse=True)
 def no_pool_file_left() -> Iterator[None]:
-    """Daemons started outside the launcher (`lmcache-mp serve` run directly) keep their pool
-    files, as a restart needs: the ones made during the session go when it ends (those a live
-    daemon holds stay)."""
-    directory = default_pool_file([]).parent
-    before = set(directory.glob("pool-*"))
+    """The pool files the tests' daemons made and kept go when the session ends (the launcher's:
+    those a live daemon holds stay), and only those: a pool file of a daemon the tests did not
+    start, say one that crashed and waits for its restart, is never touched."""
     yield
-    for path in set(directory.glob("pool-*")) - before:
-        with contextlib.suppress(PoolFileError):
-            discard_pool_file(path)
+    discard_pools()
 
 
 @pytest.fixture
@@ -35,6 +29,18 @@ def short_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import tempfile
 
     return Path(tempfile.mkdtemp(prefix="lmc-", dir="/tmp"))
+
+
+@pytest.fixture
+def pool_dir() -> Iterator[Path]:
+    """A pool file directory of this test's own (0700, on /dev/shm), removed with all it holds:
+    what a daemon started here finds or removes in its directory is this test's alone."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="lmc-pools-", dir="/dev/shm"))
+    yield path
+    shutil.rmtree(path)
 
 
 @pytest.fixture

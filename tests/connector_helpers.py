@@ -1,7 +1,7 @@
 """Stand-ins for vLLM around the connector's two halves, driven step by step without an engine.
 
 vLLM's request and scheduler-output objects as the connector reads them (the fields of
-docs/vllm-0.32-connector-notes.md), and a worker half run the way vLLM's model runner runs it,
+docs/dev/vllm-0.32-connector-notes.md), and a worker half run the way vLLM's model runner runs it,
 over CPU caches of `helpers.SHAPE`. Used by test_connector_logic and test_hybrid_connector;
 importing this needs vLLM (the connector's modules import it).
 """

@@ -97,7 +97,7 @@ def redis_server(workdir: Path, *extra: str) -> Iterator[RedisServer]:
 def redis_cluster(workdir: Path, masters: int = 3) -> Iterator[list[RedisServer]]:
     """`masters` nodes, no replicas, made into a cluster with `redis-cli --cluster create`.
     `cluster-require-full-coverage no`: when a node dies, the others go on serving their slots
-    (the setting the README recommends for a cache)."""
+    (the setting docs/deployment.md recommends for a cache)."""
     nodes: list[RedisServer] = []
     try:
         for i in range(masters):

@@ -1,10 +1,11 @@
 """What a client of the attach socket can make the daemon hold, and wait for (issue 25 items 4
-and 7). A client may open attach channels and hand over descriptors that no REGISTER ever
-claims, or connect and send nothing. The daemon bounds both (a cap on unclaimed hand-overs and
-on their descriptors, a deadline for each, a reserve of descriptors below RLIMIT_NOFILE kept for
-the rest of the daemon) and reads hand-overs side by side, so no client delays another worker's
-registration. Real daemons (under `prlimit` for a low descriptor limit); the clients speak the
-attach protocol by hand, as `AttachChannel.open` does."""
+and 7, issue 39 item 9). A client may open attach channels and hand over descriptors that no
+REGISTER ever claims, or connect and send nothing. The daemon bounds both (a cap on unclaimed
+hand-overs and on their descriptors, a deadline for each, a reserve of descriptors below
+RLIMIT_NOFILE kept for the rest of the daemon; one process's share of each) and reads hand-overs
+side by side, so no client delays or locks out another worker's registration. Real daemons (under
+`prlimit` for a low descriptor limit); the clients speak the attach protocol by hand, as
+`AttachChannel.open` does, from this process, or from a hostile one of their own."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import json
 import os
 import socket
 import struct
+import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -20,8 +23,17 @@ import pytest
 
 from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import MessageQueueClient
-from lmcache_mp.transfer.attach import MAX_FDS, MAX_UNCLAIMED, MAX_UNCLAIMED_FDS, TOKEN_BYTES
+from lmcache_mp.transfer.attach import (
+    MAX_FDS,
+    MAX_PENDING,
+    MAX_UNCLAIMED,
+    MAX_UNCLAIMED_FDS,
+    MAX_UNCLAIMED_PER_PEER,
+    TOKEN_BYTES,
+)
 from tests.helpers import status, wait_for
+
+REGISTRATION_DEADLINE_S = 20.0  # a worker's registration of the small test caches, under load
 
 # Runs the daemon with some of attach.py's bounds changed (JSON in argv[1]), so that a deadline
 # can be reached quickly or put out of reach. The launcher appends its own command line:
@@ -35,6 +47,12 @@ for name, value in json.loads(sys.argv[1]).items():
 from lmcache_mp.cli import main
 sys.exit(main(sys.argv[5:]))
 """
+
+
+# One process's shares put out of reach: the tests of the bounds on all clients together flood
+# them from this one process.
+NO_PEER_SHARES = {"MAX_PENDING_PER_PEER": 1 << 30, "MAX_UNCLAIMED_PER_PEER": 1 << 30,
+                  "MAX_UNCLAIMED_FDS_PER_PEER": 1 << 30}
 
 
 def start(daemons: Callable[..., DaemonProcess], nofile: int | None = None, **bounds: float) -> DaemonProcess:
@@ -157,7 +175,7 @@ def test_unclaimed_hand_overs_past_the_descriptor_limit_are_refused_not_fatal(
     refused while the daemon has descriptors to spare: it serves on, and once the flood is gone
     its listener takes the next worker's channel."""
     limit = 512
-    daemon = start(daemons, nofile=limit)
+    daemon = start(daemons, nofile=limit, **NO_PEER_SHARES)
     path = attach_path(daemon)
     flood(path, [kv], held, attempts=limit)  # two descriptors each: past the limit
     serve_new_clients(daemon, path)
@@ -176,7 +194,7 @@ def test_a_reserve_of_descriptors_is_kept_for_the_rest_of_the_daemon(daemons, kv
     daemon is short of descriptors: it refuses them while it still has a reserve, so new clients
     (each a descriptor for ZeroMQ, which aborts the daemon when it gets none) are served."""
     limit = 256
-    daemon = start(daemons, nofile=limit)
+    daemon = start(daemons, nofile=limit, **NO_PEER_SHARES)
     path = attach_path(daemon)
     taken = flood(path, [kv] * 16, held, attempts=limit // 16)
     assert taken < limit // 16, "never refused"
@@ -185,7 +203,7 @@ def test_a_reserve_of_descriptors_is_kept_for_the_rest_of_the_daemon(daemons, kv
 
 
 def test_unclaimed_hand_overs_are_capped(daemons, kv: int, held: list[socket.socket]) -> None:
-    daemon = start(daemons, nofile=8192)  # descriptors to spare: the caps are what refuse
+    daemon = start(daemons, nofile=8192, **NO_PEER_SHARES)  # descriptors to spare: the caps refuse
     path = attach_path(daemon)
     assert flood(path, [kv], held, attempts=MAX_UNCLAIMED + 8) == MAX_UNCLAIMED
     for sock in held:
@@ -227,7 +245,7 @@ def test_idle_connections_do_not_delay_a_registration(daemons, worker_for, short
     connections delayed a worker's registration by 8 s. Now they are read side by side: the
     worker registers while every idle connection is still waiting (their deadline put out of
     reach here, so that only the order of events counts, not the time they take)."""
-    daemon = start(daemons, HANDOVER_DEADLINE_S=600.0)
+    daemon = start(daemons, HANDOVER_DEADLINE_S=600.0, **NO_PEER_SHARES)
     held.extend(connect_idle(attach_path(daemon), 8))
     worker_for(daemon.url)
     assert len(status(daemon.url).registered_instances) == 1
@@ -235,7 +253,7 @@ def test_idle_connections_do_not_delay_a_registration(daemons, worker_for, short
 
 
 def test_idle_connections_are_closed_after_a_short_deadline(daemons, held: list[socket.socket]) -> None:
-    daemon = start(daemons, HANDOVER_DEADLINE_S=0.5)
+    daemon = start(daemons, HANDOVER_DEADLINE_S=0.5, **NO_PEER_SHARES)
     held.extend(connect_idle(attach_path(daemon), 8))
     wait_for(lambda: all(closed_by_daemon(idle) for idle in held), "every idle connection closed")
     assert daemon.proc.poll() is None
@@ -264,3 +282,70 @@ def test_the_daemon_takes_its_hard_descriptor_limit(daemons) -> None:
     limits = Path(f"/proc/{daemon.proc.pid}/limits").read_text()
     line = next(line for line in limits.splitlines() if line.startswith("Max open files"))
     assert line.split()[3:5] == ["4096", "4096"], line
+
+
+# A hostile client in a process of its own: COUNT connections to the attach socket, each left idle
+# or handing over a hand-over no REGISTER will claim (with one descriptor, or none); it prints how
+# many hand-overs the daemon acknowledged, then holds every connection until its stdin closes.
+HOSTILE_CLIENT = """
+import os, socket, struct, sys
+path, kind, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+kv = os.memfd_create("hostile", os.MFD_CLOEXEC)
+os.ftruncate(kv, 1 << 20)
+fds = {"idle": None, "empty": [], "unclaimed": [kv]}[kind]
+held, acknowledged = [], 0
+for _ in range(count):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(30)
+    sock.connect(path)
+    held.append(sock)
+    if fds is not None:
+        try:
+            socket.send_fds(sock, [os.urandom(16) + struct.pack("<I", len(fds))], fds)
+            acknowledged += sock.recv(1) == b"\\x01"
+        except OSError:  # refused: closed by the daemon
+            pass
+print(acknowledged, flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture
+def hostile_client() -> Iterator[Callable[[str, str, int], int]]:
+    """hostile_client(path, kind, count) -> hand-overs acknowledged; its connections stay open
+    until the test ends."""
+    procs: list[subprocess.Popen] = []
+
+    def run(path: str, kind: str, count: int) -> int:
+        procs.append(subprocess.Popen([sys.executable, "-c", HOSTILE_CLIENT, path, kind, str(count)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+        return int(procs[-1].stdout.readline())
+
+    yield run
+    for proc in procs:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize(("kind", "count", "deadline"), [
+    ("idle", MAX_PENDING, "HANDOVER_DEADLINE_S"),
+    ("unclaimed", MAX_UNCLAIMED, "CLAIM_DEADLINE_S"),
+    ("empty", MAX_UNCLAIMED, "CLAIM_DEADLINE_S"),
+], ids=["idle connections", "unclaimed hand-overs", "hand-overs without descriptors"])
+def test_one_client_holding_the_attach_bounds_locks_no_worker_out(
+        daemons, worker_for, hostile_client, kind: str, count: int, deadline: str) -> None:
+    """One process held 64 idle connections, or 64 hand-overs that no REGISTER claims: every
+    other worker's attach channel was refused (40 of 40 registrations in 20 s) until they expired,
+    and the client opened them again. Now one process holds a small share of each bound (hand-overs
+    without descriptors, a CUDA worker's, included). Its connections are held here for the whole
+    test (the deadlines put out of reach), so what counts is the bounds alone; the real worker
+    connects after all of them."""
+    daemon = start(daemons, **{deadline: 600.0})
+    acknowledged = hostile_client(attach_path(daemon), kind, count)
+    began = time.monotonic()
+    worker = worker_for(daemon.url)
+    assert status(daemon.url).registered_instances == [worker.instance_id]
+    assert time.monotonic() - began < REGISTRATION_DEADLINE_S
+    if kind != "idle":
+        assert acknowledged == MAX_UNCLAIMED_PER_PEER
+    assert "Traceback" not in daemon.log()

@@ -2,7 +2,7 @@
 
 The real daemon and the real scheduler/worker halves; only vLLM's request, block and
 scheduler-output objects are stand-ins (the fields the connector reads, per
-docs/vllm-0.32-connector-notes.md). This pins down what an engine run cannot show
+docs/dev/vllm-0.32-connector-notes.md). This pins down what an engine run cannot show
 deterministically: the exact ops, a failed load, an absent or frozen daemon.
 """
 

@@ -31,6 +31,7 @@ from lmcache_mp.protocol import (
     ChunkOutcome,
     ErrorCode,
     KVCacheRegistration,
+    ModelScope,
     RequestType,
     StatusReport,
 )
@@ -87,6 +88,7 @@ _REFUSED: dict[RequestType, list] = {
     RequestType.KV_EVENTS: [0, ["m"], 10],
     RequestType.LOOKUP_PREFIX: ["m", 1, "r", [b"\1" * 32], []],
     RequestType.NOTE_TAILS: ["m", 1, [], []],
+    RequestType.RESET_MODEL: [ModelScope(["m"])],
 }
 assert set(_REFUSED) == set(RequestType) - _EARLY
 

@@ -24,8 +24,9 @@ OWN_PACKAGES = {"lmcache_mp", "vllm_adapter"}
 # Modules some code paths import that the base profile does not install, and the extra that
 # declares each: the connector (vllm_adapter/) runs inside a vLLM process, which brings vLLM.
 # The CUDA path needs nothing beyond torch's own `torch.cuda`. Nothing else may be missing
-# from the base profile.
-OPTIONAL_MODULES = {"vllm": "vllm"}
+# from the base profile. huggingface_hub: the connector's model identity finds a hub model's weight
+# files in its cache.
+OPTIONAL_MODULES = {"vllm": "vllm", "huggingface_hub": "vllm"}
 
 
 def _normalise(name: str) -> str:

@@ -34,6 +34,8 @@ from lmcache_mp.protocol import (
     HelloReply,
     InstanceInfo,
     KVCacheRegistration,
+    ModelReset,
+    ModelScope,
     PrefixHit,
     RegisterReply,
     RequestType,
@@ -66,6 +68,7 @@ PAYLOADS = {
     RequestType.LOOKUP_PREFIX: ["m", 2, "req-1", [b"\x01" * 32], [b"\x05" * 32]],
     RequestType.NOTE_TAILS: ["m", 2, [TailNote(b"\x01" * 32, TailHit(40, 3, b"\x03" * 32, b"\x05" * 32))],
                              [TailNote(b"", TailHit(7, 1, b"\x04" * 32))]],
+    RequestType.RESET_MODEL: [ModelScope(["m@0123456789abcdef", "m@0123456789abcdef#sliding-0"])],
 }
 REPLIES = {
     RequestType.HELLO: HelloReply(PROTOCOL_VERSION, "0.1.0", 256, "/tmp/x.attach"),
@@ -88,6 +91,8 @@ REPLIES = {
         STORED, "CPU", "LOCAL", None, b"\x01" * 32, b"\x02" * 32, "m", 2, 1)]),
     RequestType.LOOKUP_PREFIX: PrefixHit(1, [TailHit(40, 3, b"\x03" * 32)]),
     RequestType.NOTE_TAILS: None,
+    RequestType.RESET_MODEL: ModelReset(4, 1, [TierCleared("disk:///d", 4),
+                                               TierCleared("lmcache://h:1", 0, "no DELETE")]),
 }
 
 

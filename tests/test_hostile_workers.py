@@ -62,10 +62,10 @@ def register(daemon: DaemonProcess) -> Iterator[Callable[..., object]]:
     hello = client.handshake("hostile worker")
     channels: list[AttachChannel] = []
 
-    def send(fd: int, layers: list[SharedMemoryTensor]) -> object:
+    def send(fd: int, layers: list[SharedMemoryTensor], model: str = "m", layout: str = "CPU_ATTN") -> object:
         channels.append(AttachChannel.open(hello.attach_socket, [fd]))
         os.close(fd)
-        reg = KVCacheRegistration("m", 1, 0, "CPU_ATTN", channels[-1].token)
+        reg = KVCacheRegistration(model, 1, 0, layout, channels[-1].token)
         return client.submit(RequestType.REGISTER_KV_CACHE, [len(channels), layers, reg]).result(30)
 
     yield send
@@ -74,9 +74,10 @@ def register(daemon: DaemonProcess) -> Iterator[Callable[..., object]]:
     client.close()
 
 
-def refusal(register: Callable[..., object], fd: int, layers: list[SharedMemoryTensor]) -> ServerError:
+def refusal(register: Callable[..., object], fd: int, layers: list[SharedMemoryTensor], **names: str
+            ) -> ServerError:
     with pytest.raises(ServerError) as refused:
-        register(fd, layers)
+        register(fd, layers, **names)
     return refused.value
 
 
@@ -120,3 +121,29 @@ def test_a_view_with_more_elements_than_its_memory_is_refused(daemon: DaemonProc
     error = refusal(register, sealed_memfd(), layers)
     assert error.code is ErrorCode.INVALID_ARGUMENT and "overruns" in error.message, error
     assert "Traceback" not in daemon.log()
+
+
+@pytest.mark.parametrize("seal", ["F_SEAL_WRITE", "F_SEAL_FUTURE_WRITE"])
+def test_memory_sealed_against_writes_is_refused(daemon: DaemonProcess, register, seal: str) -> None:
+    """A memfd sealed against writes cannot be mapped for the daemon's RETRIEVEs to write into:
+    it was answered INTERNAL, with a traceback in the log."""
+    fd = sealed_memfd()
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, getattr(fcntl, seal, 0x10))  # F_SEAL_FUTURE_WRITE: Linux 5.1
+    error = refusal(register, fd, handles())
+    assert error.code is ErrorCode.INVALID_ARGUMENT and "sealed against writes" in error.message, error
+    assert status(daemon.url).registered_instances == []
+    assert "Traceback" not in daemon.log()
+
+
+@pytest.mark.parametrize(("field", "what"), [("model", "model name"), ("layout", "layout")])
+def test_names_past_their_bound_are_refused(daemon: DaemonProcess, register, field: str, what: str) -> None:
+    """A 1 MiB model name was registered: each STATUS reply was 1 MiB (queued per connection that
+    does not read), and so was the registration's log line. A model name is 1 KiB at most, a
+    layout 128 bytes (UTF-8), checked before anything is mapped."""
+    error = refusal(register, sealed_memfd(), handles(), **{field: "x" * (1 << 20)})
+    assert error.code is ErrorCode.INVALID_ARGUMENT, error
+    assert f"a {what} of {1 << 20} bytes" in error.message and len(error.message) < 200, error
+    report = status(daemon.url)
+    assert report.registered_instances == [] and len(daemon.log()) < 64 << 10
+    # At the bound: registered.
+    assert register(sealed_memfd(64 << 20), handles(size=64 << 20), **{field: "é" * 64}) is not None

@@ -33,9 +33,10 @@ def events_args(tmp: Path) -> tuple[str, ...]:
 
 
 def published_all(report: StatusReport) -> bool:
-    """Every record the log holds is out (the disk's writes done first)."""
+    """Every record the log holds is out (the disk's writes and any resync done first)."""
     queued = sum(t.write_queue_chunks for t in report.tiers)
-    return queued == 0 and report.kv_events_published_total == report.kv_events_seq
+    return (queued == 0 and not report.kv_events_resyncing
+            and report.kv_events_published_total == report.kv_events_seq)
 
 
 def subscribe(report: StatusReport) -> Subscriber:

@@ -1,7 +1,7 @@
 """scripts/make_tiny_model.py: the hybrid archs of issue 15 (Gemma 3 sliding window, Granite MoE-hybrid).
 
 The builder runs as a real subprocess, as the engine tests use it. The vLLM side of these
-models (groups, block ids) is in docs/vllm-0.32-connector-notes.md, section 10.
+models (groups, block ids) is in docs/dev/vllm-0.32-connector-notes.md, section 10.
 """
 
 from __future__ import annotations

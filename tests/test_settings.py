@@ -118,11 +118,11 @@ def test_config_file_errors_name_the_file_and_the_key(tmp_path: Path) -> None:
     assert "cannot read the config file" in serve("--config", str(tmp_path / "missing.toml")).stderr
 
 
-def test_readme_settings_table_is_current() -> None:
-    readme = (ROOT / "README.md").read_text()
-    table = re.search(r"<!-- settings table:[^\n]*-->\n(.*?)\n<!-- end of settings table -->", readme, re.S)
+def test_the_configuration_pages_settings_table_is_current() -> None:
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    table = re.search(r"<!-- settings table:[^\n]*-->\n(.*?)\n<!-- end of settings table -->", page, re.S)
     assert table is not None and table[1] == markdown_table(ServerConfig), \
-        "regenerate the README's settings table from lmcache_mp.settings.markdown_table(ServerConfig)"
+        "regenerate docs/configuration.md's settings table: lmcache_mp.settings.markdown_table(ServerConfig)"
 
 
 def test_json_logs_are_one_object_per_line(short_tmp: Path) -> None:

@@ -251,7 +251,7 @@ def test_bad_requests_close_only_their_connection(remote_server: Callable[..., S
 
 
 def test_connection_limit(remote_server: Callable[..., ServerProcess]) -> None:
-    server = remote_server("--max-connections", "2")
+    server = remote_server("--max-connections", "2", "--max-connections-per-host", "2")
     first, second = server.client(), server.client()
     assert first.health() and second.health()
     with server.connect() as third:
@@ -273,7 +273,9 @@ def test_connection_limit(remote_server: Callable[..., ServerProcess]) -> None:
 def test_idle_and_stalled_connections_are_reaped(remote_server: Callable[..., ServerProcess]) -> None:
     # Every slot taken by a connection that sends nothing (or stops half-way through a message)
     # locked every client out for good; with an idle timeout they are closed and clients get in.
-    server = remote_server("--idle-timeout-s", "1")
+    # Every connection from this one host: its share is all of them here.
+    server = remote_server("--idle-timeout-s", "1",
+                           "--max-connections-per-host", str(DEFAULT_MAX_CONNECTIONS))
     silent = [server.connect(timeout=30) for _ in range(DEFAULT_MAX_CONNECTIONS - 2)]
     mid_header = server.connect(timeout=30)
     mid_header.sendall(_header(HEALTH, ANY_KEY)[:100])
@@ -393,3 +395,41 @@ def test_parse_key_accepts_valid_keys() -> None:
                 ("m", 1, 0, "ab", "half", {"t%x": "v"})]:
         with pytest.raises(ProtocolError):
             format_key(*bad)
+
+
+# --- one peer's share of the connections -------------------------------------------------------
+
+def _connect_from(server: ServerProcess, source: str) -> socket.socket:
+    """A connection from `source`, one of this machine's loopback addresses (all of 127/8 is)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.settimeout(30)
+    sock.bind((source, 0))
+    sock.connect(("127.0.0.1", server.port))
+    return sock
+
+
+def _served(sock: socket.socket) -> bool:
+    """Whether a HEALTH on `sock` is answered (False: the server closed the connection)."""
+    try:
+        sock.sendall(_header(HEALTH, ANY_KEY))
+        return _reply(sock)[0] == 200
+    except (AssertionError, ConnectionError):  # closed: _recv_exact asserts on an empty read
+        return False
+
+
+def test_one_host_cannot_hold_every_connection(remote_server: Callable[..., ServerProcess]) -> None:
+    """One client held all 64 connections (a HEALTH on each now and then keeps them from the idle
+    timeout): 0 of 38 other clients' checks were answered in 75 s. Now one host holds a share of
+    the connections (a quarter by default), and the others get the rest."""
+    server = remote_server()
+    hostile = [_connect_from(server, "127.0.0.2") for _ in range(DEFAULT_MAX_CONNECTIONS)]
+    others = [_connect_from(server, f"127.0.1.{i}") for i in range(1, 39)]
+    try:
+        held = sum(_served(sock) for sock in hostile)
+        answered = sum(_served(sock) for sock in others)
+        assert (held, answered) == (DEFAULT_MAX_CONNECTIONS // 4, len(others))
+        assert all(_served(sock) for sock in others)  # and the same connections again
+    finally:
+        for sock in hostile + others:
+            sock.close()
+    assert build_parser().parse_args(["remote-server"]).max_connections_per_host is None

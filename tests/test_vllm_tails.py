@@ -4,16 +4,21 @@ conversation's history seldom ends on a chunk boundary, and each finished turn s
 own prefix cache off, every token a returning turn finds is the daemon's; with it on, vLLM holds
 the full blocks and the daemon adds the rest. Either way each returning turn finds all of its
 history but the last answer token (whose KV was never computed: vLLM's rule), and answers exactly
-as an engine whose own prefix cache holds everything (the floor)."""
+as an engine whose own prefix cache holds everything (the floor). A prompt of embeddings, whose
+token ids are all 0, neither looks up nor stores a tail, and a LoRA adapter's tail is its own:
+another adapter of the same name at another path does not take it (issue 39 item 1)."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
-from tests.helpers import wait_for_status
+from tests.helpers import status, wait_for_status
 
 # The engine runner, and the module-scoped fixtures `daemon` and `work_dir`.
 from tests.vllm_engines import (
@@ -114,3 +119,89 @@ def test_returning_turns_load_their_whole_history(model: Path, work_dir: Path, d
         engine.finish()
     finally:
         engine.kill()
+
+
+# vLLM gives each position of a prompt of embeddings the token id 0: these token ids are what the
+# embeddings' prompt holds in its first 20 positions.
+ZEROS = [0] * 20
+EMBEDDINGS = {"embeds_seed": 39, "length": 25}
+
+
+def test_a_prompt_of_embeddings_never_takes_a_tail(model: Path, work_dir: Path,
+                                                   daemon: DaemonUnderTest) -> None:
+    """A prompt of 20 token ids 0 leaves its tail (shorter than a block: indexed after token 0).
+    A prompt of 25 embeddings then finds no tail offered (it asks for none), loads nothing, and
+    answers as an engine without the connector does; nor does it leave a tail of its own."""
+    daemon.proc.stop()
+    daemon.start()  # empty
+    rounds = [[ZEROS], [EMBEDDINGS]]
+    embeds = {"max_tokens": 1, "prompt_embeds": True, "logprobs": True}
+    floor = run_engine(engine_spec(model, None, rounds, **embeds), work_dir / "embeds-floor.log")
+    barrier = work_dir / "barrier-embeds"
+    barrier.mkdir()
+    spec = engine_spec(model, daemon, rounds, barrier_dir=str(barrier), **embeds)
+    spec["connector"]["lmcache.mp.tails"] = True
+    engine = VllmEngine(spec, work_dir / "tails-embeds.log")
+    try:
+        engine.round(0)
+        noted = wait_for_status(daemon.url, lambda r: (r.objects, r.tails_noted_total) == (1, 1),
+                                "the token prompt's tail stored and noted", timeout_s=120, daemon=daemon.proc)
+        (barrier / "go-1").touch()
+        embedded = engine.round(1)
+        engine.finish()
+    finally:
+        engine.kill()
+    after = status(daemon.url)
+    assert cached(embedded) == [0]
+    assert embedded == floor[1]  # the same token and the same logprob: no other prompt's KV
+    assert after.tails_offered_total == noted.tails_offered_total  # it looked up no tail
+    assert (after.objects, after.tails_noted_total) == (1, 1)  # and stored none
+
+
+def make_lora(path: Path, seed: int) -> Path:
+    """A LoRA adapter of the tiny model (rank 8 on q_proj and v_proj, random), in PEFT's layout."""
+    path.mkdir()
+    rows = torch.Generator().manual_seed(seed)
+    rank, hidden, modules = 8, 128, {"q_proj": 128, "v_proj": 64}  # their output widths
+    tensors = {}
+    for layer in range(2):
+        for module, width in modules.items():
+            name = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, hidden, generator=rows) * 0.3
+            tensors[f"{name}.lora_B.weight"] = torch.randn(width, rank, generator=rows) * 0.3
+    save_file(tensors, path / "adapter_model.safetensors")
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 16, "target_modules": list(modules), "bias": "none"}))
+    return path
+
+
+def test_a_lora_adapters_tail_is_its_own(model: Path, work_dir: Path, daemon: DaemonUnderTest) -> None:
+    """Two adapters of one name at two paths (a name re-pointed at another adapter): the second
+    does not take the first's tail of the same tokens, and answers as an engine without the
+    connector does; the first, back, takes its own."""
+    daemon.proc.stop()
+    daemon.start()  # empty
+    here, there = (str(make_lora(work_dir / f"lora-{seed}", seed)) for seed in (1, 2))
+    history = _tokens(20)  # shorter than a block: its tail is found after token 0
+    rounds = [[{"tokens": history, "lora": ["adapter", 1, here]}],
+              [{"tokens": history + _tokens(5), "lora": ["adapter", 2, there]}],
+              [{"tokens": history + _tokens(5), "lora": ["adapter", 1, here]}]]
+    lora = {"max_tokens": 1, "max_lora_rank": 8, "logprobs": True}
+    floor = run_engine(engine_spec(model, None, rounds, **lora), work_dir / "lora-floor.log")
+    barrier = work_dir / "barrier-lora"
+    barrier.mkdir()
+    spec = engine_spec(model, daemon, rounds, barrier_dir=str(barrier), **lora)
+    spec["connector"]["lmcache.mp.tails"] = True
+    engine = VllmEngine(spec, work_dir / "tails-lora.log")
+    try:
+        engine.round(0)
+        wait_for_status(daemon.url, lambda r: (r.objects, r.tails_noted_total) == (1, 1),
+                        "the first adapter's tail stored and noted", timeout_s=120, daemon=daemon.proc)
+        for i in (1, 2):
+            (barrier / f"go-{i}").touch()
+        other, own = engine.round(1), engine.round(2)
+        engine.finish()
+    finally:
+        engine.kill()
+    assert cached(other) == [0] and other == floor[1]
+    assert cached(own) == [20] and tokens(own) == tokens(floor[2])

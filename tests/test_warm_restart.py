@@ -88,9 +88,8 @@ def test_sigterm_then_a_new_daemon_serves_every_chunk_bit_exact(daemons, short_t
     fresh: DaemonProcess = daemons(*ARGS, "--fresh-pool")
     assert (status(fresh.url).objects, status(fresh.url).pool_adopted_chunks) == (0, 0)
     assert fresh.stop(keep_pool=True) == 0
-    cleared = subprocess.run([sys.executable, "-m", "lmcache_mp.cli", "clear", "--url", fresh.url,
-                              "--pool-file"], capture_output=True, text=True, timeout=60,
-                             env=dict(os.environ, LMCACHE_MP_RUNTIME_DIR=str(short_tmp)))
+    cleared = subprocess.run([sys.executable, "-m", "lmcache_mp.cli", "clear", "--pool-file",
+                              str(daemon.pool_path)], capture_output=True, text=True, timeout=60)
     assert cleared.returncode == 0 and "removed" in cleared.stdout, cleared
     assert not daemon.pool_path.exists()
 

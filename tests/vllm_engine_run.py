@@ -9,10 +9,15 @@ connector (null, or the `kv_connector_extra_config` for LMCacheMPDaemonConnector
 hybrid_kv_cache_manager (optional bool: vLLM's HMA on; off by default), hf_overrides (optional),
 max_num_batched_tokens (optional), kv_events (optional: vLLM's `KVEventsConfig` fields, its KV event
 publisher on), logprobs (optional bool: also report each generated token's
-logprob), rounds (a list of rounds, each a list of prompts, each a list of token ids), conversation
+logprob), prompt_embeds (optional bool: vLLM's `enable_prompt_embeds`), max_lora_rank (optional:
+LoRA on), rounds (a list of rounds, each a list of prompts, each a list of token ids or, with
+prompt_embeds, `{"embeds_seed": s, "length": n}`: n rows of random embeddings drawn from seed s,
+or `{"tokens": [...], "lora": [name, id, path]}`: token ids through that LoRA adapter), conversation
 (optional bool: prompt j of round i > 0 is then the previous round's prompt j and its answer,
 followed by these tokens: a multi-turn chat), barrier_dir (optional: before round i > 0, wait
-until the file `go-i` exists there, so a test can act between rounds), results_dir (optional:
+until the file `go-i` exists there, so a test can act between rounds), resets (optional: {"i": bool}:
+before round i, vLLM's `reset_prefix_cache(reset_connector=bool)`, asked again until it succeeds:
+the stores of the round before hold their blocks for a few more steps), results_dir (optional:
 where each round's result is also written, whole, as `round-i.json`).
 
 After each round it prints one line `RESULT {"round": i, "outputs": [{"num_cached_tokens":
@@ -32,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 BARRIER_TIMEOUT_S = 300.0  # past the longest wait of a test between rounds (wait_for_status: 120 s)
+RESET_TIMEOUT_S = 120.0
 
 
 def kv_transfer_config(extra_config: dict[str, Any]) -> dict[str, Any]:
@@ -53,6 +59,10 @@ def engine_args(spec: dict[str, Any]) -> dict[str, Any]:
         args["hf_overrides"] = spec["hf_overrides"]
     if spec.get("max_num_batched_tokens"):  # small: a long prompt's prefill spans several steps
         args["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
+    if spec.get("prompt_embeds"):
+        args["enable_prompt_embeds"] = True
+    if spec.get("max_lora_rank"):
+        args.update(enable_lora=True, max_lora_rank=spec["max_lora_rank"], max_loras=2)
     if spec.get("kv_events"):
         from vllm.config.kv_events import KVEventsConfig
 
@@ -72,11 +82,41 @@ def wait_for(path: Path) -> None:
         time.sleep(0.05)
 
 
+def reset_prefix_cache(llm: Any, reset_connector: bool) -> None:
+    """vLLM's reset, asked again while it fails: it succeeds only once every block is free, and a
+    finished request's blocks wait for its stores, which the engine completes in its next steps."""
+    deadline = time.monotonic() + RESET_TIMEOUT_S
+    while not llm.reset_prefix_cache(reset_connector=reset_connector):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"reset_prefix_cache(reset_connector={reset_connector}) failed for "
+                               f"{RESET_TIMEOUT_S:g} s")
+        time.sleep(0.05)
+
+
 def _chosen_logprobs(completion: Any) -> list[float]:
     """The log-probability of each generated token: far more sensitive to wrong KV than the
     tokens of a tiny random model, which often repeat one token whatever the context."""
     steps = zip(completion.token_ids, completion.logprobs, strict=True)
     return [step[token].logprob for token, step in steps]
+
+
+def prompt(p: list[int] | dict[str, Any], hidden_size: int) -> Any:
+    """vLLM's prompt of token ids, or of embeddings (the same rows for the same seed)."""
+    from vllm.inputs import EmbedsPrompt, TokensPrompt
+
+    if isinstance(p, list) or "tokens" in p:
+        return TokensPrompt(prompt_token_ids=p if isinstance(p, list) else p["tokens"])
+    import torch
+
+    rows = torch.Generator().manual_seed(p["embeds_seed"])
+    return EmbedsPrompt(prompt_embeds=torch.randn(p["length"], hidden_size, generator=rows))
+
+
+def lora(p: list[int] | dict[str, Any]) -> Any:
+    """The prompt's LoRA adapter, if it names one."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(*p["lora"]) if isinstance(p, dict) and "lora" in p else None
 
 
 def publish(result: dict[str, Any], results_dir: str | None) -> None:
@@ -91,19 +131,23 @@ def publish(result: dict[str, Any], results_dir: str | None) -> None:
 def main() -> int:
     spec = json.loads(sys.argv[1])
     from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
 
     llm = LLM(**engine_args(spec))
+    hidden_size = llm.llm_engine.model_config.get_hidden_size()
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True,
                             logprobs=0 if spec.get("logprobs") else None)
     histories: list[list[int]] = []  # a conversation's: each prompt and its answer so far
     for i, prompts in enumerate(spec["rounds"]):
         if i and spec.get("barrier_dir"):
             wait_for(Path(spec["barrier_dir"]) / f"go-{i}")
+        if str(i) in spec.get("resets", {}):
+            reset_prefix_cache(llm, spec["resets"][str(i)])
         if spec.get("conversation") and histories:
             prompts = [history + p for history, p in zip(histories, prompts, strict=True)]
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        histories = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outputs, strict=True)]
+        outputs = llm.generate([prompt(p, hidden_size) for p in prompts], params, use_tqdm=False,
+                               lora_request=[lora(p) for p in prompts])
+        if spec.get("conversation"):
+            histories = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outputs, strict=True)]
         results = [{"num_cached_tokens": o.num_cached_tokens, "token_ids": list(o.outputs[0].token_ids),
                     **({"logprobs": _chosen_logprobs(o.outputs[0])} if spec.get("logprobs") else {})}
                    for o in outputs]

@@ -9,7 +9,7 @@ Load it with
 
 Settings: the `lmcache.mp.*` keys of `kv_connector_extra_config` (the daemon's URL, timeouts,
 the load mode, CURVE keys, ...), declared once in `connector_common.ConnectorSettings`, from which
-the README's table of them (section "Use with vLLM") is generated; unknown keys are refused.
+docs/configuration.md's table of them is generated; unknown keys are refused.
 
 How it works: vLLM builds the class twice. The scheduler half (`connector_scheduler`, in the
 EngineCore process) looks each request up once, plans chunk-aligned loads beyond
@@ -19,7 +19,7 @@ registers the KV caches with the daemon and runs the plans as batched RETRIEVE a
 requests. The daemon is a best-effort cache: when it is down or restarts, vLLM keeps serving
 (no hits, stores skipped, failed loads recomputed) and both halves reconnect by themselves.
 Hybrid models keep vLLM's hybrid KV cache manager on: each KV cache group is stored and
-loaded on its own (`kv_groups`, and the README's "Hybrid models").
+loaded on its own (`kv_groups`, and docs/vllm.md's "Hybrid models").
 `kv_load_failure_policy` should be "recompute": vLLM 0.32 defaults to "fail", which ends a
 request with an error when its load fails instead of recomputing it.
 """
@@ -112,7 +112,7 @@ class LMCacheMPDaemonConnector(KVConnectorBase_V1, SupportsHMA):
         _route_logs_to_vllm()
         settings = ConnectorSettings.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         # The model and every setting that changes its KV (model_identity.py): never the name alone.
-        model_name = model_identity(vllm_config.model_config)
+        model_name = model_identity(vllm_config.model_config, vllm_config.load_config)
         parallel = vllm_config.parallel_config
         check_parallel_config(parallel)
         self._scheduler: SchedulerSide | None = None
@@ -190,6 +190,13 @@ class LMCacheMPDaemonConnector(KVConnectorBase_V1, SupportsHMA):
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         """True keeps the request's blocks (every group's) until its stores are done."""
         return self._scheduler is not None and self._scheduler.request_finished(request, block_ids), None
+
+    def reset_cache(self) -> bool:
+        """vLLM's `reset_prefix_cache(reset_connector=True)`, made after a weight update: the daemon
+        drops every chunk of this model (pool and lower tiers; other models' stay). False, with the
+        reason logged, where the daemon could not confirm it (away, no reply in time, a tier that
+        failed). An inert connector stores nothing: nothing to drop."""
+        return self._scheduler is None or self._scheduler.reset_cache()
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """The daemon's stores and evictions of this engine's chunks, as vLLM's KV events (only

@@ -44,7 +44,7 @@ def _within_a_second(value: float) -> str | None:
 @dataclass(frozen=True)
 class ConnectorSettings:
     """The connector's `kv_connector_extra_config` keys, each `lmcache.mp.` + a field's name,
-    declared once (`lmcache_mp.settings.setting`): `from_extra_config` reads them, and the README's
+    declared once (`lmcache_mp.settings.setting`): `from_extra_config` reads them, and docs/configuration.md's
     table of them is `settings.markdown_table(ConnectorSettings, "lmcache.mp.")`."""
 
     url: str = setting(

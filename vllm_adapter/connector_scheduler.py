@@ -35,7 +35,7 @@ from vllm_adapter.heartbeat import Heartbeat
 from vllm_adapter.kv_events import EngineEvents
 from vllm_adapter.kv_groups import NULL_BLOCK_ID, KVGroup, skip_null_blocks
 from vllm_adapter.ops import SKIP_BLOCK, LoadStoreOp
-from vllm_adapter.scheduler_adapter import LMCacheMPSchedulerAdapter
+from vllm_adapter.scheduler_adapter import LMCacheMPSchedulerAdapter, reset_models
 from vllm_adapter.tails import finish_store, longest_own_tail, may_have_tail
 
 if TYPE_CHECKING:
@@ -109,6 +109,7 @@ class SchedulerSide:
         self._lookup_wait_s = settings.lookup_wait_ms / 1000
         self._lookup_wait_left = self._lookup_wait_s  # this step's, across requests
         self._reconnect_interval_s = settings.reconnect_interval_s
+        self._timeout_s = settings.timeout_s
 
         def connect(group: KVGroup) -> LMCacheMPSchedulerAdapter:
             return LMCacheMPSchedulerAdapter(settings.url, None, group.namespace, world_size, rank,
@@ -494,6 +495,29 @@ class SchedulerSide:
         superseded = [state.tail] if state.tail is not None and state.tail not in stored else []
         if stored or superseded:
             adapter.note_tails(stored, superseded)
+
+    # ---- reset ---------------------------------------------------------------------------
+
+    def reset_cache(self) -> bool:
+        """vLLM's `reset_prefix_cache(reset_connector=True)` (the weights changed): the daemon drops
+        every chunk of this engine's model, each KV cache group's; the requests waiting with a lookup
+        answered before look up again. False (logged) where the daemon could not confirm.
+
+        vLLM's own reset succeeds only with every block free: no request computing, no store of
+        ours pending (they hold their requests' blocks). When it fails, stores of the old KV may
+        still land after this: the caller resets again (vLLM's result is False either way)."""
+        adapter = self._connected()
+        for request_id, state in self._requests.items():
+            if state.lookup_sent and not state.load_planned and not state.has_stores:
+                if adapter is not None:
+                    adapter.cleanup_lookup_result(request_id)
+                    adapter.end_session(request_id)  # the old lookup's leases
+                state.lookup_sent, state.hit_tokens, state.tail, state.saved_chunks = False, None, None, 0
+        if adapter is None:
+            logger.error("lmcache-mp: resetting the KV of %s failed: the daemon is not connected; what it "
+                         "holds of the model may be served once it is", self._groups[0].namespace)
+            return False
+        return reset_models(adapter.mq_client, [group.namespace for group in self._groups], self._timeout_s)
 
     def shutdown(self) -> None:
         self._link.close()

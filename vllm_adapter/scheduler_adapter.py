@@ -8,6 +8,8 @@ Differences, each fixing a known failure of the seed:
 - a lookup's hits stay leased at the daemon for the RETRIEVE that follows, until
   `release_leases`, `end_session` or the daemon's lease TTL. Releases are fire and forget, but
   one that fails (leases then held until the TTL) is logged, not lost.
+
+And `reset_models`: a model's KV reset (vLLM's `reset_prefix_cache(reset_connector=True)`).
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from typing import Any
 import zmq
 
 from lmcache_mp.curve import ClientCurve
-from lmcache_mp.mq.client import MessagingFuture
-from lmcache_mp.protocol import PrefixHit, RequestType, TailHit, TailNote
+from lmcache_mp.errors import LMCacheMPError
+from lmcache_mp.mq.client import MessageQueueClient, MessagingFuture
+from lmcache_mp.protocol import ModelReset, ModelScope, PrefixHit, RequestType, TailHit, TailNote
 from vllm_adapter.ops import DEFAULT_TIMEOUT_S, KeyMaker, LoadStoreOp, connect, striding_block_hashes
 
 logger = logging.getLogger(__name__)
@@ -175,3 +178,26 @@ class LMCacheMPSchedulerAdapter:
             future.wait(max(0.0, deadline - time.monotonic()))
         self._check_releases()
         self.mq_client.close()
+
+
+def reset_models(client: MessageQueueClient, models: list[str], timeout_s: float) -> bool:
+    """Have the daemon drop every chunk of `models` from its pool and every lower tier (RESET_MODEL):
+    True once it confirmed that none can be served any more; False, with the reason logged, where
+    it could not (unreachable, no reply in time, a tier that failed)."""
+    what = f"lmcache-mp: resetting the KV of {', '.join(models)}"
+    try:
+        reset: ModelReset = client.submit(RequestType.RESET_MODEL, [ModelScope(models)],
+                                          timeout_s=timeout_s).result()
+    except LMCacheMPError as err:
+        logger.error("%s failed: the daemon did not confirm it (%s); what it holds of the model may "
+                     "still be served", what, err)
+        return False
+    tiers = "".join(f"; {t.name}: " + (f"NOT dropped: {t.error}" if t.error else f"{t.removed} dropped")
+                    for t in reset.tiers)
+    if not reset.ok:
+        logger.error("%s failed: %d chunks dropped from the daemon's pool, %d tails forgotten%s",
+                     what, reset.pool_chunks, reset.tails, tiers)
+        return False
+    logger.info("%s: %d chunks dropped from the daemon's pool, %d tails forgotten%s",
+                what, reset.pool_chunks, reset.tails, tiers)
+    return True

@@ -6,23 +6,29 @@ request finishes, the scheduler stores the part of its KV past its last full chu
 chunk's blocks, the last maybe partly filled) as one short chunk, and notes it to the daemon
 under its *anchor*, the key of the chunk before it (`lmcache_mp.tails`).
 
-Its key names the tail's tokens and all before them: vLLM's hash of the tail's last full block
-(which chains through every earlier token, with the request's LoRA, cache salt and multimodal
-inputs), or of the anchor's last block, and the tokens past it. A returning turn gets the
+Its key names the tail's tokens and all before them, as vLLM's block hash would name a block of
+them: vLLM's hash of the tail's last full block (which chains through every earlier token, with
+the request's LoRA, cache salt and multimodal inputs), or of the anchor's last block, the tokens
+past it, and the extra keys vLLM's own block hasher adds for those tokens (the LoRA adapter's
+name and path, and the cache salt where no block hash precedes them). A returning turn gets the
 tails noted after its last chunk hit (those whose last full block its prompt's last chunk or
 later blocks hold: the daemon's window, `lmcache_mp.tails`), and keeps the longest whose key its
-own tokens reproduce,
-so a tail that is not the request's own history is never loaded. Multimodal requests get no
-tail: the tokens past the last full block would name an image by its placeholder alone.
+own tokens reproduce, so a tail that is not the request's own history is never loaded.
+
+A request whose token ids do not name its input gets no tail, neither stored nor looked up:
+a multimodal one (the tokens past the last full block would name an image by its placeholder
+alone) and one with prompt embeddings (vLLM gives each embedded position the token id 0).
 """
 
 from __future__ import annotations
 
 import hashlib
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import msgspec
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
 from lmcache_mp.protocol import TailHit, TailNote
 from vllm_adapter.ops import LoadStoreOp
@@ -31,30 +37,24 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-def tail_hash(block_hashes: Sequence[bytes], tokens: Sequence[int], start: int, num_tokens: int,
-              block_size: int, salt: bytes) -> bytes:
-    """The key of the tail of `num_tokens` tokens from token `start` (a chunk boundary):
-    vLLM's hash of its last full block (or of the block before it), the tokens past that
-    block and `salt`, which tells requests apart where no block hash exists yet (token 0)."""
+def tail_hash(request: Request, start: int, num_tokens: int, block_size: int) -> bytes:
+    """The key of the request's tail of `num_tokens` tokens from token `start` (a chunk boundary):
+    vLLM's hash of its last full block (or of the block before it), the tokens past that block
+    and what vLLM's block hasher would add to a block of them (`generate_block_hash_extra_keys`:
+    LoRA name and path, and the cache salt from token 0, where no block hash tells requests
+    apart). Encoded as one msgpack array: no two different inputs give the same bytes."""
     end = start + num_tokens
     full_end = end // block_size * block_size  # the tail's full blocks end here
-    digest = hashlib.blake2b(digest_size=32, person=b"lmcache-mp tail")
-    digest.update(block_hashes[full_end // block_size - 1] if full_end else b"")
-    digest.update(salt)
-    digest.update(array("q", tokens[full_end:end]).tobytes())
-    return digest.digest()
-
-
-def request_salt(request: Request) -> bytes:
-    """What keeps two requests' tails apart before their first full block: LoRA and cache salt."""
-    lora = getattr(request, "lora_request", None)
-    salt = getattr(request, "cache_salt", None) or ""
-    return f"{lora.lora_name if lora is not None else ''}\0{salt}".encode()
+    parent = request.block_hashes[full_end // block_size - 1] if full_end else b""
+    extra_keys, _ = generate_block_hash_extra_keys(request, full_end, end, 0)
+    named = msgspec.msgpack.encode((parent, extra_keys, request.all_token_ids[full_end:end]))
+    return hashlib.blake2b(named, digest_size=32, person=b"lmcache-mp tail").digest()
 
 
 def may_have_tail(request: Request) -> bool:
-    """No tail for a multimodal request (see the module docstring)."""
-    return not getattr(request, "mm_features", None)
+    """No tail for a request whose token ids do not name its input: multimodal, or with prompt
+    embeddings (see the module docstring)."""
+    return not getattr(request, "mm_features", None) and getattr(request, "prompt_embeds", None) is None
 
 
 def longest_own_tail(tails: Sequence[TailHit], request: Request, start: int,
@@ -63,12 +63,10 @@ def longest_own_tail(tails: Sequence[TailHit], request: Request, start: int,
     request's own history: its key recomputed from the request's tokens. None if none is."""
     if not tails:
         return None
-    tokens, hashes = request.all_token_ids, request.block_hashes
-    salt = request_salt(request)
-    room = request.num_tokens - start
+    room, full_blocks = request.num_tokens - start, len(request.block_hashes)
     for tail in sorted(tails, key=lambda t: t.num_tokens, reverse=True):
-        fits = tail.num_tokens <= room and (start + tail.num_tokens) // block_size <= len(hashes)
-        if fits and tail_hash(hashes, tokens, start, tail.num_tokens, block_size, salt) == tail.tail_hash:
+        fits = tail.num_tokens <= room and (start + tail.num_tokens) // block_size <= full_blocks
+        if fits and tail_hash(request, start, tail.num_tokens, block_size) == tail.tail_hash:
             return tail
     return None
 
@@ -96,8 +94,7 @@ def finish_store(request: Request, block_ids: list[int], saved_chunks: int, chun
     hashes = request.block_hashes
     note = None
     if num_tokens:
-        key = tail_hash(hashes, request.all_token_ids, chunks * chunk_tokens, num_tokens, block_size,
-                        request_salt(request))
+        key = tail_hash(request, chunks * chunk_tokens, num_tokens, block_size)
         last_block = hashes[end // block_size - 1] if num_tokens >= block_size else b""
         anchor = hashes[full_end - 1] if chunks else b""
         note = TailNote(anchor, TailHit(num_tokens, tail_blocks, key, last_block))

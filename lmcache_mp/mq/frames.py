@@ -42,9 +42,10 @@ POLLIN = int(zmq.POLLIN)
 _SNDMORE = int(zmq.SNDMORE)
 
 
-def send_frames(sock: zmq.Socket, frames: list[bytes], flags: int = 0) -> None:
+def send_frames(sock: zmq.Socket, frames: list[bytes] | list[bytes | zmq.Frame], flags: int = 0) -> None:
     """`sock.send_multipart(frames, flags)` for our small frames, without the enum arithmetic.
-    (Frames this small are copied by libzmq whatever `copy` says, so none is asked for.)"""
+    (Frames this small are copied by libzmq whatever `copy` says, so none is asked for; a
+    `zmq.Frame`, a large reply the daemon tracks, goes as it is, zero-copy.)"""
     send = sock.send
     more = flags | _SNDMORE
     for frame in frames[:-1]:

@@ -7,8 +7,11 @@ Invariants:
   eventfd doorbell.
 - A reply after `stop` is dropped (its client is gone or will time out): replies are ordered
   against the socket's close by one lock, so none touches a closed socket or doorbell.
-- Queues are bounded per connection (SERVER_PEER_HWM): a client that stops reading has its
-  replies dropped past it; the daemon never blocks on, nor buffers without bound for, a client.
+- Queues are bounded per connection, in replies (SERVER_PEER_HWM) and in bytes: replies of
+  TRACKED_REPLY_BYTES or more are charged to their connection until libzmq has written them out,
+  and past PEER_REPLY_BYTES of those a large reply is answered OVERLOADED instead (`_ReplyBytes`).
+  A client that stops reading has its replies dropped past the first bound, refused past the
+  second; the daemon never blocks on, nor buffers without bound for, a client.
 - A frame over MAX_FRAME_BYTES disconnects its sender; a reply to a client that went away is
   dropped silently.
 - A bug in one request's handling is logged and never stops the I/O thread.
@@ -24,10 +27,12 @@ import threading
 import time
 from collections.abc import Callable
 
+import msgspec
 import zmq
 
 from lmcache_mp.curve import ServerCurve
 from lmcache_mp.mq.frames import MAX_FRAME_BYTES, STATUS_FRAME, recv_frames, send_frames
+from lmcache_mp.protocol import ErrorCode, ErrorReply
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +41,65 @@ logger = logging.getLogger(__name__)
 # requests read ahead of the socket thread. 100,000 replies held ~0.5 KiB each in the daemon
 # per such connection (+47 MiB for one); a pipelining client keeps far fewer in flight.
 SERVER_PEER_HWM = 2_048
+# ...and the bytes they hold. The usual reply is a few dozen bytes; a reply of this size or more
+# (STATUS, KV_EVENTS, a long STORE's outcomes) is sent zero-copy, with a tracker that says when
+# libzmq has written it out, and charged to its connection until then...
+TRACKED_REPLY_BYTES = 1 << 10
+# ...up to this much per connection: a larger reply past it is answered OVERLOADED (a reply of any
+# size goes out to a connection that holds none). A connection that reads nothing holds at most
+# SERVER_PEER_HWM small replies (2 MiB) and this: 2,048 STATUS replies of 1 MiB each held 2 GiB.
+PEER_REPLY_BYTES = 4 << 20
 # How long a stopping server keeps trying to deliver its last replies to connected clients.
 CLOSE_LINGER_MS = 2000
+
+
+class _ReplyBytes:
+    """The large replies of each connection that libzmq has not written out yet, by bytes.
+    Thread-safe: replies come from every thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # routing id -> (tracker, bytes) of each reply not known to be written out, oldest first
+        self._unsent: dict[bytes, collections.deque[tuple[zmq.MessageTracker, int]]] = {}
+        self._held: dict[bytes, int] = {}  # routing id -> the bytes of those
+
+    def charge(self, identity: bytes, body: bytes) -> zmq.Frame | None:
+        """A tracked frame of `body`, charged to the connection; None (nothing charged) when that
+        connection holds PEER_REPLY_BYTES with it already."""
+        with self._lock:
+            held = self._settle_locked(identity)
+            if held and held + len(body) > PEER_REPLY_BYTES:
+                return None
+            frame = zmq.Frame(body, copy=False, track=True)
+            self._unsent.setdefault(identity, collections.deque()).append((frame.tracker, len(body)))
+            self._held[identity] = held + len(body)
+            return frame
+
+    def held(self, identity: bytes) -> int:
+        with self._lock:
+            return self._settle_locked(identity)
+
+    def sweep(self) -> None:
+        """Forget the replies written out since, and the connections that hold none (those gone
+        included: libzmq frees a closed connection's replies)."""
+        with self._lock:
+            for identity in list(self._unsent):
+                self._settle_locked(identity)
+
+    def _settle_locked(self, identity: bytes) -> int:
+        """The bytes `identity` still holds, once the replies written out are taken off (a
+        connection's replies go out in order)."""
+        unsent = self._unsent.get(identity)
+        if unsent is None:
+            return 0
+        held = self._held[identity]
+        while unsent and unsent[0][0].done:
+            held -= unsent.popleft()[1]
+        if not unsent:
+            del self._unsent[identity], self._held[identity]
+            return 0
+        self._held[identity] = held
+        return held
 
 
 class MessageQueueServer:
@@ -80,7 +142,8 @@ class MessageQueueServer:
         self._on_request = on_request
         self._on_tick = on_tick
         self._tick_s = tick_s
-        self._outbox: collections.deque[list[bytes]] = collections.deque()
+        self._outbox: collections.deque[list[bytes | zmq.Frame]] = collections.deque()
+        self._reply_bytes = _ReplyBytes()
         self._doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._stopping = False
         # Replies may come from any thread until the I/O thread closes the socket and the
@@ -102,19 +165,35 @@ class MessageQueueServer:
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=5)
 
-    def reply(self, identity: bytes, request_id: bytes, status: int, body: bytes) -> None:
-        """Send a reply (from any thread). After `stop` it is dropped: its client is gone or
-        will time out, and the socket is closed."""
-        frames = [identity, request_id, STATUS_FRAME[status], body]
+    def reply(self, identity: bytes, request_id: bytes, status: int, body: bytes) -> int:
+        """Send a reply (from any thread); returns the status sent: OVERLOADED, instead of a
+        large reply to a connection that holds PEER_REPLY_BYTES of replies not written out
+        yet. After `stop` it is dropped: its client is gone or will time out, and the socket is
+        closed."""
+        payload: bytes | zmq.Frame = body
+        if len(body) >= TRACKED_REPLY_BYTES:
+            frame = self._reply_bytes.charge(identity, body)
+            if frame is None:
+                status, payload = ErrorCode.OVERLOADED, self._unread_refusal(identity, len(body))
+            else:
+                payload = frame
+        frames = [identity, request_id, STATUS_FRAME[status], payload]
         if threading.current_thread() is self._thread:  # only while the I/O thread runs
             send_frames(self._sock, frames)
-            return
+            return status
         with self._reply_lock:
             if self._closed:
                 logger.debug("dropping a reply: the message queue is stopped")
-                return
+                return status
             self._outbox.append(frames)
             os.eventfd_write(self._doorbell, 1)
+        return status
+
+    def _unread_refusal(self, identity: bytes, size: int) -> bytes:
+        message = (f"a reply of {size} bytes not sent: this connection holds "
+                   f"{self._reply_bytes.held(identity)} bytes of replies it has not read yet (at most "
+                   f"{PEER_REPLY_BYTES}); read them, then ask again")
+        return msgspec.msgpack.encode(ErrorReply(int(ErrorCode.OVERLOADED), message))
 
     def _run(self) -> None:
         poller = zmq.Poller()
@@ -130,9 +209,11 @@ class MessageQueueServer:
                 self._flush_outbox()
                 if self._sock in events:
                     self._read_one()
-                if self._on_tick is not None and time.monotonic() >= next_tick:
+                if time.monotonic() >= next_tick:
                     next_tick = time.monotonic() + self._tick_s
-                    self._on_tick()
+                    self._reply_bytes.sweep()
+                    if self._on_tick is not None:
+                        self._on_tick()
         finally:
             with self._reply_lock:
                 self._closed = True

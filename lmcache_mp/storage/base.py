@@ -21,8 +21,12 @@ straight into pool memory):
     remove(key)                                forget one chunk
     clear() -> int                             forget every chunk of this deployment (all models);
                                                how many; NotImplementedError where the tier can't
-    announce()                                 tell `events` every chunk it holds (a tier with an
-                                               index; a network tier holds no list and tells none)
+    drop_models(models) -> int                 forget every chunk of these models (every rank and
+                                               layout), no other; how many; NotImplementedError or
+                                               OSError where the tier can't
+    announce(resync)                           tell `events` every chunk it holds, in the pass's
+                                               slices (a tier with an index; a network tier holds
+                                               no list and tells none)
     stats() -> TierStats                       counters for STATUS and /metrics
     close()                                    release files, connections and locks
 
@@ -41,11 +45,12 @@ tier: the hash of its token prefix and the `ChunkFormat` that says what its byte
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Set
 from typing import TYPE_CHECKING, ClassVar
 
 from lmcache_mp.chunks import ChunkKey, TierStats
 from lmcache_mp.kv_events import SourceEvents
+from lmcache_mp.kv_events_resync import Pass
 
 if TYPE_CHECKING:  # only in annotations: tiers are opened by URL, and their modules load torch themselves
     import torch
@@ -113,9 +118,18 @@ class StorageTier(ABC):
         model); how many. Writes in flight may land after it."""
         raise NotImplementedError(f"{type(self).__name__} cannot be cleared")
 
-    def announce(self) -> None:  # noqa: B027 (a default, not an abstract method)
-        """Tell `events` that every chunk the tier holds is stored (a resync). A tier with no
-        list of its chunks tells nothing: its stream carries the writes and removals it makes."""
+    def drop_models(self, models: Set[str]) -> int:
+        """Forget every chunk stored here whose format names one of `models` (`ChunkFormat.model_name`),
+        whatever its rank, world size or layout, and no other; how many. Once it returns, no read
+        finds one (the storage manager has stopped its writes of them first). Raises
+        NotImplementedError where the tier cannot, OSError where it failed: what it could not
+        drop may still be served, so the caller must not report them gone."""
+        raise NotImplementedError(f"{type(self).__name__} cannot drop a model's chunks")
+
+    def announce(self, resync: Pass) -> None:  # noqa: B027 (a default, not an abstract method)
+        """Tell `events` that every chunk the tier holds is stored (a resync), in `resync.slices`
+        (a snapshot of its keys, the lock held for one slice at a time). A tier with no list of its
+        chunks tells nothing: its stream carries the writes and removals it makes."""
 
     @abstractmethod
     def stats(self) -> TierStats:

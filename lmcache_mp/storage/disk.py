@@ -33,6 +33,10 @@ or reads the unlinked file through its open descriptor, whose bytes are still ve
 worst a race can leave is an entry whose file is gone, which the next get of that key turns into
 a miss.
 
+Dropping a model. `drop_models` unlinks the files whose header names one of the models; the keys
+of files found at the start are read from their headers first (as `announce` does). A file whose
+header cannot be read (an I/O error) might be one of them: the drop then fails, naming how many.
+
 Closing. `close` closes the directory: from then on the tier touches no file (puts, removes and
 clears do nothing, gets miss).
 """
@@ -50,7 +54,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Set
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -58,6 +62,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import torch
 
 from lmcache_mp.chunks import ChunkKey, TierStats
+from lmcache_mp.kv_events_resync import Pass
 from lmcache_mp.storage import chunk_format, disk_file
 from lmcache_mp.storage.base import StorageTier
 from lmcache_mp.storage.chunk_format import CorruptChunk
@@ -453,34 +458,71 @@ class DiskTier(StorageTier):
         if key is not None and self.events is not None:
             self.events.removed(key)
 
-    def announce(self) -> None:
+    def announce(self, resync: Pass) -> None:
         """Tell `events` every indexed object; the keys of those found at the start are read from
-        their headers first (one small read each; a damaged header is left to `get` to remove)."""
+        their headers first (one small read each; a damaged header is left to `get` to remove).
+        A snapshot, told slice by slice, of the keys still indexed then (`kv_events_resync`)."""
         with self._dir.held() as held:
             if not held:
                 return
+            self._learn_keys()
             with self._lock:
-                unknown = [(name, entry) for name, entry in self._index.items() if name not in self._keys]
-            for name, entry in unknown:
-                key = self._read_key(name)
+                known = list(self._keys.items())
+            for piece in resync.slices(known):
                 with self._lock:
-                    if key is not None and self._index.get(name) == entry:
-                        self._keys[name] = key
+                    if self.events is None:
+                        return
+                    for name, key in piece:
+                        if self._keys.get(name) is key:
+                            self.events.stored(key)
+
+    def drop_models(self, models: Set[str]) -> int:
+        with self._dir.held() as held:
+            if not held:
+                return 0
+            unreadable = self._learn_keys()
             with self._lock:
-                if self.events is not None:
-                    for key in self._keys.values():
-                        self.events.stored(key)
+                names = [name for name, key in self._keys.items() if key.fmt.model_name in models]
+                for name in names:
+                    self._bytes -= self._index.pop(name)[0]
+                    self._forget(name)
+                self._busy.update(names)
+            self._unlink_busy(names)
+        if unreadable:
+            raise OSError(f"{unreadable} files' headers could not be read (I/O errors): whether they hold "
+                          "the model's chunks is unknown, so they stay")
+        return len(names)
+
+    def _learn_keys(self) -> int:
+        """Read the keys of the indexed objects whose key is not known yet from their headers (a
+        damaged or foreign one stays unknown: no key's read can verify it); returns how many could
+        not be read (I/O errors). The caller holds the directory's descriptors."""
+        with self._lock:
+            unknown = [(name, entry) for name, entry in self._index.items() if name not in self._keys]
+        unreadable = 0
+        for name, entry in unknown:
+            try:
+                key = self._read_key(name)
+            except OSError:
+                unreadable += 1
+                continue
+            with self._lock:
+                if key is not None and self._index.get(name) == entry:
+                    self._keys[name] = key
+        return unreadable
 
     def _read_key(self, name: str) -> ChunkKey | None:
+        """The key in `name`'s header; None if it is gone, foreign or damaged. Raises OSError on
+        an I/O error."""
         try:
             fd = self._dir.open_object(name)
-        except OSError:
+        except FileNotFoundError:
             return None
         if fd is None:
             return None
         try:
             key = disk_file.read_key(fd)
-        except (CorruptChunk, OSError):
+        except CorruptChunk:
             return None
         finally:
             os.close(fd)

@@ -15,9 +15,12 @@ The engine sees storage only through these primitives:
     pin(keys) / unpin(objects) / repin(objects) a RETRIEVE reads L1 only; leases hold pins
     clear() -> int                             drop L1's unpinned objects (lower tiers stay)
     clear_tiers() -> [TierCleared]             empty every lower tier's namespace
+    drop_models(models) -> (int, [TierCleared]) every chunk of these models out of L1 and each
+                                               lower tier (a reset: see "Dropping a model")
     admit(nbytes)                              ValueError if L1 can never hold a chunk of nbytes
-    resync()                                   the event log starts over: AllBlocksCleared, then
-                                               every chunk L1 and the indexed tiers hold
+    resync()                                   the event log starts over: AllBlocksCleared now, then
+                                               every chunk L1 and the indexed tiers hold, on the
+                                               resync thread (`kv_events_resync`)
     stats() -> (PoolStats, [TierStats])      pool_stats(): the first alone
     open(l1_bytes, tier_urls, ...)             build the pool (in its pool file, adopting what that
                                                holds: warm restart) and open the tiers
@@ -28,8 +31,9 @@ Write-behind: a committed chunk is pinned and offered to each lower tier's `Tier
 which writes it off the request path and unpins it; a full queue skips the chunk (counted).
 
 Events: given a `kv_events.EventLog`, L1 and every tier record there what becomes readable in
-them and what stops being so; a start announces the indexed tiers' chunks on a thread of its own
-(a disk tier reads the key of each file it found from its header).
+them and what stops being so; a start announces the indexed tiers' chunks on the resync thread
+(a disk tier reads the key of each file it found from its header), where every resync's
+announcements also run, in slices paced by the publisher (`kv_events_resync`).
 
 Read-through: a LOOKUP pins what L1 has at once, on the socket thread. If the prefix stops
 short and the next chunk may be in a lower tier (tiers with an in-memory index are asked
@@ -41,6 +45,13 @@ a plain L1 copy. The prefix stops at the first chunk some rank has nowhere, that
 room in L1, or whose read fails. Promotions run on one thread, so two lookups never promote
 the same chunk twice; their number in flight is bounded, and past the bound a LOOKUP
 answers with what L1 has.
+
+Dropping a model (its weights changed): no chunk of it may be found once `drop_models` returns,
+nor come back. In order: L1 drops them (`pool_drop`: those in use are hidden, freed once released;
+writes in progress are freed at their commit, and write-behind skips them); each writer forgets
+its queued ones and waits for the batch it is writing; each tier drops them; L1 drops once more
+what a promotion read from a tier before the tier dropped it. Then the event log resyncs, as after
+CLEAR (network tiers keep no list, so their removals are told that way).
 """
 
 from __future__ import annotations
@@ -49,13 +60,14 @@ import itertools
 import logging
 import mmap
 import threading
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Set
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from lmcache_mp.chunks import ChunkFormat, ChunkKey, PoolKey, TierCleared, TierStats, pool_key
 from lmcache_mp.kv_events import EventLog, Residence, SourceEvents
+from lmcache_mp.kv_events_resync import Resync
 from lmcache_mp.storage.base import StorageTier
 from lmcache_mp.storage.chunk_format import encode_head
 from lmcache_mp.storage.pool import MemoryPool, PoolObject, PoolStats, ReserveFailure
@@ -119,7 +131,10 @@ class StorageManager:
         self._events = events
         self._tiers = [tier for _, tier in tiers]
         self._names = [name for name, _ in tiers]
-        self._writers = [TierWriter(tier, name, write_queue_bytes, pool.unpin) for name, tier in tiers]
+        self._writers = [TierWriter(tier, name, write_queue_bytes, pool.unpin, pool.doomed)
+                         for name, tier in tiers]
+        # What each format fingerprint met here means (`drop_models` matches L1's keys by model).
+        self._formats: dict[bytes, ChunkFormat] = {}
         self._gate = CopyGate()
         for tier in self._tiers:
             tier.pacer = self._gate.wait_for_gap
@@ -131,13 +146,12 @@ class StorageManager:
         self._lock = threading.Lock()
         # A pool in a pool file: its records are written at commit, its checksums by this.
         self._integrity = PoolIntegrity(pool, self._gate.wait_for_gap) if pool.stats().pool_file else None
-        self._announcer: threading.Thread | None = None
+        self._resync: Resync | None = None
         if events is not None:
             for tier in self._tiers:
                 tier.events = SourceEvents(events, _residence(tier.stats().name))
-            self._announcer = threading.Thread(target=self._announce_tiers, name="lmcache-mp-announce",
-                                               daemon=True)
-            self._announcer.start()
+            announcers = [(name, tier.announce) for name, tier in zip(self._names, self._tiers, strict=True)]
+            self._resync = Resync(events, [("pool", pool.announce), *announcers], first=announcers)
 
     @classmethod
     def open(cls, l1_bytes: int, tier_urls: list[str], write_queue_bytes: int, pin: PinFn | None,
@@ -177,16 +191,22 @@ class StorageManager:
         this reserve may cause never take the prefix it extends."""
         keys, parent_key = self._chain(fmt, hashes, parent)
         self.pool.link(keys, parent=parent_key)
+        self._know(fmt)
+        return self.pool.reserve(keys, nbytes)
+
+    def _know(self, fmt: ChunkFormat) -> None:
+        if fmt.fingerprint not in self._formats:
+            self._formats[fmt.fingerprint] = fmt
         if self._events is not None:
             self._events.know(fmt)
-        return self.pool.reserve(keys, nbytes)
 
     def abort(self, objects: list[PoolObject]) -> None:
         self.pool.abort(objects)
 
     def commit_store(self, fmt: ChunkFormat, hashes: list[bytes], slots: list[PoolObject | ReserveFailure],
                      parent: bytes | None) -> None:
-        """Publish a STORE's filled slots (in chunk order, failures included) and queue them."""
+        """Publish a STORE's filled slots (in chunk order, failures included) and queue them; slots
+        of a model dropped meanwhile (`drop_models`) are freed instead."""
         parents = [parent or b"", *hashes[:-1]]  # each chunk's, as the pool file keeps it
         fresh = [(ChunkKey(h, fmt), p, s) for h, s, p in zip(hashes, slots, parents, strict=True)
                  if isinstance(s, PoolObject)]
@@ -195,7 +215,11 @@ class StorageManager:
         self.pool.link(keys, parent=parent_key)  # now with the new chunks in the chain
         # A queued chunk stays pinned, one pin per tier's queue, all taken before any is given
         # back: a chunk left with no pin could be evicted before the next queue takes it.
-        self.pool.commit(objects, pin=bool(self._writers), records=self._records(fresh))
+        committed = self.pool.commit(objects, pin=bool(self._writers), records=self._records(fresh))
+        if len(committed) < len(objects):
+            kept = set(committed)
+            fresh = [chunk for chunk in fresh if chunk[2] in kept]
+            objects = committed
         if self._integrity is not None:
             self._integrity.poke()
         for _ in self._writers[1:]:
@@ -395,20 +419,28 @@ class StorageManager:
                 for rest in plan[i:]:
                     self._release(rest)
                 break
-            self._publish(chunk)
+            if not self._publish(chunk):
+                for rest in plan[i + 1:]:
+                    self._release(rest)
+                break
             done.append([src.obj for src in chunk])
         return done
 
-    def _publish(self, chunk: list[_Source]) -> None:
-        """Commit a chunk's freshly read slots, pinned like its L1 objects already are."""
+    def _publish(self, chunk: list[_Source]) -> bool:
+        """Commit a chunk's freshly read slots, pinned like its L1 objects already are; False, with
+        the chunk's pins given back, if its model was dropped while they were read (`drop_models`)."""
         fresh = [src for src in chunk if src.tier is not None]
-        if self._events is not None:
-            for src in fresh:
-                self._events.know(src.key.fmt)
-        self.pool.commit([src.obj for src in fresh], pin=True, records=self._promoted_records(fresh))
+        for src in fresh:
+            self._know(src.key.fmt)
+        committed = self.pool.commit([src.obj for src in fresh], pin=True,
+                                     records=self._promoted_records(fresh))
         with self._lock:
             for src in fresh:
                 self._promotions[src.tier] += 1  # type: ignore[index]
+        if len(committed) == len(fresh):
+            return True
+        self.pool.unpin([src.obj for src in chunk if src.tier is None] + committed)
+        return False
 
     def _promoted_records(self, fresh: list[_Source]) -> list[tuple[bytes, bytes] | None] | None:
         return self._records((src.key, b"", src.obj) for src in fresh)  # their parents: linked later
@@ -449,18 +481,12 @@ class StorageManager:
 
     def resync(self) -> None:
         """See the module docstring; a no-op without an event log."""
-        if self._events is None:
-            return
-        self._events.cleared()
-        self.pool.announce()
-        self._announce_tiers()
+        if self._resync is not None:
+            self._resync.request()
 
-    def _announce_tiers(self) -> None:
-        for name, tier in zip(self._names, self._tiers, strict=True):
-            try:
-                tier.announce()
-            except Exception:  # a tier's failure must not stop the others' announcements
-                logger.exception("%s: announcing its chunks to the event log failed", name)
+    def resync_counters(self) -> dict[str, int]:
+        """Resync passes finished, and 1 while one is asked for or running (`kv_events_resync`)."""
+        return self._resync.counters() if self._resync is not None else {"resyncs_total": 0, "resyncing": 0}
 
     def clear_tiers(self) -> list[TierCleared]:
         results = []
@@ -472,6 +498,43 @@ class StorageManager:
                 results.append(TierCleared(name, error=str(e)))
         self.resync()
         return results
+
+    def drop_models(self, models: Set[str]) -> tuple[int, list[TierCleared]]:
+        """Every chunk of `models` (every rank, world size and layout), no other, out of L1 and each
+        lower tier, in the order the module docstring gives: the objects L1 dropped, and per tier
+        what it removed or why it could not (its chunks of them may then still be served)."""
+        dropped = self.pool.drop(self._of_models(models))
+        tiers = [self._drop_from_tier(i, models) for i in range(len(self._tiers))]
+        if self._tiers:
+            dropped += self.pool.drop(self._of_models(models))
+        self.resync()
+        return dropped, tiers
+
+    def _of_models(self, models: Set[str]) -> Callable[[Hashable], bool]:
+        """Whether an L1 key is of one of `models`, by its fingerprint (formats met here, or that
+        the event log learned: a warm restart's adopted chunks)."""
+        verdicts: dict[bytes, bool] = {}
+
+        def of_models(key: Hashable) -> bool:
+            _, fingerprint = key  # type: ignore[misc]
+            verdict = verdicts.get(fingerprint)
+            if verdict is None:
+                fmt = self._formats.get(fingerprint)
+                if fmt is None and self._events is not None:
+                    fmt = self._events.format_of(fingerprint)
+                verdict = verdicts[fingerprint] = fmt is not None and fmt.model_name in models
+            return verdict
+        return of_models
+
+    def _drop_from_tier(self, index: int, models: Set[str]) -> TierCleared:
+        name = self._names[index]
+        try:
+            if not self._writers[index].drop_models(models, SHUTDOWN_FLUSH_S):
+                raise OSError(f"a write to it outlasted {SHUTDOWN_FLUSH_S:g} s; its chunks of the model "
+                              "may still land: reset again")
+            return TierCleared(name, removed=self._tiers[index].drop_models(models))
+        except (NotImplementedError, OSError) as e:
+            return TierCleared(name, error=str(e))
 
     def pool_stats(self) -> PoolStats:
         return self.pool.stats()
@@ -493,8 +556,8 @@ class StorageManager:
     def close(self) -> None:
         """Idempotent. The pool last: the tiers' writers copy out of it until they are closed."""
         self._readers.shutdown(wait=True, cancel_futures=True)
-        if self._announcer is not None:
-            self._announcer.join()
+        if self._resync is not None:
+            self._resync.close()
         for writer in self._writers:
             writer.close(SHUTDOWN_FLUSH_S)
         for tier in self._tiers:

@@ -41,7 +41,11 @@ objects (`take_unsealed` / `sealed`). That half of the pool is `pool_restart.Poo
 
 Events. Given an `kv_events.EventLog`, the pool records there every object that becomes readable
 (commit, a verified adoption) and every readable one it frees (eviction, clear, a failed check),
-under its lock, so the log's order is the pool's; `announce` records every readable object again.
+under its lock, so the log's order is the pool's; `announce` records every readable object again,
+a slice at a time (a resync: `kv_events_resync`).
+
+Dropping a model. `drop` takes the objects of some keys out of readers' sight at once, those in
+use included (freed once released, or at their commit): `pool_drop.PoolDrop`.
 """
 
 from __future__ import annotations
@@ -55,7 +59,9 @@ from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterable
 
 from lmcache_mp.kv_events import EventLog
+from lmcache_mp.kv_events_resync import Pass
 from lmcache_mp.storage.pool_chains import descends_from, refresh
+from lmcache_mp.storage.pool_drop import PoolDrop
 from lmcache_mp.storage.pool_file import PoolFile
 from lmcache_mp.storage.pool_memory import PIECE_BYTES, PinFn, PoolMemory
 from lmcache_mp.storage.pool_objects import ObjectState, PoolObject, PoolStats, ReserveFailure
@@ -72,7 +78,7 @@ __all__ = ["ALIGN", "MemoryPool", "ObjectState", "PoolObject", "PoolStats", "Res
 _is_object = functools.partial(operator.is_not, None)
 
 
-class MemoryPool(PoolRestart):
+class MemoryPool(PoolRestart, PoolDrop):
     """Fixed-capacity, thread-safe store of KV chunk objects; see the module docstring."""
 
     def __init__(self, capacity_bytes: int, *, pin: PinFn | None = None, slab_bytes: int | None = None,
@@ -109,6 +115,8 @@ class MemoryPool(PoolRestart):
         self._clean_slabs: OrderedDict[Slab[PoolObject], None] = OrderedDict()
         # Pinned objects still on their LRU: pinned since the last eviction decision (`_settle`).
         self._unsettled: dict[PoolObject, None] = {}
+        # Objects dropped while pinned or WRITING, out of the index: freed when released (`drop`).
+        self._doomed: set[PoolObject] = set()
         self._used = 0
         self._num_pinned = 0
         self._num_writing = 0
@@ -167,14 +175,17 @@ class MemoryPool(PoolRestart):
             self._size_class(nbytes)
 
     def commit(self, objects: list[PoolObject], *, pin: bool = False,
-               records: list[tuple[bytes, bytes] | None] | None = None) -> None:
+               records: list[tuple[bytes, bytes] | None] | None = None) -> list[PoolObject]:
         """WRITING -> READY: visible to readers. With `pin`, each object also gets one pin (release it
         with `unpin`) and is never evictable in between; without, the objects become the most recently
         used, the first of the list the most recent, and their ancestors more recent still.
         `records`, per object, for a file-backed pool: (parent's chunk hash, chunk head) to keep
-        it across a restart (`pool_records`); an object without one is not kept."""
+        it across a restart (`pool_records`); an object without one is not kept. Returns the objects
+        committed: all but those dropped while WRITING (`drop`), which are freed instead."""
         with self._lock:
             self._check_writing(objects)
+            if self._doomed:
+                objects, records = self._spare_doomed(objects, records)
             for i, obj in enumerate(objects):
                 if self._records is not None:
                     self._records.committed(obj, records[i] if records is not None else None)
@@ -188,6 +199,7 @@ class MemoryPool(PoolRestart):
             if not pin:
                 self._make_evictable(objects)
                 refresh(objects)
+            return objects
 
     def link(self, keys: list[Hashable], parent: Hashable | None = None) -> None:
         """Record that keys[i - 1] is the parent of keys[i], and `parent` that of keys[0], where both
@@ -300,11 +312,17 @@ class MemoryPool(PoolRestart):
                 self._remove_evictable(obj)
             return len(victims)
 
-    def announce(self) -> None:
-        """Record every readable object in the event log again (a resync after a clear)."""
+    def announce(self, resync: Pass) -> None:
+        """Record every readable object in the event log again (a resync after a clear): a snapshot
+        of their keys, recorded slice by slice, the lock held for one slice at a time, each object
+        still readable then (`kv_events_resync`)."""
         with self._lock:
-            for obj in self._readable.values():
-                self._announce(obj)
+            keys = list(self._readable)
+        for piece in resync.slices(keys):
+            with self._lock:
+                for obj in map(self._readable.get, piece):
+                    if obj is not None:
+                        self._announce(obj)
 
     def stats(self) -> PoolStats:
         with self._lock:
@@ -455,7 +473,9 @@ class MemoryPool(PoolRestart):
         `pool_chains.refresh` puts the call's objects in their final order). One loop, no call per object: a
         LOOKUP's leases come back by the hundred. A pin that was never settled left its object
         on the LRU (`pool_chains.refresh` moves it) and its slab clean: that slab is now the most recently
-        clean, as if it had been stuck until now."""
+        clean, as if it had been stuck until now. Doomed objects (`drop`) are freed instead."""
+        if self._doomed:
+            objects = self._free_doomed(objects)
         unstick, clean, unsettled = self._unstick, self._clean_slabs, self._unsettled
         for obj in objects:
             unsettled.pop(obj, None)  # it holds pinned objects only: never more than are pinned
@@ -490,9 +510,12 @@ class MemoryPool(PoolRestart):
         """Free obj's slot (and its slab, if that empties). Stuck counts are the caller's job."""
         if self._records is not None:
             self._records.dropped(obj)  # first: its slot may be reused once this returns
-        del self._index[obj.key]
-        if self._readable.pop(obj.key, None) is not None and self._events is not None:
-            self._events.removed(0, obj.key)
+        if self._doomed and obj in self._doomed:  # out of the index already, its key maybe reused
+            self._doomed.discard(obj)
+        else:
+            del self._index[obj.key]
+            if self._readable.pop(obj.key, None) is not None and self._events is not None:
+                self._events.removed(0, obj.key)
         self._used -= obj.nbytes
         obj.state = ObjectState.FREED
         obj.parent = None  # a freed object has no chain; don't keep its ancestors alive

@@ -12,7 +12,9 @@ with transparent huge pages (`madvise`), but a tmpfs with 4 KiB pages unless it 
 The file is ours alone: created 0600 (O_EXCL, O_NOFOLLOW) in a 0700 directory, locked (flock)
 while a daemon uses it, and adopted only if it is a regular file of this user, mode 0600, of the
 exact size and format the configuration asks for (`open_pool_file` says why not, in one line, and
-starts it afresh).
+starts it afresh). A file another process holds is never removed nor replaced (`pool_location`):
+the second daemon does not start. A new file is made whole under a name of its own, then linked
+to the path: the path only ever names a file its daemon holds.
 
 Layout: page 0 is the superblock; then the slab table, one u64 per base slab (the size class of
 the slab starting there); then the record table; then, page-aligned, the pool's memory, carved
@@ -34,12 +36,16 @@ Crash consistency rests on one order, kept by the pool: a slot's record is EMPTY
 is handed out, its payload and record are written before its state becomes COMMITTED (before the
 STORE is answered), and the state goes back to EMPTY before the slot can be reused. A process
 killed at any instant leaves its stores in the page cache, so what a restart finds COMMITTED or
-SEALED is a chunk whose STORE completed. The states share their upper 32 bits: a state write torn
-into halves reads as EMPTY-or-invalid (never adopted) or as one of the two whole states.
+SEALED is a chunk whose STORE completed. A machine that dies takes a tmpfs with it; a file on a
+disk file system survives it with its pages written back in any order, so there a COMMITTED record
+vouches for nothing and only SEALED chunks are adopted, each once its checksum passed
+(`pool_mount`). The states share their upper 32 bits: a state write torn into halves reads as
+EMPTY-or-invalid (never adopted) or as one of the two whole states.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import mmap
@@ -54,14 +60,15 @@ import numpy as np
 import torch
 
 from lmcache_mp.chunks import ChunkKey
-from lmcache_mp.pool_location import lock_pool_file
+from lmcache_mp.pool_location import POOL_MAGIC, PoolFileError, lock_pool_file, still_names
 from lmcache_mp.storage import chunk_format
+from lmcache_mp.storage.pool_mount import free_bytes, log_pages, mount_of, rename_no_replace
 from lmcache_mp.storage.seal_process import ChecksumProcess, start_checksum_process
 
 logger = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE
-MAGIC = b"LMPOOL\x00\x01"
+MAGIC = POOL_MAGIC + b"\x00\x01"
 VERSION = 1
 # magic, version, page size, file bytes, data offset, capacity, align, record table offset and
 # record size, slab table entries
@@ -96,6 +103,23 @@ def _layout(capacity: int, align: int) -> _Layout:
     return _Layout(entries, records_at, data_offset, data_offset + capacity)
 
 
+def _superblock(capacity: int, align: int) -> tuple:
+    layout = _layout(capacity, align)
+    return (MAGIC, VERSION, PAGE, layout.file_bytes, layout.data_offset, capacity, align, layout.records_at,
+            RECORD_BYTES, layout.entries)
+
+
+def _superblock_mismatch(fd: int, capacity: int, align: int) -> str:
+    """Why the superblock of the file open on `fd` is not one this configuration writes ("" if it is)."""
+    found = _SUPER.unpack(os.pread(fd, _SUPER.size, 0))
+    names = ("magic", "format version", "page size", "size", "data offset", "capacity",
+             "alignment", "record table", "record size", "slab table")
+    for name, have, want in zip(names, found, _superblock(capacity, align), strict=True):
+        if have != want:
+            return f"its {name} is {have!r}, this daemon's is {want!r}"
+    return ""
+
+
 @dataclass(frozen=True)
 class Record:
     """A live record found in a slot on adoption."""
@@ -119,6 +143,10 @@ class PoolFile:
         self.entries, self.records_at = layout.entries, layout.records_at
         self.data_offset, self.file_bytes = layout.data_offset, layout.file_bytes
         self.adopted = adopted  # the file held a pool that this daemon now serves
+        self.mount = mount_of(fd)
+        # False: the file may outlive the machine, and its chunks' bytes be older than their records
+        # (`pool_mount`): only sealed chunks are adopted from it.
+        self.in_memory = self.mount.in_memory
         self._record_pages: set[int] = set()  # pages of the record table allocated by this process
         # Mapped through a second open file description of the same inode: the mapping keeps a
         # duplicate of the descriptor it was made from, and the lock (on `fd`) must end at `close`.
@@ -137,22 +165,7 @@ class PoolFile:
     # ---- superblock and slab table ---------------------------------------------------------------
 
     def write_superblock(self) -> None:
-        _SUPER.pack_into(self._view, 0, *self._superblock())
-
-    def _superblock(self) -> tuple:
-        return (MAGIC, VERSION, PAGE, self.file_bytes, self.data_offset, self.capacity, self.align,
-                self.records_at, RECORD_BYTES, self.entries)
-
-    def superblock_mismatch(self) -> str:
-        """Why the superblock is not one this configuration wrote ("" if it is)."""
-        found = _SUPER.unpack_from(self._view, 0)
-        wanted = self._superblock()
-        names = ("magic", "format version", "page size", "size", "data offset", "capacity",
-                 "alignment", "record table", "record size", "slab table")
-        for name, have, want in zip(names, found, wanted, strict=True):
-            if have != want:
-                return f"its {name} is {have!r}, this daemon's is {want!r}"
-        return ""
+        _SUPER.pack_into(self._view, 0, *_superblock(self.capacity, self.align))
 
     @property
     def slab_bytes(self) -> int:
@@ -254,9 +267,17 @@ class PoolFile:
         if it cannot start."""
         return start_checksum_process(self.fd, self.file_bytes)
 
+    def mark_used(self) -> None:
+        """Set the file's modification time to now. It says when a daemon last used the file: the
+        start of another daemon removes a stopped daemon's file only once that is long enough ago
+        (`pool_directory`), so the daemon using it marks it now and then (`pool_integrity`)."""
+        with contextlib.suppress(OSError):  # closed meanwhile
+            os.utime(self.fd)
+
     def close(self) -> None:
         """Release the lock (the mapping goes with the last view of it)."""
         if self.fd >= 0:
+            self.mark_used()
             os.close(self.fd)
             self.fd = -1
 
@@ -271,134 +292,163 @@ def verify(record: Record, payload: torch.Tensor, pace: Callable[[], None] | Non
 # ---- opening --------------------------------------------------------------------------------------
 
 
+class _Moved(Exception):
+    """The file at the path changed while this daemon took it (another process removed or replaced
+    it): look again."""
+
+
+_OPEN_ATTEMPTS = 5
+
+
 def open_pool_file(path: Path, capacity: int, align: int, *, fresh: bool) -> PoolFile | None:
     """The pool file at `path`: the existing one when it can be adopted (unless `fresh`), else a
     new one; None (after one warning) when no new one can be made there (no room, no such file
     system, a read-only one): the pool then lives in anonymous memory, without warm restart.
     A directory that others could write in is not used either (same warning, anonymous memory):
-    they could swap the file. Raises PoolFileError if another daemon holds the file."""
+    they could swap the file. Raises PoolFileError if another process holds the file: it is then
+    never removed nor replaced, `fresh` or not (the module docstring of `pool_location`)."""
     try:
         _private_directory(path.parent)
     except (OSError, _UnsafeDirectory) as err:
         logger.warning("pool file %s: %s; the pool lives in anonymous memory and is lost at a restart",
                        path, err)
         return None
-    _log_pages(path)
+    for _ in range(_OPEN_ATTEMPTS):
+        try:
+            pool_file = _adopt_or_replace(path, capacity, align, fresh)
+        except _Moved:
+            continue
+        if pool_file is not None:
+            pool_file.mark_used()
+            log_pages(path, pool_file.mount)
+        return pool_file
+    raise PoolFileError(f"pool file {path} was replaced {_OPEN_ATTEMPTS} times while this daemon took it: "
+                        "another process keeps replacing it")
+
+
+def _adopt_or_replace(path: Path, capacity: int, align: int, fresh: bool) -> PoolFile | None:
     layout = _layout(capacity, align)
-    if not fresh:
-        reason, fd = _existing(path, layout.file_bytes)
-        if fd is not None:
-            pool_file = PoolFile(path, fd, capacity, align, adopted=True)
-            mismatch = pool_file.superblock_mismatch()
-            if not mismatch:
+    fd, reason = _hold(path)
+    if fd is None:
+        if reason:  # nothing a daemon could hold: a link, another user's file
+            logger.warning("pool file %s not adopted: %s; starting with an empty pool", path, reason)
+            if not _unlink(path):
+                return None
+        return _create(path, capacity, align, layout)
+    adopted = False
+    try:
+        if fresh:
+            logger.info("pool file %s: discarded (--fresh-pool)", path)
+        else:
+            reason = _unadoptable(fd, layout.file_bytes) or _superblock_mismatch(fd, capacity, align)
+            if not reason:
+                pool_file = PoolFile(path, fd, capacity, align, adopted=True)
+                adopted = True
                 logger.info("pool file %s: adopting the pool it holds", path)
                 return pool_file
-            pool_file.close()
-            reason = mismatch
-        if reason:
             logger.warning("pool file %s not adopted: %s; starting with an empty pool", path, reason)
-    elif os.path.lexists(path):
-        logger.info("pool file %s: discarded (--fresh-pool)", path)
+        if not _unlink(path):  # this daemon holds it and the path still names it: nobody else's
+            return None
+    finally:
+        if not adopted:
+            os.close(fd)
     return _create(path, capacity, align, layout)
 
 
-def _existing(path: Path, file_bytes: int) -> tuple[str, int | None]:
-    """(why the file at `path` is not adopted, "" if there is none), or ("", its locked fd)."""
+def _hold(path: Path) -> tuple[int | None, str]:
+    """The file at `path`, open and locked by this daemon; else (None, why it can't be opened), or
+    (None, "") if there is none. PoolFileError if another process holds it."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        return "", None
+        return None, ""
     except OSError as err:
         if err.errno == errno.ELOOP:
-            return "it is a symbolic link", None
-        return f"it cannot be opened ({err.strerror})", None
-    st = os.fstat(fd)
-    reason = ""
-    if not stat.S_ISREG(st.st_mode):
-        reason = "it is not a regular file"
-    elif st.st_uid != os.geteuid():
-        reason = f"it belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})"
-    elif stat.S_IMODE(st.st_mode) & 0o077:
-        reason = f"its mode is {stat.S_IMODE(st.st_mode):04o}, not 0600"
-    elif st.st_size != file_bytes:
-        reason = f"it is {st.st_size} bytes, a pool of this size takes {file_bytes}"
-    if reason:
-        os.close(fd)
-        return reason, None
+            return None, "it is a symbolic link"
+        return None, f"it cannot be opened ({err.strerror})"
     try:
         lock_pool_file(fd, path)
+        if not still_names(fd, path):
+            raise _Moved
+    except PoolFileError as err:
+        os.close(fd)
+        raise PoolFileError(f"{err}: give this daemon a --pool-file of its own") from None
     except BaseException:
         os.close(fd)
         raise
-    return "", fd
+    return fd, ""
+
+
+def _unadoptable(fd: int, file_bytes: int) -> str:
+    """Why the file open on `fd` is not one to adopt ("" if it may be, its superblock permitting)."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        return "it is not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"it belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})"
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        return f"its mode is {stat.S_IMODE(st.st_mode):04o}, not 0600"
+    if st.st_size != file_bytes:
+        return f"it is {st.st_size} bytes, a pool of this size takes {file_bytes}"
+    return ""
+
+
+def _unlink(path: Path) -> bool:
+    """Remove the link at `path` (never a link's target); False, after a warning, if it can't be."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as err:
+        logger.warning("pool file %s: cannot be replaced (%s); the pool lives in anonymous memory and is "
+                       "lost at a restart", path, err.strerror)
+        return False
+    return True
 
 
 def _create(path: Path, capacity: int, align: int, layout: _Layout) -> PoolFile | None:
+    """A new pool file at `path`, made whole (locked, sized, its superblock written) under a name of
+    its own and only then renamed to `path`: what the path names is always a file its daemon holds.
+    _Moved if another daemon's file got there first."""
     # The pool's memory and the slab table, and some room for records (sparse: see the module
     # docstring); what is not there when a record is written only loses that record.
     needed = capacity + layout.records_at + capacity // 64
-    free = _free_bytes(path.parent)
+    free = free_bytes(path.parent)
     if free is not None and free < needed:
         logger.warning("pool file %s: its file system has %.2f GiB free, the pool needs %.2f GiB; the pool "
                        "lives in anonymous memory and is lost at a restart (give --pool-file a larger "
                        "tmpfs, or a container a larger /dev/shm)", path, free / 2**30, needed / 2**30)
         return None
+    staging = path.with_name(f".{path.name}.new-{os.getpid()}")  # a dead process's of this pid: gone
     try:
-        if os.path.lexists(path):
-            os.unlink(path)  # refused above, or --fresh-pool: the link or file goes, never a target
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        _unlink_missing_ok(staging)
+        fd = os.open(staging, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError as err:
         logger.warning("pool file %s: cannot be created (%s); the pool lives in anonymous memory and is "
                        "lost at a restart", path, err)
         return None
     try:
-        lock_pool_file(fd, path)
+        lock_pool_file(fd, staging, wait_s=0)
         os.ftruncate(fd, layout.file_bytes)
         os.posix_fallocate(fd, 0, layout.records_at)  # the superblock and the slab table
         pool_file = PoolFile(path, fd, capacity, align, adopted=False)
+        pool_file.write_superblock()
+        rename_no_replace(staging, path)
+    except FileExistsError:
+        os.close(fd)
+        raise _Moved from None
     except BaseException:
         os.close(fd)
         raise
-    pool_file.write_superblock()
+    finally:
+        _unlink_missing_ok(staging)
     logger.info("pool file %s: created (%.2f GiB)", path, capacity / 2**30)
     return pool_file
 
 
-def _log_pages(path: Path) -> None:
-    """Say which pages the pool file gets: its file system's type and `huge=` option (the mount
-    that holds it, the last listed of the longest matching mount point, as the kernel resolves)."""
-    try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
-    except OSError:
-        return
-    best: tuple[str, str, str] = ("", "", "")
-    for line in lines:
-        fields = line.split(" - ")
-        if len(fields) != 2:
-            continue
-        point = fields[0].split()[4]
-        fstype, _, options = [*fields[1].split(), "", ""][:3]
-        inside = str(path).startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= len(best[0]):
-            best = (point, fstype, options)
-    point, fstype, options = best
-    huge = next((o.partition("=")[2] for o in options.split(",") if o.startswith("huge=")), "never")
-    if fstype == "tmpfs" and huge == "never":
-        logger.info("pool file %s: on a tmpfs (%s) without huge pages: 4 KiB pages, copies measured 3-4%% "
-                    "slower than with huge pages (mount -o remount,huge=advise %s)", path, point, point)
-    elif fstype == "tmpfs":
-        logger.info("pool file %s: on a tmpfs (%s) with huge=%s", path, point, huge)
-    elif fstype:
-        logger.warning("pool file %s: on a %s (%s), not a tmpfs: the kernel writes the pool's pages back "
-                       "to that device; give --pool-file a path on a tmpfs (/dev/shm)", path, fstype, point)
-
-
-def _free_bytes(directory: Path) -> int | None:
-    try:
-        st = os.statvfs(directory)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
+def _unlink_missing_ok(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 class _UnsafeDirectory(Exception):

@@ -8,7 +8,9 @@
   at nice 19 (`seal_process`: why not a thread at low priority); the thread, at the daemon's own
   priority, only hands it each chunk and writes the result. Without the child (it could not
   start, or died) the thread hashes, at the daemon's priority.
-Between slices of either, they wait for a gap in the request path's copies (`pace`).
+Between slices of either, they wait for a gap in the request path's copies (`pace`). The sealer
+also marks the file as used now and then (`PoolFile.mark_used`): how other daemons' starts tell a
+live or recently stopped daemon's file from a stale one.
 
 A chunk committed but not yet sealed when the daemon dies is adopted on the strength of the commit
 order (`pool_file`), sealed then, and counted (`AdoptionStats.adopted_unsealed`); a clean shutdown
@@ -30,6 +32,9 @@ from lmcache_mp.storage.seal_process import ChecksumProcessGone
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 1.0  # a commit wakes the sealer (`poke`); this only bounds a missed wake-up
+# Well within the shortest time after which another daemon's start removes a file (600 s by
+# default, pool_file_ttl_s), which matters only once the daemon is gone: a live one holds its file.
+_MARK_USED_EVERY_S = 60.0
 
 
 class PoolIntegrity:
@@ -87,7 +92,11 @@ class PoolIntegrity:
                     time.monotonic() - started, adoption.dropped_total)
 
     def _seal_loop(self) -> None:
+        marked = time.monotonic()
         while not self._stop.is_set():
+            if time.monotonic() - marked >= _MARK_USED_EVERY_S:
+                marked = time.monotonic()
+                self._pool.mark_file_used()
             try:
                 busy = self._seal_one(self._pace)
             except Exception:  # a bug: logged, and the loop goes on (the pool serves regardless)

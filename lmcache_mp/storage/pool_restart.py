@@ -4,9 +4,11 @@ adopted ones.
 
 Adoption (at construction, before any reader): every live record of the file becomes a READY
 object in its old slot, in commit order (the newest the most recently used), linked to its parent;
-sealed ones stay invisible to readers until verified. The thread's primitives each take the pool's
-lock briefly; the checksums themselves run outside it, on objects pinned in place (pinned without
-becoming more recently used: a background check must not reorder the LRU).
+sealed ones stay invisible to readers until verified. From a file that may have outlived the
+machine (not on a tmpfs: `pool_mount`), unsealed ones are dropped instead: nothing vouches for
+their bytes there. The thread's primitives each take the pool's lock briefly; the checksums
+themselves run outside it, on objects pinned in place (pinned without becoming more recently used:
+a background check must not reorder the LRU).
 
 A mixin: it works on `MemoryPool`'s state, declared below for the type checker, under its lock.
 """
@@ -24,9 +26,9 @@ import torch
 
 from lmcache_mp.kv_events import EventLog
 from lmcache_mp.storage.pool_chains import refresh
-from lmcache_mp.storage.pool_file import Record
+from lmcache_mp.storage.pool_file import SEALED, Record
 from lmcache_mp.storage.pool_objects import ObjectState, PoolObject
-from lmcache_mp.storage.pool_records import PoolRecords
+from lmcache_mp.storage.pool_records import Found, PoolRecords
 from lmcache_mp.storage.seal_process import ChecksumProcess
 from lmcache_mp.storage.slabs import Slab, SlabAllocator
 
@@ -83,6 +85,11 @@ class PoolRestart:
         pool file, or if it cannot start."""
         return self._records.file.checksum_process() if self._records is not None else None
 
+    def mark_file_used(self) -> None:
+        """Tell other daemons' starts that this pool file is in use (`PoolFile.mark_used`)."""
+        if self._records is not None:
+            self._records.file.mark_used()
+
     def take_unverified(self) -> tuple[PoolObject, Record] | None:
         """The most recently used adopted object still to be verified, pinned in place, and its
         record; None when there is none."""
@@ -99,6 +106,8 @@ class PoolRestart:
         with self._lock:
             assert self._records is not None
             self._unpin_in_place(obj)
+            if obj.state is ObjectState.FREED:  # dropped while checked (`pool_drop`): gone already
+                return
             if ok:
                 self._records.stats.verified_total += 1
                 self._readable[obj.key] = obj
@@ -131,6 +140,8 @@ class PoolRestart:
         assert self._records is not None
         records = self._records
         found = records.scan(self._adopt_slab, len(self._slabs.owner))
+        if not records.file.in_memory:
+            found = self._drop_unsealed(found)
         objects: list[PoolObject] = []
         for item in found:
             slab, slot, size_class = item.slab, item.slot, item.slab.size_class
@@ -158,6 +169,22 @@ class PoolRestart:
         refresh(objects[::-1])  # the newest the most recent, each chain's ancestors more so
         logger.info("pool: adopted %d chunks (%.2f GiB) from %s, %d of them still to be verified",
                     len(objects), self._used / 2**30, records.file.path, len(records.unverified))
+
+    def _drop_unsealed(self, found: list[Found]) -> list[Found]:
+        """The sealed of `found`; the others' records are cleared (their slots stay free)."""
+        assert self._records is not None
+        records = self._records
+        sealed = [item for item in found if item.record.state == SEALED]
+        for item in found:
+            if item.record.state != SEALED:
+                records.file.clear_state(item.slab.offset + item.slot * item.slab.size_class.slot_bytes)
+        dropped = len(found) - len(sealed)
+        if dropped:
+            records.stats.dropped_total += dropped
+            logger.warning("pool: %d chunks of %s had no checksum yet: dropped, as the file is not on a "
+                           "tmpfs (a machine crash may have left their bytes unwritten)", dropped,
+                           records.file.path)
+        return sealed
 
     def _adopt_slab(self, first: int, nbytes: int, span: int) -> Slab[PoolObject] | None:
         try:

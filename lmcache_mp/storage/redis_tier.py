@@ -22,8 +22,8 @@ operator find a model's chunks (`SCAN 0 MATCH 'lmcache-mp:Qwen/Qwen3-8B:*'`), th
 spreads one request's chunks over every node. A value is the self-describing object of
 `chunk_format.py`, checked against the key on every read.
 
-Eviction is the server's: set `maxmemory` and `maxmemory-policy allkeys-lru` (see the README,
-"Running a fleet"). A write the server refuses (OOM under `noeviction`) is a skipped write; a
+Eviction is the server's: set `maxmemory` and `maxmemory-policy allkeys-lru` (see docs/deployment.md,
+"A fleet"). A write the server refuses (OOM under `noeviction`) is a skipped write; a
 connection that fails takes the tier down (`remote.py`).
 
 Every batch is one pipeline: one round trip per node, however many chunks. On a cluster, each
@@ -34,8 +34,9 @@ node's share goes on that node's own connection, so a dead node costs only its o
 from __future__ import annotations
 
 import logging
+import re
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Set
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import redis
@@ -129,16 +130,29 @@ class RedisTier(NetworkTier):
                    if isinstance(n, int))
 
     def _clear_namespace(self) -> int:
-        # SCAN (not KEYS: it would block the server) each primary for this prefix's keys, and
-        # UNLINK them in batches on that node's own connection (keys of a batch may be in
-        # different slots, which a cluster-wide multi-key command refuses).
+        return self._unlink_matching(f"{_glob_escaped(self._prefix)}:*", lambda name: True)
+
+    def _drop_models(self, models: Set[str]) -> int:
+        # A model's keys are `PREFIX:MODEL:FINGERPRINT:HASH`; the pattern may also match a model
+        # whose name extends this one's with a colon, so each name found is checked whole.
+        heads = {f"{self._prefix}:{model}".encode() for model in models}
+        return sum(self._unlink_matching(f"{_glob_escaped(f'{self._prefix}:{model}')}:*",
+                                         lambda name: name.rsplit(b":", 2)[0] in heads)
+                   for model in models)
+
+    def _unlink_matching(self, pattern: str, wanted: Callable[[bytes], bool]) -> int:
+        """UNLINK the `wanted` keys that match the glob `pattern`; how many. SCAN (not KEYS: it
+        would block the server) each primary, and UNLINK in batches on that node's own connection
+        (keys of a batch may be in different slots, which a cluster-wide multi-key command refuses)."""
         client = self._client_or_connect()
         nodes = ([client.get_redis_connection(n) for n in client.get_primaries()]
                  if isinstance(client, RedisCluster) else [client])
         removed = 0
         for node in nodes:
             batch: list[bytes] = []
-            for name in node.scan_iter(match=f"{self._prefix}:*", count=1000):
+            for name in node.scan_iter(match=pattern, count=1000):
+                if not wanted(name):
+                    continue
                 batch.append(name)
                 if len(batch) == 1000:
                     removed += self._run_pipeline(node, "unlink", [(n,) for n in batch], {}).count(1)
@@ -269,6 +283,11 @@ class _GatherPacker:
                 head += b"$%d\r\n%s\r\n" % (len(data), data)
         out.append(head)
         return out
+
+
+def _glob_escaped(text: str) -> str:
+    """`text` as a Redis glob pattern that matches it literally."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
 
 
 def _encode(arg: object) -> bytes:

@@ -22,6 +22,9 @@ the key, counting, latency, the up/down state) is done here, once for every netw
                                                       checksummed when its turn comes
     _delete_many(keys) -> int                         how many were removed
     _ping()                                           raises unless the server answers
+
+and, where the protocol allows, `_clear_namespace()` and `_drop_models(models)` (CLEAR_TIERS,
+RESET_MODEL: each a scan of the server, refused while the tier is down).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import threading
 import time
 from abc import abstractmethod
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Set
 from dataclasses import dataclass
 from typing import ClassVar, TypeVar
 
@@ -204,17 +207,29 @@ class NetworkTier(StorageTier):
                 self.events.removed(key)
 
     def clear(self) -> int:
+        return self._sweep("clearing", self._clear_namespace)
+
+    def drop_models(self, models: Set[str]) -> int:
+        return self._sweep("dropping the model's chunks", lambda: self._drop_models(models))
+
+    def _sweep(self, what: str, sweep: Callable[[], int]) -> int:
+        """`sweep()` of the server's keys; ConnectionError if the tier is down or the sweep fails
+        (it may have removed some)."""
         if not self.is_up:
-            raise ConnectionError(f"{self.name} is down: nothing was cleared")
+            raise ConnectionError(f"{self.name} is down: {what} was not done")
         try:
-            return self._clear_namespace()
+            return sweep()
         except self.transient_errors as e:
-            self._went_down("CLEAR", e)
-            raise ConnectionError(f"{self.name}: clearing failed ({type(e).__name__}: {e})") from None
+            self._went_down(what, e)
+            raise ConnectionError(f"{self.name}: {what} failed ({type(e).__name__}: {e})") from None
 
     def _clear_namespace(self) -> int:
         """Delete every key of this tier's namespace; how many."""
         raise NotImplementedError(f"{self.name} cannot be cleared")
+
+    def _drop_models(self, models: Set[str]) -> int:
+        """Delete every key of `models`' chunks in this tier's namespace; how many."""
+        raise NotImplementedError(f"{self.name} cannot drop a model's chunks")
 
     def stats(self) -> TierStats:
         with self._lock:

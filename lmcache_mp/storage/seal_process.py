@@ -14,9 +14,12 @@ lock on the file is not shared), answers one request at a time on its stdin and 
 at the end of its stdin, which the kernel closes when the daemon dies, however it dies. It imports
 only xxhash (no torch): it starts in tens of milliseconds and holds no memory of its own.
 
-    request  u64 file offset, u64 length, u32 head length, then the head
-    answer   u64 xxh3_64 of the head followed by the file's bytes [offset, offset + length):
-             `chunk_format.checksum(head, payload)`
+It imports nothing from a directory the daemon did not choose: it runs `seal_child.py` by its
+absolute path in isolated mode (`python -I`: neither the working directory nor the script's, no
+PYTHON* variable, no user site), so its path is the interpreter's own, plus the one directory the
+daemon's xxhash came from (a launcher may have put it on the daemon's path). Under `python -m`, the
+child would import from the daemon's working directory first: an `xxhash.py` in /tmp, say, would
+run as the daemon's user. `seal_child` holds the requests and answers.
 
 The daemon's side, `ChecksumProcess.digest`, raises ChecksumProcessGone if the child cannot answer
 (it exited, or was killed); the sealer then checksums in its own thread (`pool_integrity`).
@@ -26,20 +29,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import mmap
 import os
-import struct
 import subprocess
 import sys
 import threading
+from pathlib import Path
+from types import ModuleType
 from typing import IO
 
 import xxhash
 
+from lmcache_mp.storage import seal_child
+from lmcache_mp.storage.seal_child import ANSWER, REQUEST
+
 logger = logging.getLogger(__name__)
 
-_REQUEST = struct.Struct("<QQI")  # file offset, length, head length
-_ANSWER = struct.Struct("<Q")
 CHILD_NICE = 19
 
 
@@ -56,12 +60,10 @@ class ChecksumProcess:
         self.file_bytes = file_bytes
         self._lock = threading.Lock()
         own = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
-        # The daemon's own import path, whatever set it (a launcher may have added to sys.path):
-        # the child imports this module and xxhash from where the daemon did.
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(path for path in sys.path if path))
+        command = [sys.executable, "-I", os.path.abspath(seal_child.__file__), str(own), _import_root(xxhash)]
         try:
-            self._proc = subprocess.Popen([sys.executable, "-m", __name__, str(own)], stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, pass_fds=(own,), env=env)
+            self._proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                          pass_fds=(own,))
         finally:
             os.close(own)
         # Set here, not by the child: it is at nice 19 before it is asked anything.
@@ -81,14 +83,14 @@ class ChecksumProcess:
                              f"({self.file_bytes} bytes)")
         with self._lock:
             try:
-                self._stdin.write(_REQUEST.pack(offset, length, len(head)) + head)
+                self._stdin.write(REQUEST.pack(offset, length, len(head)) + head)
                 self._stdin.flush()
-                answer = self._stdout.read(_ANSWER.size)
+                answer = self._stdout.read(ANSWER.size)
             except (OSError, ValueError) as err:  # a broken pipe; a pipe closed by `close`
                 raise ChecksumProcessGone(f"the checksum process is gone: {err}") from None
-            if len(answer) != _ANSWER.size:
+            if len(answer) != ANSWER.size:
                 raise ChecksumProcessGone(f"the checksum process exited ({self._proc.poll()})")
-            return _ANSWER.unpack(answer)[0]
+            return ANSWER.unpack(answer)[0]
 
     def close(self) -> None:
         """End the child: the end of its stdin; killed if it does not exit at once."""
@@ -102,6 +104,13 @@ class ChecksumProcess:
         self._stdout.close()
 
 
+def _import_root(module: ModuleType) -> str:
+    """The directory of the import path that `module` was loaded from."""
+    depth = module.__name__.count(".") + (module.__spec__ is not None
+                                          and module.__spec__.submodule_search_locations is not None)
+    return str(Path(os.path.abspath(module.__file__ or "")).parents[depth])
+
+
 def start_checksum_process(fd: int, file_bytes: int) -> ChecksumProcess | None:
     """The child for the pool file `fd`; None (logged) if it cannot start."""
     try:
@@ -110,31 +119,3 @@ def start_checksum_process(fd: int, file_bytes: int) -> ChecksumProcess | None:
         logger.warning("pool: cannot start the checksum process (%s); sealing in the daemon's own thread",
                        err)
         return None
-
-
-def _serve(fd: int, stdin: IO[bytes], stdout: IO[bytes]) -> int:
-    """The child: answer requests until the end of `stdin`."""
-    size = os.fstat(fd).st_size
-    with mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as mapping:
-        view = memoryview(mapping)
-        try:
-            while True:
-                request = stdin.read(_REQUEST.size)
-                if len(request) < _REQUEST.size:
-                    return 0  # the daemon closed its end, or died
-                offset, length, head_len = _REQUEST.unpack(request)
-                head = stdin.read(head_len)
-                if len(head) < head_len or offset + length > size:
-                    return 1  # malformed: the daemon sees the child gone and checksums itself
-                digest = xxhash.xxh3_64(head)
-                digest.update(view[offset:offset + length])  # xxhash lets go of the GIL
-                stdout.write(_ANSWER.pack(digest.intdigest()))
-                stdout.flush()
-        except BrokenPipeError:
-            return 0
-        finally:
-            view.release()
-
-
-if __name__ == "__main__":
-    sys.exit(_serve(int(sys.argv[1]), sys.stdin.buffer, sys.stdout.buffer))

@@ -14,6 +14,9 @@ both against the key (the protocol has no checksum or authentication of its own)
 
 The protocol has no DELETE: a damaged object found on a read stays on the server until it is
 evicted or overwritten, and `NetworkTier` remembers it as bad so that write-behind replaces it.
+Nor can a model's chunks be dropped (RESET_MODEL): `drop_models` keys its chunks afresh from then
+on (a generation in the key's model part), so that this daemon never reads the old ones again,
+and still fails, since the server keeps them for a daemon started later or another one sharing it.
 
 Pooled connections. Servers close connections left idle (ours after `--idle-timeout-s`, 60 s by
 default), so a pooled connection may be dead when the next batch comes: used as is, the batch
@@ -31,7 +34,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Set
 from typing import TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
@@ -52,6 +55,9 @@ IDLE_CONNECTIONS = 4  # kept open for the next batch (a writer, a reader, a prob
 # A pooled connection idle longer is closed rather than used: well under our server's default idle
 # timeout (60 s), so that it is not closed by the server just as a request goes out on it (a lost PUT).
 MAX_IDLE_S = 20.0
+# Models whose chunks are keyed afresh (`drop_models`) that the tier remembers one by one; past it,
+# every model's are (none of the old chunks is read again: misses, never old KV).
+MAX_RESET_MODELS = 4096
 _KEY_DTYPES = {"float16": "half", "bfloat16": "bfloat16", "float32": "float", "float64": "double",
                "int8": "int8", "uint8": "uint8"}  # other dtypes (fp8) travel as raw bytes: "uint8"
 
@@ -63,6 +69,9 @@ class V1RemoteTier(NetworkTier):
         self._timeout_s = timeout_s
         self._idle: list[tuple[V1Connection, float]] = []  # (connection, when it went idle)
         self._idle_lock = threading.Lock()
+        # Key generations (`drop_models`): one per model, and one for all past MAX_RESET_MODELS.
+        self._generations: dict[str, int] = {}
+        self._all_generation = 0
 
     @classmethod
     def from_url(cls, url: str) -> V1RemoteTier:
@@ -81,13 +90,13 @@ class V1RemoteTier(NetworkTier):
     # ---- the network primitives ---------------------------------------------------------------
 
     def _exists_many(self, keys: list[ChunkKey]) -> list[bool]:
-        names = [_key_string(k) for k in keys]
+        names = [self._key_string(k) for k in keys]
         return self._run(lambda conn: conn.exist_many(names))
 
     def _fetch_many(self, keys: list[ChunkKey], outs: list[torch.Tensor | None]) -> list[Fetched | None]:
         if any(out is None for out in outs):
             raise ValueError("the v1 tier reads into destination buffers only (`out` is required)")
-        names = [_key_string(k) for k in keys]
+        names = [self._key_string(k) for k in keys]
         heads = [bytearray(header_size_of(k)) for k in keys]
         payloads = [as_buffer(out) for out in outs]  # type: ignore[arg-type]
         buffers = [[head, payload] for head, payload in zip(heads, payloads, strict=True)]
@@ -122,7 +131,7 @@ class V1RemoteTier(NetworkTier):
             for name, buffers in sent:
                 conn.put(name, buffers)
             for key, head, payload in pending:
-                sent.append((_key_string(key), [head, payload]))
+                sent.append((self._key_string(key), [head, payload]))
                 conn.put(*sent[-1])
 
         self._run(put_all)
@@ -130,6 +139,22 @@ class V1RemoteTier(NetworkTier):
 
     def _delete_many(self, keys: list[ChunkKey]) -> int:
         return 0  # no DELETE in the protocol (see the module docstring)
+
+    def drop_models(self, models: Set[str]) -> int:
+        with self._idle_lock:
+            if len(self._generations) + len(models) > MAX_RESET_MODELS:
+                self._generations.clear()
+                self._all_generation += 1
+            else:
+                for model in models:
+                    self._generations[model] = self._generations.get(model, 0) + 1
+        raise NotImplementedError(f"{self.name}: the v1 protocol has no DELETE, so the model's old chunks "
+                                  "stay on the server; this daemon reads them no more (it keys the model's "
+                                  "chunks afresh), but one started later, or another sharing the server, "
+                                  "would: restart or clear the remote server itself")
+
+    def _key_string(self, key: ChunkKey) -> str:
+        return _key_string(key, (self._all_generation, self._generations.get(key.fmt.model_name, 0)))
 
     def _clear_namespace(self) -> int:
         raise NotImplementedError(f"{self.name}: the v1 protocol has no DELETE; restart or clear the "
@@ -187,7 +212,11 @@ class V1RemoteTier(NetworkTier):
                 self._idle.append((conn, time.monotonic()))
 
 
-def _key_string(key: ChunkKey) -> str:
+def _key_string(key: ChunkKey, generation: tuple[int, int] = (0, 0)) -> str:
+    """`key`'s name on the server; a `generation` other than (0, 0) names it afresh (`drop_models`)."""
     fmt = key.fmt
-    return format_key(f"lmcmp-{fmt.fingerprint.hex()}", fmt.world_size, fmt.worker_id, key.chunk_hash.hex(),
+    model = f"lmcmp-{fmt.fingerprint.hex()}"
+    if generation != (0, 0):
+        model += "-{}.{}".format(*generation)
+    return format_key(model, fmt.world_size, fmt.worker_id, key.chunk_hash.hex(),
                       _KEY_DTYPES.get(fmt.dtype, "uint8"))

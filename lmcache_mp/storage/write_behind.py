@@ -12,6 +12,9 @@ queue is bounded in bytes: when it is full, `offer` refuses the chunk at once (c
 skipped) and the STORE that produced it never waits. A writer takes what is queued in batches
 (`WRITE_BATCH_CHUNKS`, `WRITE_BATCH_BYTES`): a network tier sends a batch as one pipeline, and
 skips the chunks it already holds (another daemon of the fleet may have stored them).
+
+A model's reset (`drop_models`) takes its chunks out of the queue and waits for the batch being
+written; a chunk the pool dropped while it was queued or committed (`skip`) is never written.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Set
 
 from lmcache_mp.chunks import ChunkKey
 from lmcache_mp.storage.base import StorageTier
@@ -66,14 +69,17 @@ class CopyGate:
 
 class TierWriter:
     def __init__(self, tier: StorageTier, name: str, capacity_bytes: int,
-                 release: Callable[[list[PoolObject]], None]):
+                 release: Callable[[list[PoolObject]], None],
+                 skip: Callable[[PoolObject], bool] = lambda obj: False):
         self.tier = tier
         self.name = name
         self.capacity_bytes = capacity_bytes
         self._release = release  # unpins an object once written (or given up on)
+        self._skip = skip  # an object the pool dropped since it was queued: not written
         self._queue: deque[tuple[ChunkKey, PoolObject]] = deque()
         self._queued_bytes = 0
         self._busy = 0  # chunks that have left the queue but are still being written
+        self._batches_done = 0
         self._closed = False
         self._cond = threading.Condition()
         self.skipped_total = 0
@@ -108,6 +114,27 @@ class TierWriter:
                 self._cond.wait(left)
         return True
 
+    def drop_models(self, models: Set[str], timeout_s: float) -> bool:
+        """Forget the queued chunks of `models` and wait for the batch being written, so that no
+        chunk of theirs queued so far reaches the tier after this; False if that batch took longer
+        than `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            dropped = [(key, obj) for key, obj in self._queue if key.fmt.model_name in models]
+            if dropped:
+                self._queue = deque(item for item in self._queue if item[0].fmt.model_name not in models)
+                self._queued_bytes -= sum(obj.nbytes for _, obj in dropped)
+            # The batch being written now, not those after it (they skip what the pool dropped).
+            batch = self._batches_done + 1 if self._busy else self._batches_done
+            while self._batches_done < batch:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            written = self._batches_done >= batch
+        self._release([obj for _, obj in dropped])
+        return written
+
     def close(self, timeout_s: float) -> None:
         """Write what is queued (up to `timeout_s`), then stop; what is left is dropped."""
         if not self.flush(timeout_s):
@@ -135,9 +162,10 @@ class TierWriter:
                     return
                 batch = self._take_batch()
             try:
-                present = self.tier.batched_contains([key for key, _ in batch])
+                wanted = [(key, obj) for key, obj in batch if not self._skip(obj)]
+                present = self.tier.batched_contains([key for key, _ in wanted])
                 missing = [(key, obj.data)
-                           for (key, obj), there in zip(batch, present, strict=True) if not there]
+                           for (key, obj), there in zip(wanted, present, strict=True) if not there]
                 self.tier.batched_put(missing)  # a tier counts and swallows its own write errors
             except Exception:
                 logger.exception("%s: writing %d chunks failed; skipped", self.name, len(batch))
@@ -145,6 +173,7 @@ class TierWriter:
                 self._release([obj for _, obj in batch])
                 with self._cond:
                     self._busy = 0
+                    self._batches_done += 1
                     self._queued_bytes -= sum(obj.nbytes for _, obj in batch)
                     self._cond.notify_all()
 

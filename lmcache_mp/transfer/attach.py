@@ -18,10 +18,17 @@ The attach socket's invariants (issue 25 items 4, 7 and 17):
   closed with their descriptors after CLAIM_DEADLINE_S), all connections (MAX_CHANNELS), and a
   reserve of descriptors below RLIMIT_NOFILE that attach connections never take. Past a bound a
   new connection is refused (closed; its worker retries), never the daemon killed.
+- Shared: one process (a peer, by its pid from SO_PEERCRED) holds a small share of the pending
+  and unclaimed bounds (MAX_PENDING_PER_PEER, MAX_UNCLAIMED_PER_PEER,
+  MAX_UNCLAIMED_FDS_PER_PEER), so one client holding idle connections or unclaimed hand-overs
+  never locks the other workers out. (A hand-over without descriptors is a CUDA worker's, its
+  registration's liveness: taken like any other, within the same shares. A daemon without CUDA
+  still takes it, so that the worker's REGISTER gets its typed refusal rather than a retry loop.)
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import grp
@@ -40,10 +47,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lmcache_mp.sockets import SocketAccess, claim_socket_path
-from lmcache_mp.transfer.attach_channel import ACK, HANDOVER_BYTES, TOKEN_BYTES, peer_ids
+from lmcache_mp.transfer.attach_channel import ACK, HANDOVER_BYTES, TOKEN_BYTES, peer_credentials
 
 __all__ = ["CLAIM_DEADLINE_S", "HANDOVER_DEADLINE_S", "MAX_CHANNELS", "MAX_FDS", "MAX_PENDING",
-           "MAX_UNCLAIMED", "MAX_UNCLAIMED_FDS", "TOKEN_BYTES", "AttachListener"]
+           "MAX_PENDING_PER_PEER", "MAX_UNCLAIMED", "MAX_UNCLAIMED_FDS", "MAX_UNCLAIMED_FDS_PER_PEER",
+           "MAX_UNCLAIMED_PER_PEER", "TOKEN_BYTES", "AttachListener"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +69,14 @@ MAX_UNCLAIMED_FDS = 1024  # ...the descriptors they hold together...
 # answer (30 s by default; by default the daemon starts a queued request within 10 s or refuses
 # it), so a REGISTER that could still claim one never finds it gone.
 CLAIM_DEADLINE_S = 60.0
+# One process's share of the bounds above. A worker opens one channel per registration and sends
+# its REGISTER at once, so it has one pending or unclaimed for moments (a few, where one process
+# registers several caches side by side); a client holding more is refused, and the rest of the
+# bounds stay for the other workers (one process holding 64 idle connections, or 64 unclaimed
+# hand-overs, refused every other worker's registration).
+MAX_PENDING_PER_PEER = 4
+MAX_UNCLAIMED_PER_PEER = 4
+MAX_UNCLAIMED_FDS_PER_PEER = 2 * MAX_FDS
 # Descriptors kept free below RLIMIT_NOFILE for the rest of the daemon: ZeroMQ aborts the whole
 # process when it cannot get one (a new client). Attach connections are refused before they
 # would take any of these.
@@ -95,6 +111,7 @@ class _Channel:
     REGISTER claims its descriptors, then claimed: the registration's liveness signal."""
 
     conn: socket.socket
+    pid: int  # the peer: the process that connected (SO_PEERCRED), whose shares it counts in
     since: float  # time.monotonic() when accepted; once handed over, when its hand-over completed
     data: bytes = b""  # the hand-over's bytes so far
     fds: list[int] = field(default_factory=list)  # received and not claimed: ours to close
@@ -135,7 +152,7 @@ class AttachListener:
     What clients can make it hold is bounded (see the constants above): connections that have not
     handed over, hand-overs not claimed, their descriptors, and a reserve of descriptors kept for
     the rest of the daemon. Past a bound, the new connection is refused (closed): its worker
-    retries; the daemon never runs out."""
+    retries; the daemon never runs out. One process holds a share of each bound only."""
 
     def __init__(self, path: Path, on_close: Callable[[bytes], None], access: SocketAccess) -> None:
         self.path = path
@@ -146,10 +163,13 @@ class AttachListener:
         # or not, and the unclaimed ones among them, oldest first.
         self._channels: dict[bytes, _Channel] = {}
         self._unclaimed: dict[bytes, _Channel] = {}
+        self._unclaimed_of: collections.Counter[int] = collections.Counter()  # by pid
+        self._unclaimed_fds_of: collections.Counter[int] = collections.Counter()  # by pid
         # The listener thread's alone: every connection by descriptor, and the pending ones
-        # among them, oldest first.
+        # among them, oldest first, and how many of those each process has.
         self._by_fd: dict[int, _Channel] = {}
         self._pending: dict[int, _Channel] = {}
+        self._pending_of: collections.Counter[int] = collections.Counter()
         self._refusals = _RefusalLog()
         self._accept_paused_until = 0.0  # while accept() itself fails (out of descriptors)
         access.make_directory(path.parent)
@@ -190,7 +210,7 @@ class AttachListener:
                 channel = self._channels.get(token)
                 if channel is not None and not channel.claimed:
                     channel.claimed = True
-                    del self._unclaimed[token]
+                    self._take_unclaimed_locked(channel)
                     fds, channel.fds = channel.fds, []
                     return fds
                 if channel is not None:
@@ -269,15 +289,17 @@ class AttachListener:
             self._selector.unregister(self._server)
             self._accept_paused_until = time.monotonic() + _ACCEPT_RETRY_S
             return
-        refusal = self._refusal(conn)
+        pid, uid, gid = peer_credentials(conn)
+        refusal = self._refusal(conn, pid, uid, gid)
         if refusal is not None:
             self._refusals.warn(*refusal)
             conn.close()
             return
         conn.setblocking(False)
-        channel = _Channel(conn, time.monotonic())
+        channel = _Channel(conn, pid, time.monotonic())
         self._by_fd[conn.fileno()] = channel
         self._pending[conn.fileno()] = channel
+        self._pending_of[pid] += 1
         self._selector.register(conn, selectors.EVENT_READ)
 
     def _resume_accepting(self, now: float) -> None:
@@ -285,14 +307,16 @@ class AttachListener:
             self._accept_paused_until = 0.0
             self._selector.register(self._server, selectors.EVENT_READ)
 
-    def _refusal(self, conn: socket.socket) -> tuple[str, ...] | None:
+    def _refusal(self, conn: socket.socket, pid: int, uid: int, gid: int) -> tuple[str, ...] | None:
         """Why a new connection is refused (a kind and a message for `_RefusalLog`), if it is."""
-        uid, gid = peer_ids(conn)
         if not self._trusts(conn, uid, gid):
             return ("uid", f"refusing an attach channel from uid {uid}: neither this user, root, nor a "
                            "member of the socket group")
         if len(self._by_fd) >= MAX_CHANNELS:
             return ("channels", f"refusing an attach channel: {MAX_CHANNELS} are open")
+        if self._pending_of[pid] >= MAX_PENDING_PER_PEER:
+            return ("pending peer", f"refusing an attach channel from pid {pid}: {MAX_PENDING_PER_PEER} of "
+                                    "its connections have not handed over their descriptors yet")
         if len(self._pending) >= MAX_PENDING:
             return ("pending", f"refusing an attach channel: {MAX_PENDING} connections have not handed "
                                "over their descriptors yet")
@@ -345,11 +369,13 @@ class AttachListener:
                                  f"announced, {len(channel.fds)} sent)")
             return
         with self._cond:
-            refusal = self._unclaimed_refusal_locked(token, len(channel.fds))
+            refusal = self._unclaimed_refusal_locked(token, channel)
             if refusal is None:
-                del self._pending[channel.conn.fileno()]
+                self._take_pending(channel)
                 channel.token, channel.since = token, time.monotonic()
                 self._channels[token] = self._unclaimed[token] = channel
+                self._unclaimed_of[channel.pid] += 1
+                self._unclaimed_fds_of[channel.pid] += len(channel.fds)
                 self._cond.notify_all()
         if refusal is not None:
             self._refuse_pending(channel, *refusal)
@@ -359,9 +385,17 @@ class AttachListener:
         except OSError:  # the worker is gone already
             self._drop(channel, notify=False)
 
-    def _unclaimed_refusal_locked(self, token: bytes, num_fds: int) -> tuple[str, str] | None:
+    def _unclaimed_refusal_locked(self, token: bytes, channel: _Channel) -> tuple[str, str] | None:
+        num_fds, pid = len(channel.fds), channel.pid
         if token in self._channels:
             return ("token", "refusing an attach hand-over: its token is another channel's")
+        if self._unclaimed_of[pid] >= MAX_UNCLAIMED_PER_PEER:
+            return ("unclaimed peer", f"refusing an attach hand-over from pid {pid}: "
+                                      f"{MAX_UNCLAIMED_PER_PEER} of its hand-overs are waiting for their "
+                                      "registration")
+        if self._unclaimed_fds_of[pid] + num_fds > MAX_UNCLAIMED_FDS_PER_PEER:
+            return ("unclaimed peer fds", f"refusing an attach hand-over from pid {pid}: its unclaimed "
+                                          f"ones would hold over {MAX_UNCLAIMED_FDS_PER_PEER} descriptors")
         if len(self._unclaimed) >= MAX_UNCLAIMED:
             return ("unclaimed", f"refusing an attach hand-over: {MAX_UNCLAIMED} are waiting for "
                                  "their registration")
@@ -398,19 +432,38 @@ class AttachListener:
         """Take `channel` out of the tables `claim` reads; returns its unclaimed descriptors."""
         if channel.token and self._channels.get(channel.token) is channel:
             del self._channels[channel.token]
-            self._unclaimed.pop(channel.token, None)
+            if not channel.claimed:
+                self._take_unclaimed_locked(channel)
         fds, channel.fds = channel.fds, []
         return fds
 
+    def _take_unclaimed_locked(self, channel: _Channel) -> None:
+        """`channel` is unclaimed no more (claimed, or closing): out of that table and its shares."""
+        del self._unclaimed[channel.token]
+        _uncount(self._unclaimed_of, channel.pid, 1)
+        _uncount(self._unclaimed_fds_of, channel.pid, len(channel.fds))
+
+    def _take_pending(self, channel: _Channel) -> None:
+        """`channel` is pending no more (handed over, or closing): out of that table and its share."""
+        if self._pending.pop(channel.conn.fileno(), None) is not None:
+            _uncount(self._pending_of, channel.pid, 1)
+
     def _close(self, channel: _Channel, fds: list[int]) -> None:
         """Close a detached channel's connection and descriptors (on the listener thread)."""
+        self._take_pending(channel)
         self._by_fd.pop(channel.conn.fileno(), None)
-        self._pending.pop(channel.conn.fileno(), None)
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(channel.conn)
         channel.conn.close()
         for fd in fds:
             os.close(fd)
+
+
+def _uncount(counter: collections.Counter[int], pid: int, n: int) -> None:
+    """Take `n` off `pid`'s count, forgetting it at zero: a share table lists only live peers."""
+    counter[pid] -= n
+    if counter[pid] <= 0:
+        del counter[pid]
 
 
 def _descriptors_to_spare() -> float:

@@ -60,11 +60,11 @@ class AttachChannel:
         self._sock.close()
 
 
-def peer_ids(sock: socket.socket) -> tuple[int, int]:
-    """The uid and gid of the process at the other end of `sock`, as they were when it connected
-    (or listened)."""
-    _pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-    return uid, gid
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """The pid, uid and gid of the process at the other end of `sock`, as they were when it
+    connected (or listened); the pid as this process's pid namespace sees it."""
+    pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return pid, uid, gid
 
 
 def _check_daemon_user(sock: socket.socket, path: str) -> None:
@@ -73,7 +73,7 @@ def _check_daemon_user(sock: socket.socket, path: str) -> None:
     that is a --socket-group daemon's (`_owns_a_directory_of_my_group`). Anyone else could read and write
     them: another user that made the socket directory first (/tmp/lmcache-mp-$UID) and listens
     where the daemon's attach socket should be."""
-    uid = peer_ids(sock)[0]
+    uid = peer_credentials(sock)[1]
     if uid in (os.geteuid(), 0) or _owns_a_directory_of_my_group(uid, path):
         return
     raise PermissionError(f"the attach socket {path} is served by uid {uid}, not by this user "

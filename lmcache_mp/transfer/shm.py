@@ -16,9 +16,10 @@ The memory's invariants:
 - The memory is a memfd (or, where that path is unavailable, torch's unlinked shared memory):
   there is no name in /dev/shm to leak, and the kernel frees it once the last process holding it
   is gone.
-- The daemon maps only memory that cannot shrink under it (a memfd sealed with F_SEAL_SHRINK,
-  `_check_cannot_shrink`), and a handle's geometry is the client's, so a view that would reach
-  outside its mapping is refused (`view_shared`).
+- The daemon maps only memory that cannot shrink under it and that it may write into (a memfd
+  sealed with F_SEAL_SHRINK and not against writes, `_check_seals`); anything else is a typed
+  refusal. A handle's geometry is the client's, so a view that would reach outside its mapping
+  is refused (`view_shared`).
 - A refused registration never faults in the worker's memory: page tables are built only once it
   is accepted, in the background.
 """
@@ -42,6 +43,7 @@ from lmcache_mp.transfer.views import view_of
 logger = logging.getLogger(__name__)
 
 _POPULATE_STEP_BYTES = 256 << 20
+_F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)  # Linux 5.1; Python does not name it
 
 
 # ---- worker side --------------------------------------------------------------------------
@@ -92,11 +94,14 @@ def map_storages(fds: list[int], nbytes: list[int]) -> list[torch.UntypedStorage
     storages = []
     try:
         for fd, size in zip(fds, nbytes, strict=True):
-            _check_cannot_shrink(fd)
+            _check_seals(fd)
             actual = os.fstat(fd).st_size
             if actual < size:
                 raise ValueError(f"shared memory descriptor holds {actual} bytes, the handle says {size}")
-            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            except OSError as err:  # a descriptor opened read-only, say
+                raise ValueError(f"its shared memory cannot be mapped to read and write: {err}") from None
             storages.append(torch.frombuffer(mapping, dtype=torch.uint8).untyped_storage())
     finally:
         for fd in fds:
@@ -104,10 +109,11 @@ def map_storages(fds: list[int], nbytes: list[int]) -> list[torch.UntypedStorage
     return storages
 
 
-def _check_cannot_shrink(fd: int) -> None:
+def _check_seals(fd: int) -> None:
     """Refuse memory its worker could cut short under the daemon's mapping: the daemon's next
     copy of the cut pages would die of SIGBUS. A memfd sealed with F_SEAL_SHRINK (as `shm_move`
-    makes them) cannot shrink; nothing else is accepted."""
+    makes them) cannot shrink; nothing else is accepted. Refuse memory sealed against writes
+    too: a RETRIEVE writes into it, and the kernel refuses such a shared writable mapping."""
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError:  # EINVAL: not a memfd (a plain file, torch's shm_open memory, a pipe...)
@@ -115,6 +121,9 @@ def _check_cannot_shrink(fd: int) -> None:
     if not seals & fcntl.F_SEAL_SHRINK:
         raise ValueError("its shared memory can shrink under the daemon: only a memfd sealed with "
                          f"F_SEAL_SHRINK is accepted, as the worker adapter makes them (seals {seals:#x})")
+    if seals & (fcntl.F_SEAL_WRITE | _F_SEAL_FUTURE_WRITE):
+        raise ValueError("its shared memory is sealed against writes (F_SEAL_WRITE or "
+                         f"F_SEAL_FUTURE_WRITE, seals {seals:#x}): the daemon writes RETRIEVEd KV into it")
 
 
 def prebuild_page_tables(storages: list[torch.UntypedStorage]) -> None:

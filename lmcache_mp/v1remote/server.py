@@ -17,16 +17,20 @@ clients and our `V1Connection` can use it, and adds what the reference lacks:
 - timeouts: a connection that sends no request for `idle_timeout_s` is closed, and so is one whose
   message (a request's header and payload in, or a reply out) is not done within `idle_timeout_s`
   plus its size at `MIN_BYTES_PER_S`: forgotten, dead or stalled clients cannot keep the
-  `max_connections` slots from the clients that want them. (This does not stop a peer that keeps
-  opening new connections: the protocol has no authentication to tell it apart.)
+  `max_connections` slots from the clients that want them;
+- shares: one host holds at most `max_connections_per_host` of them (a quarter by default), so a
+  client that keeps its connections busy enough to pass the idle timeout still leaves the other
+  hosts theirs. A host is a peer's IPv4 address, or its IPv6 /64 (one host usually has a whole
+  one). (On loopback every local client is one host, unless it binds another address of 127/8;
+  and the protocol has no authentication to tell apart the clients of one host.)
 
 Design: one listening socket (selector loop in `serve_forever`), one thread per connection with
-blocking sockets, at most `max_connections` at once (more are accepted and closed at once). The
-selector loop is also the watchdog: each connection keeps the deadline of what it waits for, and the
-loop shuts overdue sockets down, which wakes their threads (no socket timeouts, so the hot path pays
-no syscall for them). The store is an OrderedDict under one lock; payloads are received straight
-into their own buffer (`recv_into`) and sent back with header and payload gathered by `sendmsg`,
-never concatenated.
+blocking sockets, at most `max_connections` at once, `max_connections_per_host` of one host (more
+are accepted and closed at once). The selector loop is also the watchdog: each connection keeps the
+deadline of what it waits for, and the loop shuts overdue sockets down, which wakes their threads
+(no socket timeouts, so the hot path pays no syscall for them). The store (`store.py`) is an
+OrderedDict under one lock; payloads are received straight into their own buffer (`recv_into`) and
+sent back with header and payload gathered by `sendmsg`, never concatenated.
 
 There is no authentication, encryption or checksum: anyone who can reach the port can read,
 overwrite and fill the store. Hence loopback by default (`parse_listen_url`).
@@ -34,6 +38,7 @@ overwrite and fill the store. Hence loopback by default (`parse_listen_url`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ipaddress
 import logging
@@ -41,7 +46,6 @@ import selectors
 import socket
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -57,20 +61,17 @@ from lmcache_mp.v1remote.protocol import (
     ProtocolError,
     ServerMetaMessage,
     ServerReturnCode,
-    Shape,
     WireDtype,
     recv_exact_into,
     send_all,
 )
+from lmcache_mp.v1remote.store import Entry, LRUStore
 
 logger = logging.getLogger("lmcache_mp.v1remote.server")
 
 # A PUT announcing more than this closes its connection instead of being read: no KV chunk is
 # this large, and reading (to discard) up to 2 GiB per bogus header would be an easy way to waste us.
 MAX_PUT_BYTES = 1 << 30
-# Counted against the capacity for every object besides its payload (key, header fields, dict
-# slot), so that floods of empty objects are bounded too.
-ENTRY_OVERHEAD_BYTES = 256
 DEFAULT_IDLE_TIMEOUT_S = 60.0
 # A message must move at least this fast (on top of the idle timeout): slow enough for any real
 # network, fast enough that a peer trickling a 1 GiB PUT loses its slot within ~18 minutes.
@@ -107,114 +108,26 @@ def parse_listen_url(url: str, allow_remote: bool) -> tuple[str, int]:
     return host, port
 
 
-@dataclass(slots=True)
-class _Entry:
-    fmt: MemoryFormat
-    dtype: WireDtype
-    shape: Shape
-    location: int
-    payload: np.ndarray  # uint8; never mutated once stored: GETs send it without holding the lock
-    cost: int  # bytes counted against the capacity
-
-
-class LRUStore:
-    """Objects by key string, bounded by `capacity_bytes` (payloads + ENTRY_OVERHEAD_BYTES each,
-    plus the reservations of PUTs being received). Thread-safe."""
-
-    def __init__(self, capacity_bytes: int) -> None:
-        self.capacity = capacity_bytes
-        self._lock = threading.Lock()
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
-        self._used = 0  # cost of the stored entries
-        self._reserved = 0  # cost of the PUTs being received
-        self._payload_bytes = 0
-        self.counters = dict.fromkeys(("gets", "hits", "exists", "puts", "discarded_puts", "evictions"), 0)
-
-    @staticmethod
-    def cost(length: int) -> int:
-        return length + ENTRY_OVERHEAD_BYTES
-
-    def reserve(self, cost: int) -> bool:
-        """Make room for an object of `cost` by evicting the least recently used ones; False (and
-        nothing evicted) when it cannot fit even in an empty store."""
-        with self._lock:
-            if cost > self.capacity - self._reserved:
-                return False
-            while self._used + self._reserved + cost > self.capacity:
-                _, old = self._entries.popitem(last=False)
-                self._forget(old)
-                self.counters["evictions"] += 1
-            self._reserved += cost
-            return True
-
-    def release(self, cost: int) -> None:
-        """Give back a reservation whose payload never arrived."""
-        with self._lock:
-            self._reserved -= cost
-
-    def commit(self, key: str, entry: _Entry) -> None:
-        """Store `entry` in place of its reservation (replacing any object under `key`)."""
-        with self._lock:
-            self._reserved -= entry.cost
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._forget(old)
-            self._entries[key] = entry
-            self._used += entry.cost
-            self._payload_bytes += len(entry.payload)
-            self.counters["puts"] += 1
-
-    def _forget(self, entry: _Entry) -> None:
-        self._used -= entry.cost
-        self._payload_bytes -= len(entry.payload)
-
-    def count_discarded(self) -> None:
-        with self._lock:
-            self.counters["discarded_puts"] += 1
-
-    def get(self, key: str) -> _Entry | None:
-        with self._lock:
-            self.counters["gets"] += 1
-            entry = self._entries.get(key)
-            if entry is not None:
-                self._entries.move_to_end(key)
-                self.counters["hits"] += 1
-            return entry
-
-    def contains(self, key: str) -> bool:
-        with self._lock:
-            self.counters["exists"] += 1
-            return key in self._entries  # no move_to_end: asking is not using
-
-    def listing(self, max_bytes: int) -> bytes:
-        """The keys, least recently used first, joined by newlines, cut at a key boundary."""
-        with self._lock:
-            keys = list(self._entries)
-        out: list[bytes] = []
-        size = 0
-        for key in keys:
-            raw = key.encode("utf-8")
-            size += len(raw) + bool(out)
-            if size > max_bytes:
-                break
-            out.append(raw)
-        return b"\n".join(out)
-
-    def stats(self) -> dict[str, int]:
-        with self._lock:
-            return {"objects": len(self._entries), "bytes": self._payload_bytes,
-                    "accounted_bytes": self._used, "reserved_bytes": self._reserved,
-                    "capacity": self.capacity, **self.counters}
-
-
 class _PeerClosed(Exception):
     """The peer closed its connection in the middle of a message."""
+
+
+def peer_host(address: str) -> str:
+    """The host a peer's address belongs to, as connection shares count it: an IPv4 address
+    (one mapped into IPv6 included), or an IPv6 address's /64."""
+    ip = ipaddress.ip_address(address.split("%", 1)[0])  # without an IPv6 zone
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
 
 
 @dataclass(slots=True, eq=False)
 class _Connection:
     sock: socket.socket
     peer: str
+    host: str  # `peer_host`: whose share it counts in
     # Monotonic time by which what the connection waits for must be done: the next request's
     # header while idle, the current message while busy. Written by its thread, read by the
     # watchdog in `serve_forever` (a float assignment: atomic under the GIL).
@@ -228,16 +141,22 @@ class RemoteServer:
     `serve_forever()` accepts connections until `stop()`; `close()` stops and closes everything."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, capacity_bytes: int,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS, max_connections_per_host: int | None = None,
                  idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S) -> None:
+        """`max_connections_per_host`: one host's share of `max_connections` (None: a quarter)."""
         if capacity_bytes <= 0:
             raise ValueError(f"the capacity must be positive, not {capacity_bytes}")
         if max_connections < 1:
             raise ValueError(f"max_connections must be at least 1, not {max_connections}")
+        if max_connections_per_host is None:
+            max_connections_per_host = max(1, max_connections // 4)
+        if max_connections_per_host < 1:
+            raise ValueError(f"max_connections_per_host must be at least 1, not {max_connections_per_host}")
         if not idle_timeout_s > 0:
             raise ValueError(f"the idle timeout must be positive, not {idle_timeout_s}")
         self.store = LRUStore(capacity_bytes)
         self.max_connections = max_connections
+        self.max_connections_per_host = max_connections_per_host
         self.idle_timeout_s = idle_timeout_s
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host, port), family=family, backlog=128)
@@ -251,6 +170,7 @@ class RemoteServer:
         self._serve_ident: int | None = None
         self._conn_lock = threading.Lock()
         self._conns: dict[socket.socket, _Connection] = {}
+        self._of_host: collections.Counter[str] = collections.Counter()  # open connections by host
         # How often the watchdog looks: a connection is closed at most this late.
         self._watch_every_s = min(1.0, idle_timeout_s / 4)
         self._accepted = 0
@@ -343,22 +263,33 @@ class RemoteServer:
         conn.setblocking(True)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         name = f"{peer[0]}:{peer[1]}"
-        state = _Connection(conn, name, deadline=0.0)
+        state = _Connection(conn, name, peer_host(peer[0]), deadline=0.0)
         self._arm(state)
         with self._conn_lock:
-            admitted = len(self._conns) < self.max_connections and not self._stopping.is_set()
-            if admitted:
+            refusal = self._refusal_locked(state.host)
+            if refusal is None:
                 thread = state.thread = threading.Thread(target=self._serve_connection, args=(state,),
                                                          name=f"v1remote-{name}", daemon=True)
                 self._conns[conn] = state
+                self._of_host[state.host] += 1
                 self._accepted += 1
             else:
                 self._rejected += 1
-        if not admitted:
-            logger.debug("%s: refused, %d connections already open", name, self.max_connections)
+        if refusal is not None:
+            logger.debug("%s: refused, %s", name, refusal)
             conn.close()
             return
         thread.start()
+
+    def _refusal_locked(self, host: str) -> str | None:
+        """Why a new connection from `host` is refused, if it is."""
+        if self._stopping.is_set():
+            return "stopping"
+        if len(self._conns) >= self.max_connections:
+            return f"{self.max_connections} connections already open"
+        if self._of_host[host] >= self.max_connections_per_host:
+            return f"{self.max_connections_per_host} connections of host {host} already open"
+        return None
 
     def _serve_connection(self, state: _Connection) -> None:
         """Answer one connection's requests in order until it closes, misbehaves or times out."""
@@ -393,6 +324,9 @@ class RemoteServer:
         finally:
             with self._conn_lock:  # unlisted before closed: see `_shutdown`
                 self._conns.pop(conn, None)
+                self._of_host[state.host] -= 1
+                if not self._of_host[state.host]:
+                    del self._of_host[state.host]
             conn.close()
 
     def _handle(self, state: _Connection, msg: ClientMetaMessage) -> None:
@@ -441,7 +375,7 @@ class RemoteServer:
         except BaseException:
             self.store.release(cost)
             raise
-        self.store.commit(msg.key, _Entry(msg.fmt, msg.dtype, msg.shape, msg.location, payload, cost))
+        self.store.commit(msg.key, Entry(msg.fmt, msg.dtype, msg.shape, msg.location, payload, cost))
 
 
 def _shutdown(conn: _Connection) -> None:

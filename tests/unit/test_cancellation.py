@@ -141,7 +141,7 @@ def test_a_cancel_for_an_unregistered_instance_records_nothing() -> None:
 
 
 def test_a_full_record_refuses_without_forgetting() -> None:
-    f = fence(max_cancelled=3)
+    f = fence(max_cancelled=3, reserve_per_instance=0)
     with arrived(2):
         f.cancel(A, ["r1", "r2"])
         f.cancel(B, ["s1"])
@@ -194,7 +194,7 @@ def test_full_waiters_refuse_a_cancel_that_would_wait() -> None:
 
 
 def test_a_cancel_refused_by_a_full_record_leaves_no_waiter() -> None:
-    f = fence(max_cancelled=1, max_waiters=1)
+    f = fence(max_cancelled=1, max_waiters=1, reserve_per_instance=0)
     with arrived(1):
         f.begin([(A, "copying")])
     with arrived(2):
@@ -261,3 +261,61 @@ def test_a_cancel_for_an_instance_not_registered_records_nothing_but_waits_for_i
     assert not isinstance(waiting, int) and not waiting.done()
     fence.end([(A, "copying")])
     assert waiting.result(0) == 1
+
+
+# ---- reserves: one client's instances fill the shared part, never another instance's reserve ----
+
+
+def fill(f: TransferFence, instance_id: int, size: int = 8192) -> int:
+    """Cancel new requests of the instance until not even one more is taken; how many were."""
+    taken = 0
+    while size:
+        try:
+            f.cancel(instance_id, [f"{instance_id}-{taken + i}" for i in range(size)])
+            taken += size
+        except ServerError:
+            size //= 2
+    return taken
+
+
+def test_an_instance_can_cancel_while_other_instances_fill_the_record() -> None:
+    """A client with 8 instances of its own filled the whole record (8 x 8,192) and renewed it:
+    the victim's CANCEL got OVERLOADED 30 times out of 30, its blocks held all along. Now each
+    instance's reserve is its own: the victim's cancels, up to its reserve, are always taken."""
+    f = TransferFence(queue_deadline_s=10)
+    hostile = range(100, 110)
+    with arrived(1):
+        filled = [fill(f, instance) for instance in hostile]
+        assert filled[-1] < 8192  # the record is full: the last instance could not take its all
+        for instance, taken in zip(hostile, filled, strict=True):  # renewed: sent again, no room taken
+            if taken:
+                f.cancel(instance, [f"{instance}-0"])
+    with arrived(2):
+        assert f.cancel(A, [f"mine-{i}" for i in range(256)]) == 0
+    with arrived(1):
+        assert not f.begin([(A, "mine-255")])  # recorded: a STORE queued before it never starts
+
+
+def test_past_its_reserve_an_instance_draws_on_the_shared_part() -> None:
+    f = fence(max_cancelled=4, reserve_per_instance=2)
+    with arrived(1):
+        assert fill(f, B) == 6  # its reserve, and all of the shared part
+        assert f.cancel(A, ["r1", "r2"]) == 0  # A's reserve
+        with pytest.raises(ServerError) as err:
+            f.cancel(A, ["r3"])  # the shared part is B's
+        assert overloaded(err, "record is full")
+    assert f.counts() == (0, 8)
+
+
+def test_a_dropped_instances_cancels_are_forgotten() -> None:
+    """Its operations can start no more (the engine checks its registration once `begin` let
+    one in): its entries would only keep the shared part from the instances still registered."""
+    f = fence(max_cancelled=4, reserve_per_instance=2)
+    with arrived(1):
+        fill(f, B)
+        f.forget_instance(B)
+        assert f.counts() == (0, 0)
+        assert fill(f, A) == 6  # the shared part is free again
+        f.forget_instance(B)  # twice, or an instance with nothing recorded: nothing happens
+    with arrived(0):
+        assert f.begin([(B, f"{B}-0")]) and not f.begin([(A, f"{A}-0")])

@@ -1,6 +1,6 @@
 """The connector's settings: declared once (`ConnectorSettings`), read from vLLM's
-`kv_connector_extra_config` by `settings.from_keys`, and the README's table of them generated from
-the same declaration. tests/test_connector_logic.py::test_settings has the keys' checks."""
+`kv_connector_extra_config` by `settings.from_keys`, and docs/configuration.md's table of them
+generated from the same declaration. tests/test_connector_logic.py::test_settings has the keys' checks."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ from vllm_adapter.connector_common import ConnectorSettings
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_readme_connector_settings_table_is_current() -> None:
-    readme = (ROOT / "README.md").read_text()
+def test_the_configuration_pages_connector_settings_table_is_current() -> None:
+    page = (ROOT / "docs" / "configuration.md").read_text()
     table = re.search(r"<!-- connector settings table:[^\n]*-->\n(.*?)\n"
-                      r"<!-- end of connector settings table -->", readme, re.S)
+                      r"<!-- end of connector settings table -->", page, re.S)
     assert table is not None and table[1] == markdown_table(ConnectorSettings, "lmcache.mp."), \
-        "regenerate the README's connector settings table from " \
+        "regenerate docs/configuration.md's connector settings table from " \
         "lmcache_mp.settings.markdown_table(ConnectorSettings, 'lmcache.mp.')"
 
 

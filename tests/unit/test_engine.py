@@ -27,7 +27,7 @@ from lmcache_mp.dispatch import PEER, ReplyThen
 from lmcache_mp.engine import Engine
 from lmcache_mp.errors import ServerError
 from lmcache_mp.observability import Metrics
-from lmcache_mp.protocol import ChunkOutcome, ErrorCode, KVCacheRegistration, RequestType
+from lmcache_mp.protocol import ChunkOutcome, ErrorCode, KVCacheRegistration, ModelScope, RequestType
 from lmcache_mp.transfer.attach_channel import AttachChannel
 from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, arrived, wait_for
 from tests.kv_worker import make_caches, pages
@@ -342,3 +342,22 @@ def test_clear_drops_every_chunk_no_lease_holds(engine: EngineUnderTest) -> None
     assert engine.lookup(keys(1, "r", worker_id=None)) == 0
     ok, reason = engine.retrieve(rank, keys(1, "r"))
     assert not ok and "no longer stored" in reason
+
+
+# ---- RESET_MODEL (more in tests/test_reset.py) ---------------------------------------------------
+
+
+def test_a_store_that_arrived_before_a_reset_of_its_model_stores_nothing(engine: EngineUnderTest) -> None:
+    """Read before the reset, run after it (the work queue's threads take requests in any order):
+    its KV may be the old weights', so nothing of it is stored, and its worker has nothing to send
+    again. One read after the reset is stored."""
+    rank = engine.register(1)
+    with arrived(5):
+        reset = engine.handle[RequestType.RESET_MODEL](ModelScope([MODEL]))
+    assert reset.ok and reset.pool_chunks == 0
+    with arrived(4):
+        assert engine.store(rank, keys(2, "s")) == [ALREADY, ALREADY]
+    assert (engine.report().objects, engine.lookup(keys(2, None, worker_id=None))) == (0, 0)
+    with arrived(6):
+        assert engine.store(rank, keys(2, "s")) == [STORED_, STORED_]
+    assert engine.lookup(keys(2, None, worker_id=None)) == 2

@@ -133,6 +133,33 @@ def test_a_corrupted_sealed_chunk_is_a_miss_and_freed(pool_path: Path) -> None:
     again.close()
 
 
+def test_an_unsealed_chunk_is_never_served_from_a_pool_file_that_may_outlive_the_machine(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """On a disk file system a machine crash writes pages back in any order: a record that
+    survived says nothing of its payload. Chunks without a checksum are dropped there; sealed ones
+    are verified as anywhere."""
+    path = tmp_path / "pools" / "pool"
+    pool = open_pool(path)
+    assert pool._records is not None and not pool._records.file.in_memory, "tmp_path is on a tmpfs"
+    objects = store_chain(pool, 0, 3)
+    obj = pool.take_unsealed()  # only the oldest is sealed when the machine dies
+    assert obj is not None
+    pool.seal(obj)
+    pool.sealed(obj)
+    pool.close()
+    # What the disk may hold after the crash: the last chunk's record, not its payload's page.
+    with open(path, "r+b") as f:
+        f.seek(_layout(CAPACITY, ALIGN).data_offset + objects[2].offset)
+        f.write(bytes(ALIGN))
+    again = open_pool(path)
+    drain(again)
+    assert [readable(again, i) for i in range(3)] == [True, False, False]
+    adoption = again.stats().adoption
+    assert (adoption.adopted_objects, adoption.verified_total, adoption.dropped_total) == (1, 1, 2)
+    assert "not on a tmpfs" in caplog.text
+    again.close()
+
+
 def test_evicted_aborted_and_cleared_chunks_are_not_adopted(pool_path: Path) -> None:
     pool = open_pool(pool_path)
     store_chain(pool, 0, 3)

@@ -1,13 +1,19 @@
 """Tails in process: the daemon's index of them, their keys, which one a request keeps, the store a
-finished request plans, and how keys name a short chunk. The request is plain data of the fields
-the connector reads from vLLM's (its tokens and block hashes); tests/test_tails.py and
-tests/test_vllm_tails.py run the real daemon and a real engine."""
+finished request plans, and how keys name a short chunk. Requests are vLLM's own `Request`, with
+vLLM's block hasher; tests/test_tails.py and tests/test_vllm_tails.py run the real daemon and a
+real engine."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import itertools
 
 import pytest
+import torch
+from vllm import SamplingParams
+from vllm.lora.request import LoRARequest
+from vllm.utils.hashing import sha256_cbor
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.request import Request
 
 from lmcache_mp.custom_types import IPCCacheEngineKey
 from lmcache_mp.errors import ServerError
@@ -17,33 +23,26 @@ from lmcache_mp.storage.manager import RankSpec
 from lmcache_mp.tails import TailIndex, tail_identity
 from tests.helpers import BLOCK, CHUNK, block_hashes, fmt
 from vllm_adapter.ops import KeyMaker, LoadStoreOp
-from vllm_adapter.tails import finish_store, longest_own_tail, request_salt, tail_hash
+from vllm_adapter.tails import finish_store, longest_own_tail, may_have_tail, tail_hash
 
 BPC = CHUNK // BLOCK
+HIDDEN = 16  # of the prompt embeddings: any width will do for their digests
+init_none_hash(sha256_cbor)  # what vLLM's engine does before hashing any block
+_ids = itertools.count()
 
 
-@dataclass
-class Request:
-    """What the connector reads of vLLM's `Request` for tails."""
-
-    all_token_ids: list[int]
-    lora_request: object = None
-    cache_salt: str | None = None
-    mm_features: list = field(default_factory=list)
-
-    @property
-    def block_hashes(self) -> list[bytes]:
-        return block_hashes(self.all_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+def vllm_request(tokens: list[int] | None = None, *, embeds: torch.Tensor | None = None,
+                 lora: LoRARequest | None = None, cache_salt: str | None = None) -> Request:
+    """vLLM's `Request` as its engine builds it: token ids or prompt embeddings, its block hashes
+    computed by vLLM's own block hasher."""
+    return Request(f"r{next(_ids)}", tokens, SamplingParams(max_tokens=1), None, prompt_embeds=embeds,
+                   lora_request=lora, cache_salt=cache_salt,
+                   block_hasher=get_request_block_hasher(BLOCK, sha256_cbor))
 
 
 def _tail(request: Request, start: int, num_tokens: int) -> TailHit:
-    salt = request_salt(request)
     hashes = request.block_hashes
-    key = tail_hash(hashes, request.all_token_ids, start, num_tokens, BLOCK, salt)
+    key = tail_hash(request, start, num_tokens, BLOCK)
     last_block = hashes[(start + num_tokens) // BLOCK - 1] if num_tokens >= BLOCK else b""
     return TailHit(num_tokens, -(-num_tokens // BLOCK), key, last_block)
 
@@ -95,22 +94,55 @@ def test_many_conversations_after_one_anchor_each_find_their_own_tail() -> None:
 
 def test_a_request_keeps_only_the_longest_tail_its_own_tokens_reproduce() -> None:
     history = list(range(100, 100 + 2 * CHUNK + 20))  # 2 chunks, then 20 tokens
-    returning = Request(history + [7] * 30)
-    tails = [_tail(Request(history), 2 * CHUNK, 20), _tail(Request(history), 2 * CHUNK, 5)]
-    other = Request(history[:2 * CHUNK] + [1] * 20)  # same chunks, another tail
+    returning = vllm_request(history + [7] * 30)
+    tails = [_tail(vllm_request(history), 2 * CHUNK, 20), _tail(vllm_request(history), 2 * CHUNK, 5)]
+    other = vllm_request(history[:2 * CHUNK] + [1] * 20)  # same chunks, another tail
     foreign = _tail(other, 2 * CHUNK, 20)
     assert longest_own_tail([tails[1], foreign, tails[0]], returning, 2 * CHUNK, BLOCK) == tails[0]
     assert longest_own_tail([foreign], returning, 2 * CHUNK, BLOCK) is None
     # Longer than what the request has: not its own, whatever its key.
-    assert longest_own_tail([tails[0]], Request(history[:-1]), 2 * CHUNK, BLOCK) is None
-    # Another LoRA or cache salt: another key, though the tokens are the same (a tail from token 0
-    # has no vLLM block hash before it to tell them apart).
-    short = Request(history[:5])
-    assert _tail(short, 0, 5) != _tail(Request(history[:5], cache_salt="s"), 0, 5)
+    assert longest_own_tail([tails[0]], vllm_request(history[:-1]), 2 * CHUNK, BLOCK) is None
+    # Another cache salt: another key, though the tokens are the same (a tail from token 0 has no
+    # vLLM block hash before it to tell them apart).
+    assert _tail(vllm_request(history[:5]), 0, 5) != _tail(vllm_request(history[:5], cache_salt="s"), 0, 5)
+
+
+def test_a_lora_adapter_is_known_by_its_name_and_path_as_vllm_knows_it() -> None:
+    """Two adapters of one name at different paths (a name re-pointed at another adapter): vLLM's
+    block hashes tell them apart, and so do their tails' keys, before the first full block and
+    after it; the same adapter gets the same keys."""
+    tokens = list(range(100, 100 + BLOCK + 5))
+    here, there = LoRARequest("adapter", 1, "/adapters/v1"), LoRARequest("adapter", 2, "/adapters/v2")
+    first, second, again = (vllm_request(tokens, lora=lora) for lora in (here, there, here))
+    assert first.block_hashes != second.block_hashes  # vLLM's own hash covers the path
+    for start, num_tokens in ((0, 5), (0, BLOCK + 5)):  # the tail after token 0, and past a block
+        assert _tail(first, start, num_tokens) == _tail(again, start, num_tokens)
+        assert _tail(first, start, num_tokens) != _tail(second, start, num_tokens)
+    assert longest_own_tail([_tail(first, 0, 5)], vllm_request(tokens[:5], lora=there), 0, BLOCK) is None
+
+
+def test_a_request_with_prompt_embeddings_has_no_tail() -> None:
+    """vLLM gives each embedded position the token id 0: two prompts of embeddings of one length,
+    or two that differ only past their last full block, have the same token ids. Such a request
+    neither stores nor looks up a tail (`may_have_tail`, which the scheduler asks for both); and
+    a tail's key covers what vLLM's block hasher does, the embeddings' digest included."""
+    embeds = torch.randn(BLOCK + 5, HIDDEN, generator=torch.Generator().manual_seed(0))
+    later = embeds.clone()
+    later[BLOCK + 2] += 1.0  # the same first block, another tail
+    short, other_short = vllm_request(embeds=embeds[:5]), vllm_request(embeds=embeds[5:10])
+    long, other_long = vllm_request(embeds=embeds), vllm_request(embeds=later)
+    assert list(short.all_token_ids) == list(other_short.all_token_ids) == [0] * 5
+    assert long.block_hashes == other_long.block_hashes
+    assert list(long.all_token_ids) == list(other_long.all_token_ids)
+    assert not any(may_have_tail(r) for r in (short, other_short, long, other_long))
+    assert may_have_tail(vllm_request([0] * 5))  # token ids 0 as such: a tail like any other
+    assert _tail(short, 0, 5) != _tail(other_short, 0, 5)
+    assert _tail(long, 0, BLOCK + 5) != _tail(other_long, 0, BLOCK + 5)
+    assert _tail(short, 0, 5) != _tail(vllm_request([0] * 5), 0, 5)
 
 
 def test_a_finished_request_stores_its_unstored_chunks_and_its_tail() -> None:
-    request = Request(list(range(3 * CHUNK + BLOCK + 3)))
+    request = vllm_request(list(range(3 * CHUNK + BLOCK + 3)))
     table = list(range(100, 100 + 3 * BPC + 2))
     store = finish_store(request, table, saved_chunks=2, chunk_blocks=BPC, block_size=BLOCK,
                          end=3 * CHUNK + BLOCK + 2)
