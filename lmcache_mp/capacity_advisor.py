@@ -1,5 +1,5 @@
 """What other pool sizes would buy: the pool's hit rate predicted at 0.5x to 8x its capacity, from
-the LOOKUPs the daemon sees (issue 30).
+the LOOKUPs the daemon sees.
 
 Method: a miss-ratio curve from reuse distances (Mattson's stack algorithm), spatially sampled
 with bounded memory (fixed-size SHARDS: Waldspurger et al., FAST 2015). The reuse distance of an

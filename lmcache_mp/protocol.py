@@ -373,7 +373,7 @@ PROTOCOL: dict[RequestType, RequestSpec] = {
     # LOOKUP_CHUNKS(model name, world size, request id or None, chunk hashes) -> as LOOKUP of one
     # hash-mode key per hash (without worker id, all of that request): the scheduler's usual
     # LOOKUP with the fields its keys share sent once. A list of bytes decodes ~40x faster than as
-    # many keys, which made most of a LOOKUP's cost beyond a PING's (issue 14).
+    # many keys, which made most of a LOOKUP's cost beyond a PING's.
     RequestType.LOOKUP_CHUNKS: RequestSpec((BoundedModelName, int, RequestId | None, list[bytes]), int,
                                             HandlerKind.DEFERRED, KEYS_PAYLOAD),
     # LOOKUP_PREFIX(as LOOKUP_CHUNKS, then the window: vLLM's block hashes of the prompt's last

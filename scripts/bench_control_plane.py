@@ -3,7 +3,7 @@
 
     .venv/bin/python scripts/bench_control_plane.py [--out bench-out] [--samples N] [--parts ...]
 
-1. The path vLLM takes (issue 14), over ipc://. One or two stand-in worker processes register
+1. The path vLLM takes, over ipc://. One or two stand-in worker processes register
    CPU caches as the ranks of a model (world size 1 and 2) and store 128 chunks each; the
    scheduler side, `LMCacheMPSchedulerAdapter` as vLLM's scheduler uses it, then looks up
    prompts of 1, 8, 32 and 128 chunks: hits on every rank, leased, and the session ended with
@@ -15,10 +15,10 @@
    "next": what the request after a hit pays for its END_SESSION), and a miss of as many
    chunks. Every hit is checked to hit all its
    chunks, and after each world size's rounds no session and no lease may be left.
-   Targets (issues 14 and 12): a 32-chunk hit with its END_SESSION within 1.2x the PING (p50)
+   Targets: a 32-chunk hit with its END_SESSION within 1.2x the PING (p50)
    and 3x (p99); a 32-chunk LOOKUP within 1.1x the bare echo (p50).
 2. Misses over TCP loopback, and lookups per second from one client (one at a time and 64 in
-   flight) and from 8 client processes (issue 5's targets).
+   flight) and from 8 client processes. Target: >= 10,000 lookups/s from one client.
 3. Where the time goes: the hit rotation again against a daemon started under
    `scripts/daemon_profile.py` (per-phase timers).
 4. The floor: the hit rotation against a daemon whose LOOKUP only walks the prefix

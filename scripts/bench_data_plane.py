@@ -7,7 +7,7 @@ KV in vLLM's CPU layout (CPU_ATTN, [blocks, kv_heads, block_size, 2*head_size] p
 all layers views of one allocation), head size 128, bf16, 256-token chunks, 8 chunks per
 request, in two geometries:
 - `32x8`: 32 layers, 8 KV heads, 128-token blocks (32 MiB per chunk, 2 blocks of 128 KiB pages);
-- `80x2` (issue 26, review F5): 80 layers, 2 KV heads (a 70B-class model at TP=4), vLLM's GPU
+- `80x2`: 80 layers, 2 KV heads (a 70B-class model at TP=4), vLLM's GPU
   default of 16-token blocks (20 MiB per chunk, 16 pages of 16 KiB per layer): many small pages,
   where one copy call per layer and chunk costs more than the bytes it moves.
 "End to end" is the adapter's request -> daemon copy -> reply. Every round checks that what it
@@ -19,11 +19,11 @@ chunk's blocks over all layers (dim 1 of the `[layers, blocks, ...]` allocation)
 chunk-shaped buffer; to scatter, one `copy_` per run of consecutive blocks (the chunks are
 retrieved into ascending blocks: one run per chunk).
 RETRIEVE runs against two daemons: one with one copy thread (`--max-workers 1`) and one with two
-(the default), which splits a RETRIEVE's chunks over both (issue 12). Both keep their pool in a
-pool file (the default since issue 29); a third daemon, one copy thread, keeps it in anonymous
+(the default), which splits a RETRIEVE's chunks over both. Both keep their pool in a pool file
+(the default, which a warm restart adopts); a third daemon, one copy thread, keeps it in anonymous
 memory (`--pool-file ""`): target >= 95% of its speed in both directions. Every round measures all
 paths one after the other, so that a busy machine slows them alike.
-Target (issue 26): >= 80% of the baseline in both directions, for every geometry. Prints a table,
+Target: >= 80% of the baseline in both directions, for every geometry. Prints a table,
 writes data_plane.png and data_plane.json to --out.
 """
 
@@ -226,8 +226,8 @@ def run(g: Geometry, tmp: Path, iterations: int) -> dict[str, float]:
     daemons = {}
     try:
         # Copy threads: two split a RETRIEVE. The pool lives in a pool file (warm restart; where
-        # the launcher puts them), but for the "anonymous pool" daemon's, in anonymous memory as it
-        # did before issue 29.
+        # the launcher puts them), but for the "anonymous pool" daemon's, in anonymous memory as
+        # every pool was before pools lived in a file.
         for name, workers, pool_file in (("1 thread", 1, ()), ("split", 2, ()),
                                          ("anonymous pool", 1, ("--pool-file", ""))):
             home = tmp / f"{g.layers}x{g.kv_heads}-{name.replace(' ', '-')}"
@@ -263,7 +263,7 @@ def main() -> int:
                   "RETRIEVE, split / scatter": rows["RETRIEVE, split"] / rows["baseline scatter"]}
         checks |= {f"{name}: {what} = {ratio:.0%} (target >= 80%)": ratio >= 0.8
                    for what, ratio in ratios.items()}
-        # Issue 29: a pool in a pool file (tmpfs pages) moves KV as fast as an anonymous one.
+        # A pool in a pool file (tmpfs pages) moves KV as fast as an anonymous one.
         pool_file = {what: rows[f"{what}, 1 thread"] / rows[f"{what}, anonymous pool"]
                      for what in ("STORE", "RETRIEVE")}
         checks |= {f"{name}: {what}, pool file / anonymous pool = {ratio:.0%} (target >= 95%)": ratio >= 0.95

@@ -3,7 +3,7 @@
 
     .venv/bin/python scripts/bench_e2e.py [--out bench-out]
 
-Workload (issue 5): a random-weight Llama big enough that prefill dominates (8 layers,
+Workload: a random-weight Llama big enough that prefill dominates (8 layers,
 hidden 1024, 4 KV heads of 64, bf16, ~96 M parameters), 8 prompts of 2,049 tokens, one at a
 time, VLLM_CPU_NUM_OF_RESERVED_CPU=1 for every engine. The daemon runs with a disk tier
 (`--l2 disk://TMP/disk?size_gb=4`). Each engine is a fresh process:
@@ -19,11 +19,10 @@ time, VLLM_CPU_NUM_OF_RESERVED_CPU=1 for every engine. The daemon runs with a di
             prompts, whose lookups promote the chunks from disk.
 Targets: engines 2 and 3 cache 2,048 tokens of every prompt, with outputs identical to the
 baseline; engine 2's TTFT within 10 ms of the floor in every mode, and within 5 ms with the
-default mode (issue 12); engine 1's TTFT within +-4% of no
-connector; the restarted daemon's STATUS shows promotions from disk (promotions_total > 0).
-Engine 3's TTFT is reported, without a target. Prints a table, writes e2e.png and e2e.json to
---out. Takes about 6 minutes on 2 cores; 18 on an AVX2-only VM, where the bf16 full prefill
-takes ~43 s instead of ~1.5 s.
+default mode; engine 1's TTFT within +-4% of no connector; the restarted daemon's STATUS shows
+promotions from disk (promotions_total > 0). Engine 3's TTFT is reported, without a target.
+Prints a table, writes e2e.png and e2e.json to --out. Takes about 6 minutes on 2 cores; 18 on an
+AVX2-only VM, where the bf16 full prefill takes ~43 s instead of ~1.5 s.
 """
 
 from __future__ import annotations

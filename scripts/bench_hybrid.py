@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Hybrid-model benchmark (issue 15): KV memory in use and TTFT, vLLM's hybrid KV cache manager on and off.
+"""Hybrid-model benchmark: KV memory in use and TTFT, vLLM's hybrid KV cache manager on and off.
 
     .venv/bin/python scripts/bench_hybrid.py [--out bench-out] [--quick] [--prompts N]
 
@@ -13,7 +13,7 @@ the step's tokens; one step over the whole prompt would need it all at once).
 Two modes, each with our connector against a fresh daemon of its own: vLLM's hybrid KV cache
 manager (HMA) on, where vLLM gives the sliding layers and the full layers KV cache groups of
 their own and frees sliding blocks once they leave the window; and HMA off, where every layer
-keeps the KV of every token (what the connector forced before issue 15). Each runs a cold pass
+keeps the KV of every token (what the connector forced before it supported HMA). Each runs a cold pass
 (a fresh engine: prefills, the connector stores) and a warm pass (another fresh engine: the
 same prompts, hits from the daemon, not from vLLM's own prefix cache). A reference, HMA on
 without the connector, runs the cold pass: what vLLM alone holds. Each pass's engines run side

@@ -3,8 +3,8 @@
 
     .venv/bin/python scripts/bench_kv_events.py [--out bench-out] [--quick] [--geometry 32x8 32x1]
 
-Issue 30: "a slow subscriber cannot slow STOREs (same-run STORE throughput with and without a
-stalled subscriber within 5%)". Three daemons, the same but for their KV event stream:
+The claim: a slow subscriber cannot slow STOREs (same-run STORE throughput with and without a
+stalled subscriber within 5%). Three daemons, the same but for their KV event stream:
   a. no `--kv-events-listen` (the baseline);
   b. `--kv-events-listen ipc://...` with a *stalled* subscriber: a SUB socket connected and
      subscribed that never reads (receive high-water mark 1), and a replay DEALER that asks for
@@ -31,9 +31,9 @@ Checks that the path was exercised (exit code 1 otherwise): every chunk offered 
 log recorded (kv_events_published_total == kv_events_seq) and dropped none; (c)'s subscriber
 received every batch and event published (a replay from seq 0 fills in the batches published
 before it joined), as many BlockStored as chunks stored and BlockRemoved as evictions; (b) was
-sent batches it never read and answered its replay requests. Target
-(issue 30): (b)/(a) and (c)/(a) >= --min-ratio (0.95) in GB/s, every geometry (exit code 1 if
-missed). Prints a table, writes kv_events.png and kv_events.json to --out.
+sent batches it never read and answered its replay requests. Target: (b)/(a) and (c)/(a) >=
+--min-ratio (0.95) in GB/s, every geometry (exit code 1 if missed). Prints a table, writes
+kv_events.png and kv_events.json to --out.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
 A miss is the path every first turn takes: a LOOKUP that finds nothing, then STOREs of the
 prompt's chunks while vLLM computes it. Comparing fresh engine processes with and without the
 connector cannot show a cost of a few percent: two processes of the same engine differ by that
-much (issue 28 saw 1.45 s and 1.32 s for one setup, 1.31 s and 1.40 s for the other). So two
+much (one run saw 1.45 s and 1.32 s for one setup, 1.31 s and 1.40 s for the other). So two
 engines run side by side, both alive the whole time, on the same random-weight Llama as
 bench_e2e (8 layers, hidden 1024, fp32): C with the connector, against a fresh daemon, and B
 without. Each round sends three fresh prompts of 2,049 tokens (a miss everywhere), one at a
@@ -19,7 +19,7 @@ Paired ratios per round (each pair ran seconds apart, on the same machine state)
 a miss costs per request (C miss / C skipped: the lookup, the stores, the daemon's copies beside
 the engine) from what the connector costs by being there (C skipped / B: its threads, its
 registration, vLLM's connector hooks), and give the total (C miss / B). Target: the total's
-median within 3% (issue 28). Also checks that the daemon stored every miss's chunks and none of
+median within 3%. Also checks that the daemon stored every miss's chunks and none of
 the skipped ones'. Prints a table, writes miss_path.json to --out. About 4 minutes on 2 quiet
 cores (--quick: 4 rounds).
 """

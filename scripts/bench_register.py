@@ -16,7 +16,7 @@ Paths, each in its own process:
   the connector gives vLLM as its KV-cache allocation context), so registering moves nothing; its
   allocation time is shown next to the plain `torch.zeros` of the other paths.
 Baseline, same run: `memset` of a freshly mapped region of the cache's size (faulting memory in).
-Target (issue 12): registration <= 0.5 s per GiB. Seconds are wall time; CPU seconds (user + system,
+Target: registration <= 0.5 s per GiB. Seconds are wall time; CPU seconds (user + system,
 all threads) are shown too, since wall time on a loaded machine says little. Prints a table,
 writes register.json and register.png to --out.
 """
@@ -49,8 +49,8 @@ LAYERS, KV_HEADS, HEAD, BLOCK, CHUNK = 32, 8, 128, 128, 256
 DTYPE = torch.bfloat16
 BLOCK_BYTES = LAYERS * KV_HEADS * BLOCK * 2 * HEAD * DTYPE.itemsize  # one block, all layers: 16 MiB
 STORED, RETRIEVED = [0, 1], [3, 2]  # one chunk's blocks, and where it is retrieved to
-# (torch's own `share_memory_()`, the path before issue 12, is gone: the daemon now maps only
-# memfds sealed against shrinking, which torch's are not.)
+# (A third path, torch's own `share_memory_()`, is gone: the daemon now maps only memfds sealed
+# against shrinking, which torch's are not.)
 PATHS = ("memfd", "allocated")
 TARGET_S_PER_GIB = 0.5
 SPARE_GIB = 2.0

@@ -10,7 +10,7 @@ torch's native libraries (`daemon.preload_torch_libraries`), next to a thread th
 
 Sizes that do not fit in the available memory (with 4 GiB to spare) are skipped, saying so.
 Asserts what it measures: the first PING was answered while the engine was still being built, and
-from 4 GiB up before the pool was ready. The target (issue 12) is a first PING within 2 s.
+from 4 GiB up before the pool was ready. The target is a first PING within 2 s.
 """
 
 from __future__ import annotations

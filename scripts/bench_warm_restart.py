@@ -1,4 +1,4 @@
-"""Warm restart (issue 29): from a daemon's start to its first hit on the chunks the last daemon
+"""Warm restart: from a daemon's start to its first hit on the chunks the last daemon
 held, per pool size, next to the same pool started empty (--fresh-pool) in the same run.
 
     python scripts/bench_warm_restart.py [--sizes-gb 1 4 16] [--out bench-out]
@@ -12,7 +12,8 @@ STOREs of 8 chunks from one worker, every chunk under its own hashes) and is sto
   and every adopted chunk verified; it checks that every chunk was adopted, none dropped, and that
   the newest chunk reads back bit-exact;
 - empty: the same with --fresh-pool, to serving and to a prepared pool (what an empty start costs),
-  and with `--pool-file ""` (anonymous memory, as before issue 29), both before the pool is filled.
+  and with `--pool-file ""` (anonymous memory, as before pools lived in a file), both before the
+  pool is filled.
 The pool file is kept between the warm runs and discarded at the end. Sizes that do not fit in the
 available memory (with 4 GiB to spare) are skipped, saying so. Target: the first adopted hit within
 2 s of the start.
@@ -38,7 +39,7 @@ from lmcache_mp.protocol import PHASE_SERVING, RequestType, StatusReport
 from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp
 
 SPARE_GIB = 4
-TARGET_FIRST_HIT_S = 2.0  # from the start, for a 16 GiB pool (issue 29)
+TARGET_FIRST_HIT_S = 2.0  # from the start, for a 16 GiB pool
 POLL_S = 0.005
 G = DEFAULT
 FILL_SHARE = 0.9  # of the pool that `fill` stores into
@@ -155,7 +156,7 @@ def run(size_gb: float, tmp: Path) -> dict:
     home = tmp / f"{size_gb:g}g"
     home.mkdir()
     # Empty starts first (a large pool and its kept copy would not fit side by side): a new pool
-    # file, and an anonymous pool (`--pool-file ""`, the only pool before issue 29).
+    # file, and an anonymous pool (`--pool-file ""`, the only pool before pool files).
     empty: dict[str, list[dict]] = {"empty": [], "anonymous": []}
     for i in range(2):
         for name, extra in (("empty", ()), ("anonymous", ("--pool-file", ""))):

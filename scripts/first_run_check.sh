@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CI's first-run check (issue 24): what a new user's first command does, from scratch.
+# CI's first-run check: what a new user's first command does, from scratch.
 #   1. set up a fresh venv the way ./scripts/serve.sh does (the base profile only, never .venv),
 #      serve from it on a temporary socket, ping it, stop it with SIGTERM: exit 0 expected;
 #   2. build the wheel and, from a venv holding only that wheel and its declared base

@@ -27,10 +27,10 @@ the clearing); its RETRIEVE has -1 ids, whose blocks must stay as they were. The
 timed against a same-run baseline moving the same bytes: a pinned-host <-> device `copy_` on CUDA,
 a plain `copy_` on CPU.
 Then, at once: two TP ranks storing and retrieving together (each with its own event), and two KV
-groups of one worker sharing one event (review F11: one event handle opened by concurrent
-requests). Then a worker killed mid-STORE (behind a long kernel on CUDA: the daemon waits on a dead
-process's event): the daemon drops it and serves on, or exits for its supervisor (review F12); either
-is reported. On CUDA it also times pinning (`cudaHostRegister`) fresh mmaps of `--pin-gib` GiB.
+groups of one worker sharing one event (one event handle opened by concurrent requests). Then a
+worker killed mid-STORE (behind a long kernel on CUDA: the daemon waits on a dead process's
+event): the daemon drops it and serves on, or exits for its supervisor; either is reported. On CUDA
+it also times pinning (`cudaHostRegister`) fresh mmaps of `--pin-gib` GiB.
 
 Prints a table, writes the figures as JSON to `--out`; exits 1 if any check failed.
 """

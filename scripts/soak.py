@@ -21,7 +21,7 @@ the signal must be there whole (`soak_warm.py`). The clients are in `soak_client
 traffic below in `soak_attacks.py`. A thread sends, every half interval, a burst of malformed
 traffic from a raw ZeroMQ socket (garbage frames, unknown types, bad payloads, bad block ids,
 unknown instance ids, an oversized message, a registration whose attach channel never opens).
-Hostile workers too, each on a schedule of its own (issue 25): every interval a registered worker
+Hostile workers too, each on a schedule of its own: every interval a registered worker
 floods CANCEL_TRANSFERS for its own instance past what the daemon keeps per instance (OVERLOADED),
 and every other flood names the clients' instances too (FORBIDDEN); a shrinking worker process
 registers a fresh cache every interval, tries to ftruncate its memfd (the seal must refuse it), then

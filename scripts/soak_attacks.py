@@ -128,7 +128,7 @@ class GarbageSender:
             sock.close(linger=0)
 
 
-# ---- hostile workers: cheap attacks, each repeated on a schedule of its own (issue 25) --------
+# ---- hostile workers: cheap attacks, each repeated on a schedule of its own -------------------
 
 # Ids of 47 characters (see `CancelFlooder.flood`): ~196 KiB of msgpack per CANCEL_TRANSFERS,
 # within the daemon's cap on one request's payload (a bigger one is refused BAD_PAYLOAD unread).
@@ -153,7 +153,7 @@ def registered_worker(url: str, model: str, timeout_s: float) -> LMCacheMPWorker
 
 
 class CancelFlooder:
-    """Issue 25 item 1: a registered worker floods CANCEL_TRANSFERS. For its own instance the
+    """A registered worker floods CANCEL_TRANSFERS. For its own instance the
     daemon keeps what it is told (a confirmed cancel is a promise it never forgets early), so
     the record is bounded per instance: past the bound, OVERLOADED, and the clients' cancels
     still find room. For another connection's instance, FORBIDDEN: anything else would let any

@@ -354,7 +354,7 @@ SHRINK_SUCCEEDED = "ftruncate SUCCEEDED"
 
 
 class ShrinkingWorker(SoakClient):
-    """Issue 25 item 3, repeated: a worker registers its CPU caches (the adapter moves them into a
+    """A worker registers its CPU caches (the adapter moves them into a
     memfd, which the daemon maps), cuts that file short, then serves a round like any client
     (its STOREs and read-backs checked byte for byte). A shrink under the daemon's mapping and
     a STORE once killed the daemon with SIGBUS; the adapter seals the memfd against shrinking,

@@ -121,6 +121,20 @@ LISTENING = re.compile(r"listening on 127\.0\.0\.1:(\d+)")
 CLOSED = re.compile(r": closed$", re.MULTILINE)  # a connection's end, at DEBUG
 
 
+@contextmanager
+def redis_url(tmp: Path) -> Iterator[str]:
+    """A standalone server, as a tier URL."""
+    with redis_server(tmp / "redis") as server:
+        yield f"redis://{server.address}/0"
+
+
+@contextmanager
+def redis_cluster_url(tmp: Path) -> Iterator[str]:
+    """A 3-master cluster, as a tier URL naming two of its nodes as seeds."""
+    with redis_cluster(tmp / "cluster") as nodes:
+        yield "redis+cluster://" + ",".join(n.address for n in nodes[:2])
+
+
 def command() -> list[str]:
     """How to run `lmcache-mp` from this venv."""
     script = Path(sys.executable).with_name("lmcache-mp")

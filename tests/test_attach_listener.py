@@ -1,11 +1,11 @@
-"""What a client of the attach socket can make the daemon hold, and wait for (issue 25 items 4
-and 7, issue 39 item 9). A client may open attach channels and hand over descriptors that no
-REGISTER ever claims, or connect and send nothing. The daemon bounds both (a cap on unclaimed
-hand-overs and on their descriptors, a deadline for each, a reserve of descriptors below
-RLIMIT_NOFILE kept for the rest of the daemon; one process's share of each) and reads hand-overs
-side by side, so no client delays or locks out another worker's registration. Real daemons (under
-`prlimit` for a low descriptor limit); the clients speak the attach protocol by hand, as
-`AttachChannel.open` does, from this process, or from a hostile one of their own."""
+"""What a client of the attach socket can make the daemon hold, and wait for. A client may open
+attach channels and hand over descriptors that no REGISTER ever claims, or connect and send
+nothing. The daemon bounds both (a cap on unclaimed hand-overs and on their descriptors, a
+deadline for each, a reserve of descriptors below RLIMIT_NOFILE kept for the rest of the daemon;
+one process's share of each) and reads hand-overs side by side, so no client delays or locks out
+another worker's registration. Real daemons (under `prlimit` for a low descriptor limit); the
+clients speak the attach protocol by hand, as `AttachChannel.open` does, from this process, or
+from a hostile one of their own."""
 
 from __future__ import annotations
 
@@ -170,7 +170,7 @@ def serve_new_clients(daemon: DaemonProcess, path: str, count: int = 16) -> None
 
 def test_unclaimed_hand_overs_past_the_descriptor_limit_are_refused_not_fatal(
         daemons, worker_for, kv: int, held: list[socket.socket]) -> None:
-    """Item 4: hand-overs no REGISTER claims, each holding a descriptor, until past the daemon's
+    """Hand-overs no REGISTER claims, each holding a descriptor, until past the daemon's
     limit: it ran out, and libzmq aborted it (exit -6) at its next connections. Now the flood is
     refused while the daemon has descriptors to spare: it serves on, and once the flood is gone
     its listener takes the next worker's channel."""
@@ -241,7 +241,7 @@ def connect_idle(path: str, count: int) -> list[socket.socket]:
 
 def test_idle_connections_do_not_delay_a_registration(daemons, worker_for, short_tmp,
                                                       held: list[socket.socket]) -> None:
-    """Item 7: hand-overs were read one at a time, waiting up to 2 s for each: four idle
+    """Hand-overs were read one at a time, waiting up to 2 s for each: four idle
     connections delayed a worker's registration by 8 s. Now they are read side by side: the
     worker registers while every idle connection is still waiting (their deadline put out of
     reach here, so that only the order of events counts, not the time they take)."""

@@ -1,4 +1,4 @@
-"""The capacity advisor against real daemons (issue 30): a chat service's LOOKUP trace replayed as
+"""The capacity advisor against real daemons: a chat service's LOOKUP trace replayed as
 vLLM drives a daemon (LOOKUP, STORE of what missed, END_SESSION). Against daemons whose pools hold
 64, 128 and 256 chunks, the hit rates the 128-chunk daemon predicts for each size (STATUS,
 /metrics) are the ones measured on the daemon of that size; on a trace of more distinct chunks

@@ -1,4 +1,4 @@
-"""Concurrent serving end to end (issue 28): `scripts/bench_concurrent.py --quick` as the suite's
+"""Concurrent serving end to end: `scripts/bench_concurrent.py --quick` as the suite's
 smoke run. Two real vLLM OpenAI API servers with the connector share one real daemon, two more
 serve without it; multi-turn sessions arrive at once and each turn goes to either engine at
 random, so requests are batched, loads and stores run beside other requests' forward passes, and

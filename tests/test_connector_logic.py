@@ -1,4 +1,4 @@
-"""Both halves of LMCacheMPDaemonConnector driven step by step, without an engine (issue 4).
+"""Both halves of LMCacheMPDaemonConnector driven step by step, without an engine.
 
 The real daemon and the real scheduler/worker halves; only vLLM's request, block and
 scheduler-output objects are stand-ins (the fields the connector reads, per
@@ -287,7 +287,7 @@ def test_leases_outside_the_planned_load_are_released_at_once(daemon: DaemonProc
 @pytest.mark.daemon_args(*DAEMON_ARGS)
 def test_an_idle_step_reports_the_load_it_started(halves: tuple[SchedulerSide, Worker],
                                                    daemon: DaemonProcess) -> None:
-    """Issue 12: in a step that computes nothing (the request waits for its load), the worker
+    """In a step that computes nothing (the request waits for its load), the worker
     waits for the load it started, so that this very step reports it and the next computes the
     request (not vLLM spinning empty steps until one sees the reply). The wait is bounded, and a
     step that computes never waits."""

@@ -1,6 +1,6 @@
 """Registering a CPU KV cache: it is moved into shared memory fast (a populated memfd swapped
 into the storage in place), or found there already (allocated in shared memory, as the connector
-makes vLLM do), or, where the memfd path is refused, shared by torch's share_memory_() (issue 12).
+makes vLLM do), or, where the memfd path is refused, shared by torch's share_memory_().
 
 In every case the worker keeps its very tensors and views, they keep their bytes, and the daemon
 sees what is written through them: checked with the real daemon, a STORE, a LOOKUP and a RETRIEVE.
@@ -122,8 +122,8 @@ def test_fallback_to_torch_when_the_memfd_path_is_refused(daemon: DaemonProcess,
     """The kernel refuses (ENOSYS from memfd_create, as under a seccomp filter; or ENOMEM
     halfway through the move, after steps were copied and released from the old memory): the
     storage is left as it was, torch moves it (vLLM's tensors keep their bytes), and the reason
-    is logged once. The daemon refuses that memory, which its worker could shrink under it
-    (issue 25 item 3): the worker serves without the cache."""
+    is logged once. The daemon refuses that memory, which its worker could shrink under it: the
+    worker serves without the cache."""
     real_madvise = shm_move._madvise
     populates, releases = [], []
 
@@ -182,7 +182,7 @@ def test_a_kernel_without_populate_still_moves_into_a_sealed_memfd(daemon: Daemo
 @pytest.mark.daemon_args(*DAEMON_ARGS)
 def test_a_registered_cache_cannot_shrink_under_the_daemon(daemon: DaemonProcess,
                                                            worker: LMCacheMPWorkerAdapter) -> None:
-    """Issue 25 item 3: a worker that cut its shared-memory file short (one ftruncate) then sent a
+    """A worker that cut its shared-memory file short (one ftruncate) then sent a
     STORE killed the daemon with SIGBUS. The memfd is sealed against shrinking: the ftruncate
     fails, and the daemon serves on."""
     caches = make_caches(SHAPE, torch.bfloat16, LAYERS, seed=4)

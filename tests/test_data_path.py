@@ -1,4 +1,4 @@
-"""The KV data path on CPU, with the real daemon and the real adapters (issue 3)."""
+"""The KV data path on CPU, with the real daemon and the real adapters."""
 
 from __future__ import annotations
 
@@ -349,7 +349,7 @@ SPLIT_BLOCKS = 2048  # half of it: 512 chunks, milliseconds of copying, long eno
 
 @pytest.mark.daemon_args(*DAEMON_ARGS)  # two worker threads, the default: a RETRIEVE is split
 def test_a_large_retrieve_is_split_byte_exact_and_all_or_nothing(daemon: DaemonProcess) -> None:
-    """Issue 12: a RETRIEVE of many chunks is copied by two threads at once (STATUS counts the
+    """A RETRIEVE of many chunks is copied by two threads at once (STATUS counts the
     chunks the helper copied). Every page lands where one thread would put it, blocks named -1
     are left alone, and a RETRIEVE that names a chunk the daemon lacks still writes nothing."""
     half = SPLIT_BLOCKS // 2

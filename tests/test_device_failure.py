@@ -1,7 +1,7 @@
 """A failing GPU: one whose copies fail (a sticky CUDA error: a worker died mid-copy and its memory
 went away) or never complete cannot hang or poison the daemon: the request that met it gets a
 typed error, one CRITICAL line says why, and the daemon exits non-zero for its supervisor to
-restart it (systemd: Restart=on-failure; issue 26, review F12). The failure itself is made by
+restart it (systemd: Restart=on-failure). The failure itself is made by
 `tests/fatal_daemon.py`; the bounded wait that raises it on a GPU is tested in
 unit/test_transfer_context.py."""
 

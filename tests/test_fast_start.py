@@ -1,5 +1,4 @@
-"""A fast start: the daemon answers HELLO, PING and STATUS before it imports torch (issue 12);
-real daemons.
+"""A fast start: the daemon answers HELLO, PING and STATUS before it imports torch; real daemons.
 
 The engine (pool, tiers, attach socket) needs torch, whose import takes seconds; the daemon binds
 first and builds the engine on a thread of its own. To look into that window deterministically,

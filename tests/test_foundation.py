@@ -1,4 +1,4 @@
-"""Wire protocol, message queue, daemon process and CLI, against the real daemon (issue 2)."""
+"""Wire protocol, message queue, daemon process and CLI, against the real daemon."""
 
 from __future__ import annotations
 

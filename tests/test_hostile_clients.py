@@ -1,6 +1,6 @@
-"""What a careless or hostile client sends the daemon (issue 25 item 10 and minor items). A
-real daemon; the clients speak the protocol by hand where they must do what no adapter does
-(never read their replies, send keys no adapter builds)."""
+"""What a careless or hostile client sends the daemon. A real daemon; the clients speak the
+protocol by hand where they must do what no adapter does (never read their replies, send keys no
+adapter builds)."""
 
 from __future__ import annotations
 
@@ -44,18 +44,24 @@ def rss_mib(pid: int) -> float:
     raise AssertionError("no VmRSS")
 
 
+
+def non_reading_dealer(context: zmq.Context, url: str) -> zmq.Socket:
+    """A DEALER on `url` that sends without bound and whose library stops reading replies at once."""
+    hostile = context.socket(zmq.DEALER)
+    hostile.setsockopt(zmq.RCVHWM, 1)
+    hostile.setsockopt(zmq.SNDHWM, 0)
+    hostile.setsockopt(zmq.LINGER, 0)
+    hostile.connect(url)
+    return hostile
+
 @pytest.mark.daemon_args(*DAEMON_ARGS)
 def test_replies_held_for_a_client_that_never_reads_are_bounded(daemon: DaemonProcess, worker_for) -> None:
-    """Item 10: 100,000 replies were held for a client that sent requests and read none (+47 MiB
+    """100,000 replies were held for a client that sent requests and read none (+47 MiB
     in the daemon for one such connection). Now a few thousand at most; the rest are dropped."""
     worker_for(daemon.url)  # "m" registered: each LOOKUP_CHUNKS below is counted once handled
     requests = 100_000
     context = zmq.Context()
-    hostile = context.socket(zmq.DEALER)
-    hostile.setsockopt(zmq.RCVHWM, 1)  # its library stops reading replies at once
-    hostile.setsockopt(zmq.SNDHWM, 0)
-    hostile.setsockopt(zmq.LINGER, 0)
-    hostile.connect(daemon.url)
+    hostile = non_reading_dealer(context, daemon.url)
     try:
         before = status(daemon.url)
         rss_before = rss_mib(daemon.proc.pid)
@@ -224,11 +230,7 @@ def test_reply_bytes_held_for_a_client_that_never_reads_are_bounded(daemons, nam
     named_workers(daemon.url, "x" * 1000, 16)
     requests = 2000
     context = zmq.Context()
-    hostile = context.socket(zmq.DEALER)
-    hostile.setsockopt(zmq.RCVHWM, 1)  # its library stops reading replies at once
-    hostile.setsockopt(zmq.SNDHWM, 0)
-    hostile.setsockopt(zmq.LINGER, 0)
-    hostile.connect(daemon.url)
+    hostile = non_reading_dealer(context, daemon.url)
     try:
         handled = status_requests(port)
         status_type = msgspec.msgpack.encode(int(RequestType.STATUS))

@@ -1,7 +1,6 @@
-"""What a careless or hostile worker hands the daemon with REGISTER_KV_CACHE (issue 25 items 3
-and 11, and the descriptors of the minor items). A real daemon; the worker is this process,
-speaking the protocol by hand (the attach channel and REGISTER as the adapter sends them), so
-that it can send what the adapter never would."""
+"""What a careless or hostile worker hands the daemon with REGISTER_KV_CACHE. A real
+daemon; the worker is this process, speaking the protocol by hand (the attach channel and
+REGISTER as the adapter sends them), so that it can send what the adapter never would."""
 
 from __future__ import annotations
 
@@ -85,7 +84,7 @@ def refusal(register: Callable[..., object], fd: int, layers: list[SharedMemoryT
                          ids=["plain file", "pipe", "memfd without seals"])
 def test_memory_its_worker_could_shrink_is_refused(daemon: DaemonProcess, register, make) -> None:
     """A worker that shrank its file under the daemon's mapping, then sent a STORE, killed the
-    daemon with SIGBUS (item 3); a descriptor that is no shared memory at all was answered
+    daemon with SIGBUS; a descriptor that is no shared memory at all was answered
     INTERNAL. Now: only a memfd sealed against shrinking is mapped; the rest is a typed refusal."""
     error = refusal(register, make(), handles())
     assert error.code is ErrorCode.INVALID_ARGUMENT and "can shrink" in error.message, error
@@ -93,7 +92,7 @@ def test_memory_its_worker_could_shrink_is_refused(daemon: DaemonProcess, regist
 
 
 def test_a_refused_registration_touches_none_of_its_memory(daemon: DaemonProcess, register) -> None:
-    """Item 11: a registration refused for its dtype had the daemon fault in the worker's whole
+    """A registration refused for its dtype had the daemon fault in the worker's whole
     (sparse) file, charged to the daemon. Validation comes first; a refused one maps nothing in."""
     fd = sealed_memfd()
     watch = os.dup(fd)

@@ -1,4 +1,4 @@
-"""The connector's hybrid KV cache manager support, driven step by step (issue 15).
+"""The connector's hybrid KV cache manager support, driven step by step.
 
 The real daemon, the real scheduler and worker halves, and vLLM's real `BlockPool` (whose
 reference counts decide when vLLM may reuse a block); vLLM's request and scheduler-output

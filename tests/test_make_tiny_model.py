@@ -1,4 +1,4 @@
-"""scripts/make_tiny_model.py: the hybrid archs of issue 15 (Gemma 3 sliding window, Granite MoE-hybrid).
+"""scripts/make_tiny_model.py: the hybrid archs (Gemma 3 sliding window, Granite MoE-hybrid).
 
 The builder runs as a real subprocess, as the engine tests use it. The vLLM side of these
 models (groups, block ids) is in docs/dev/vllm-0.32-connector-notes.md, section 10.

@@ -1,5 +1,5 @@
-"""The model's identity: the chunk key covers every setting that changes the weights' KV (issue 25
-item 2), and the weight files themselves (issue 39 item 4).
+"""The model's identity: the chunk key covers every setting that changes the weights' KV, and
+the weight files themselves.
 
 vLLM's own configuration objects, built by vLLM from its engine arguments for a real (tiny,
 random) checkpoint: engines configured alike get one identity, engines whose weights or their

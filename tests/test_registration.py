@@ -1,4 +1,4 @@
-"""Registrations (issue 10). Instance ids are unique per registration and never taken over, a
+"""Registrations. Instance ids are unique per registration and never taken over, a
 permanent refusal is not retried, and a chunk the pool can't allocate is refused at REGISTER.
 
 The real daemon, real shared memory and the real worker adapter, as in test_data_path.py.
@@ -98,7 +98,7 @@ def test_default_instance_ids_are_random_not_the_pid(daemon: DaemonProcess, work
 
 
 def test_worker_registers_again_with_a_restarted_daemon(daemons) -> None:
-    """The worker registers with the new daemon by itself, under a new instance id (issue 29): a
+    """The worker registers with the new daemon by itself, under a new instance id: a
     request sent to the old daemon that reaches the new one names an id the new one never knew."""
     first = daemons(*DAEMON_ARGS)
     worker = LMCacheMPWorkerAdapter(first.url, None, "m", 1, 0, BLOCK, reregister_interval_s=0.1)

@@ -1,4 +1,4 @@
-"""Tiers behind a network (issue 9), real servers only: Valkey/Redis (standalone and a 3-master
+"""Tiers behind a network, real servers only: Valkey/Redis (standalone and a 3-master
 cluster) and the v1 remote server. KV shared between daemons byte for byte, damaged values
 rejected, and a server or node that dies turns into misses and skipped writes, never errors."""
 
@@ -41,7 +41,9 @@ from tests.servers import (
     free_port,
     needs_redis,
     redis_cluster,
+    redis_cluster_url,
     redis_server,
+    redis_url,
     start_v1_server,
 )
 
@@ -82,24 +84,12 @@ Server = Callable[[Path], AbstractContextManager[str]]  # a running server, as a
 
 
 @contextmanager
-def standalone(tmp: Path) -> Iterator[str]:
-    with redis_server(tmp / "redis") as server:
-        yield f"redis://{server.address}/0"
-
-
-@contextmanager
-def cluster(tmp: Path) -> Iterator[str]:
-    with redis_cluster(tmp / "cluster") as nodes:
-        yield "redis+cluster://" + ",".join(n.address for n in nodes[:2])  # two seeds of three
-
-
-@contextmanager
 def v1(tmp: Path) -> Iterator[str]:
     with v1_server(tmp) as server:
         yield f"lmcache://127.0.0.1:{server.port}"
 
 
-SERVERS = [pytest.param(standalone, id="redis"), pytest.param(cluster, id="redis-cluster"),
+SERVERS = [pytest.param(redis_url, id="redis"), pytest.param(redis_cluster_url, id="redis-cluster"),
            pytest.param(v1, id="v1")]
 
 

@@ -28,7 +28,7 @@ from lmcache_mp.storage.remote import NetworkTier
 from lmcache_mp.storage.tiers import open_tier
 from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, chunk_hashes, status, wait_for_status
 from tests.kv_worker import make_caches
-from tests.servers import needs_redis, redis_cluster, redis_server, start_v1_server
+from tests.servers import needs_redis, redis_cluster_url, redis_url, start_v1_server
 from vllm_adapter import LMCacheMPWorkerAdapter
 
 BLOCKS_PER_CHUNK = CHUNK // BLOCK
@@ -250,18 +250,6 @@ def fmt(model: str) -> ChunkFormat:
 
 
 @contextmanager
-def standalone(tmp: Path) -> Iterator[str]:
-    with redis_server(tmp / "redis") as server:
-        yield f"redis://{server.address}/0"
-
-
-@contextmanager
-def cluster(tmp: Path) -> Iterator[str]:
-    with redis_cluster(tmp / "cluster") as nodes:
-        yield "redis+cluster://" + ",".join(n.address for n in nodes[:2])
-
-
-@contextmanager
 def v1(tmp: Path) -> Iterator[str]:
     server = start_v1_server(tmp, "--listen", "tcp://127.0.0.1:0")
     try:
@@ -270,8 +258,8 @@ def v1(tmp: Path) -> Iterator[str]:
         server.stop()
 
 
-@pytest.mark.parametrize("server", [pytest.param(standalone, id="redis", marks=needs_redis),
-                                    pytest.param(cluster, id="redis-cluster", marks=needs_redis),
+@pytest.mark.parametrize("server", [pytest.param(redis_url, id="redis", marks=needs_redis),
+                                    pytest.param(redis_cluster_url, id="redis-cluster", marks=needs_redis),
                                     pytest.param(v1, id="v1")])
 def test_a_network_tier_drops_a_models_chunks_and_no_other(
         server: Callable[[Path], AbstractContextManager[str]], tmp_path: Path) -> None:

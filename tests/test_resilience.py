@@ -1,4 +1,4 @@
-"""A second daemon on a live daemon's socket, and replies at shutdown (issue 10); real daemons."""
+"""A second daemon on a live daemon's socket, and replies at shutdown; real daemons."""
 
 from __future__ import annotations
 

@@ -54,7 +54,7 @@ def test_soak_45_s_of_chaos_serves_no_wrong_byte_and_leaks_nothing(tmp_path: Pat
     # busy machine, where a restart takes up to ~13 s), clients are killed throughout; the last
     # 25% is one daemon's, whose idle resources end the run. No freezes of the daemon: each
     # lasts 16 s, too long for this test (`scripts/soak.py` runs them by default).
-    # Without matplotlib (issue 25: the soak failed at its chart, after its checks, and wrote no
+    # Without matplotlib (the soak once failed at its chart, after its checks, and wrote no
     # JSON): the report is written and the exit status is the checks'; the chart is drawn below.
     out = subprocess.run([sys.executable, str(SOAK), "--duration-s", "45", "--chaos-interval-s", "3",
                           "--last-daemon-frac", "0.25", "--freeze-s", "0", "--seed", "1", "--warm-restart",
@@ -83,7 +83,7 @@ def test_soak_45_s_of_chaos_serves_no_wrong_byte_and_leaks_nothing(tmp_path: Pat
     assert not [line for c in checks for line in c["failed"]], report
     assert sum(c["wrong_bytes"] for c in checks) == 0 and sum(c["lost_chunks"] for c in checks) == 0, report
     assert f["daemon_tracebacks"] == 0 and f["final_daemon_exit_code"] == 0, report
-    # Issue 25's hostile workers, each on its own schedule: a CANCEL_TRANSFERS flood past the
+    # The hostile workers, each on its own schedule: a CANCEL_TRANSFERS flood past the
     # instance's record (OVERLOADED) that also names clients' instances (FORBIDDEN), a worker
     # whose ftruncate of its registered memfd is refused, idle connections while a worker registers.
     flood, shrink, idle = (f["attacks"][k] for k in ("cancel_flood", "shrinking_worker", "idle_connections"))

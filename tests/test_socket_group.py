@@ -1,9 +1,9 @@
-"""--socket-group for a CPU worker of another user (issue 25 item 17). The daemon and the worker
-run as two users made for the test (useradd; removed after it), the worker's a member of the
-socket group: it registers its CPU KV cache over the attach socket (the daemon checking that its
-peer is in the group, the worker that the daemon owns a socket directory of its group), stores,
-and retrieves in another process. Real daemon, real users; skipped where the tests cannot make
-users (not root, no useradd)."""
+"""--socket-group for a CPU worker of another user. The daemon and the worker run as two users
+made for the test (useradd; removed after it), the worker's a member of the socket group: it
+registers its CPU KV cache over the attach socket (the daemon checking that its peer is in the
+group, the worker that the daemon owns a socket directory of its group), stores, and retrieves
+in another process. Real daemon, real users; skipped where the tests cannot make users (not
+root, no useradd)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 A worker retries a store's chunks that found no space, and holds the stores made while the
 daemon is away until it is back, reporting the request finished only once its chunks landed
 (or were given up, within bounds). RELEASE_LEASES drops the pins on chunks a request will not
-retrieve. The scheduler's hit path (issue 14): hits on every rank leased, END_SESSION releasing
+retrieve. The scheduler's hit path: hits on every rank leased, END_SESSION releasing
 them, and its failure logged.
 """
 
@@ -223,7 +223,7 @@ def ranks_holding(url: str, world_size: int, hashes: list[bytes]) -> Iterator[No
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_the_benchmark_hits_lease_every_rank_and_end_session_releases_them(
         daemon: DaemonProcess, world_size: int) -> None:
-    """Issue 14: the benchmark's hit scenario (ranks registered in other processes, their chunks
+    """The control-plane benchmark's hit scenario (ranks registered in other processes, their chunks
     stored, the scheduler adapter looking up and ending sessions) hits every chunk on every rank,
     leases each, and END_SESSION, fire and forget, releases them all; a miss leases nothing.
     The scheduler sends nothing after its END_SESSION: the client's flusher sends it."""

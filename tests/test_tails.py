@@ -1,4 +1,4 @@
-"""Tails through a real daemon (issue 31): a request's KV past its last full chunk stored as one
+"""Tails through a real daemon: a request's KV past its last full chunk stored as one
 short chunk, noted (NOTE_TAILS), found after its anchor chunk (LOOKUP_PREFIX, leased like the
 chunks), loaded byte for byte into another worker's blocks; never read as a chunk of another
 length; freed when superseded. Real daemon, real sockets and shared memory, the real adapters;

@@ -1,7 +1,7 @@
-"""Tensor parallelism (issue 12, part 3). Two worker processes register as ranks 0 and 1 of one
-model (world size 2), each with KV of its own; the real scheduler adapter (world size 2) looks
-up as vLLM's scheduler does. A chunk counts only when every rank holds it, and each rank gets
-back exactly its own bytes. Last, the same on a real vLLM engine with tensor_parallel_size=2.
+"""Tensor parallelism. Two worker processes register as ranks 0 and 1 of one model (world size
+2), each with KV of its own; the real scheduler adapter (world size 2) looks up as vLLM's
+scheduler does. A chunk counts only when every rank holds it, and each rank gets back exactly
+its own bytes. Last, the same on a real vLLM engine with tensor_parallel_size=2.
 """
 
 from __future__ import annotations

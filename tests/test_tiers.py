@@ -1,4 +1,4 @@
-"""Tiers below the CPU pool (issue 8), through the real daemon: write-behind, read-through,
+"""Tiers below the CPU pool, through the real daemon: write-behind, read-through,
 restarts, corruption, a full disk, and prefix-aware eviction."""
 
 from __future__ import annotations

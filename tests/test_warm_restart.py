@@ -1,4 +1,4 @@
-"""Warm restart (issue 29) through the real daemon: the pool file outlives a SIGTERM or a SIGKILL,
+"""Warm restart through the real daemon: the pool file outlives a SIGTERM or a SIGKILL,
 the next daemon adopts it and serves its chunks bit-exact, a worker carries on under a new
 instance id, and --fresh-pool / `clear --pool-file` discard it."""
 

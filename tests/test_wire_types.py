@@ -1,8 +1,8 @@
-"""The wire types are plain data (issue 11). Neither they nor the CLI load torch; tensor handles
-keep their extension codes and bytes; the CUDA-specific parts are testable without a GPU.
+"""The wire types are plain data. Neither they nor the CLI load torch; tensor handles keep their
+extension codes and bytes; the CUDA-specific parts are testable without a GPU.
 
 They import nothing of `transfer/` (no cycle with `transfer/cuda.py`, where exporting and
-opening CUDA handles live; issue 26); a CUDA handle is checked before anything is opened, and
+opening CUDA handles live); a CUDA handle is checked before anything is opened, and
 one the daemon cannot open is refused once, naming the cause, never retried."""
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ from vllm_adapter import LMCacheMPWorkerAdapter
 
 CUDA_STATE = CUDA.state  # the same handles test_foundation.py round-trips
 
-# The bytes these encoded to before issue 11: a daemon and a worker of either side of the
-# change must still understand each other, so they must never change.
+# The bytes these encoded to before the wire types became plain data (no torch): a daemon and a
+# worker of either side of that change must still understand each other, so they must never change.
 HANDLES_HEX = (
     "92c717029600cd1000a862666c6f61743136930204089320080100c76d0196a84750552d757569649800c440"
     + "00" * 64 + "cd040000c40372656600c403657674c3a7666c6f6174313692040492040100")

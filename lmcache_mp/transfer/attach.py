@@ -6,7 +6,7 @@ Worker side, and the hand-over's bytes: `attach_channel.AttachChannel`.
 Daemon side, here: `AttachListener` accepts the channels; `claim(token)` gives a registration the
 descriptors of its channel, for `shm.map_storages` to map.
 
-The attach socket's invariants (issue 25 items 4, 7 and 17):
+The attach socket's invariants:
 - Who: the daemon takes channels from its own user, root, or, with --socket-group, a member of
   that group (the peer's credentials, SO_PEERCRED and SO_PEERGROUPS); a worker hands its caches
   to its own user, root, or the owner of the socket's directory where that directory has one of
@@ -58,7 +58,7 @@ logger = logging.getLogger(__name__)
 MAX_FDS = 64  # storages per registration; vLLM uses one for all layers
 # What clients of the attach socket can make the daemon hold. A worker opens its channel and
 # sends REGISTER at once, so its connection is pending, then unclaimed, for moments; these bound
-# the clients that never hand over, or never register (issue 25 item 4: a flood of unclaimed
+# the clients that never hand over, or never register (without them, a flood of unclaimed
 # hand-overs ran the daemon out of descriptors and libzmq aborted it).
 MAX_CHANNELS = 4096  # connections of every kind; the claimed ones are registrations' liveness
 MAX_PENDING = 64  # connections whose hand-over has not all arrived...

@@ -8,7 +8,7 @@ little-endian u32), the descriptors alongside; the daemon answers one byte (ACK)
 
 Who: a worker hands its caches to its own user, root, or the owner of the socket's directory where
 that directory has one of the worker's groups and only its owner may write in it
-(`_owns_a_directory_of_my_group`; issue 25 item 17).
+(`_owns_a_directory_of_my_group`).
 """
 
 from __future__ import annotations

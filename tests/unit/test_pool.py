@@ -911,7 +911,7 @@ class PinsUntil:
                          ids=["first-piece-background", "third-piece"])
 def test_a_pinning_failure_leaves_the_rest_of_the_pool_unpinned_but_usable(
         good: int, background: bool, caplog: pytest.LogCaptureFixture) -> None:
-    """Review F9: pinning failed at the first piece, preparation stopped, and the pool never had any
+    """Pinning failed at the first piece, preparation stopped, and the pool never had any
     capacity (every STORE NO_SPACE). Now the rest is prepared unpinned: the whole capacity serves,
     it says how much is pinned and why no more (STATUS shows both), and pinning is not tried again."""
     slab, capacity = 192 * KiB, 4 * MiB  # 21 slabs; pieces of about 1 MiB
