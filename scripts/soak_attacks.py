@@ -4,9 +4,9 @@ worker flooding CANCEL_TRANSFERS, and idle connections held while a worker must 
 from __future__ import annotations
 
 import contextlib
+import multiprocessing as mp
 import random
 import socket
-import threading
 import time
 from collections import Counter
 from typing import Any
@@ -250,24 +250,28 @@ class IdleConnections:
             return  # daemon away (not during a restart: the soak holds them off); nothing to attack
         finally:
             hello_client.close()
-        started = time.monotonic()
-        dealers, raws = self._open(attach_socket)
-        self.rounds += 1
-        registration = threading.Thread(target=self._register, name="idle-connections-probe", daemon=True)
+        probe = RegistrationProbe(self.url, self.timeout_s)
         try:
-            registration.start()
-            self.served["STATUS" if try_status(self.url) is not None else "STATUS failed"] += 1
-            time.sleep(max(0.0, started + hold_s - time.monotonic()))
-            self.closed_by_daemon += sum(closed_by_peer(raw) for raw in raws)
+            if not probe.ready.wait(PROBE_START_S):
+                self.failures.append("the registration probe's process did not start")
+                return
+            started = time.monotonic()
+            dealers, raws = self._open(attach_socket)
+            self.rounds += 1
+            try:
+                probe.go.set()
+                self.served["STATUS" if try_status(self.url) is not None else "STATUS failed"] += 1
+                time.sleep(max(0.0, started + hold_s - time.monotonic()))
+                self.closed_by_daemon += sum(closed_by_peer(raw) for raw in raws)
+            finally:
+                for dealer in dealers:
+                    dealer.close(linger=0)
+                for raw in raws:
+                    raw.close()
+            # HELLO, attach, REGISTER, UNREGISTER: each bounded
+            self._count(probe.outcome(4 * self.timeout_s + 5))
         finally:
-            for dealer in dealers:
-                dealer.close(linger=0)
-            for raw in raws:
-                raw.close()
-        registration.join(4 * self.timeout_s + 5)  # HELLO, attach, REGISTER, UNREGISTER: each bounded
-        if registration.is_alive():
-            self.served["registration failed"] += 1
-            self.failures.append("a registration made while idle connections were held never finished")
+            probe.close()
 
     def _open(self, attach_socket: str) -> tuple[list[zmq.Socket], list[socket.socket]]:
         dealers, raws = [], []
@@ -289,18 +293,60 @@ class IdleConnections:
         self.opened["attach"] += len(raws)
         return dealers, raws
 
-    def _register(self) -> None:
-        """A worker registering while they are held: HELLO, the attach hand-over, REGISTER."""
-        started = time.monotonic()
-        try:
-            registered_worker(self.url, "soak-idle-probe", self.timeout_s).shutdown()
-        except (LMCacheMPError, OSError) as err:
+    def _count(self, outcome: tuple[str, float] | None) -> None:
+        if outcome is None:
+            self.served["registration failed"] += 1
+            self.failures.append("a registration made while idle connections were held never finished")
+            return
+        error, took_s = outcome
+        if error:
             self.served["registration failed"] += 1
             if len(self.failures) < 10:
-                self.failures.append(f"a registration made while idle connections were held failed: {err}")
+                self.failures.append(f"a registration made while idle connections were held failed: {error}")
             return
         self.served["registration"] += 1
-        self.registration_s.append(time.monotonic() - started)
+        self.registration_s.append(took_s)
+
+
+PROBE_START_S = 60.0  # a spawned Python importing torch, on a busy machine
+
+
+class RegistrationProbe:
+    """A worker in a process of its own that registers when told (`go`): the daemon's attach
+    shares are per process, as a real worker is, so the process holding the idle connections could
+    not prove that another one still registers. Started, and its imports done (`ready`), before
+    the connections open."""
+
+    def __init__(self, url: str, timeout_s: float):
+        ctx = mp.get_context("spawn")
+        self.ready, self.go = ctx.Event(), ctx.Event()
+        self.answers = ctx.SimpleQueue()
+        self.proc = ctx.Process(target=_probe_main, args=(url, timeout_s, self.ready, self.go, self.answers),
+                                name="soak-idle-probe", daemon=True)
+        self.proc.start()
+
+    def outcome(self, timeout_s: float) -> tuple[str, float] | None:
+        """("" or why it failed, seconds the registration took); None if it never finished."""
+        self.proc.join(timeout_s)
+        return None if self.proc.is_alive() or self.answers.empty() else self.answers.get()
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(10)
+
+
+def _probe_main(url: str, timeout_s: float, ready: Any, go: Any, answers: Any) -> None:
+    ready.set()
+    if not go.wait(PROBE_START_S):
+        return
+    started = time.monotonic()
+    try:
+        registered_worker(url, "soak-idle-probe", timeout_s).shutdown()
+    except (LMCacheMPError, OSError) as err:
+        answers.put((str(err) or type(err).__name__, time.monotonic() - started))
+        return
+    answers.put(("", time.monotonic() - started))
 
 
 

@@ -315,6 +315,7 @@ def _connector_config(kv_cache_config: Any, use_mla: bool = False, tp: int = 1, 
                             hf_config=SimpleNamespace(to_dict=dict))
     return SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config={}),
                            model_config=model, parallel_config=parallel,
+                           load_config=SimpleNamespace(load_format="auto", download_dir=None),
                            device_config=SimpleNamespace(device_type="cpu"))
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -118,12 +119,28 @@ class VllmEngine:
             self.kill()
             pytest.fail(f"engine did not exit:\n{self.log_tail()}")
         assert rc == 0, self.log_tail()
-        assert "Traceback" not in self.log_path.read_text(errors="replace"), self.log_tail()
+        assert not tracebacks(self.log_path.read_text(errors="replace")), self.log_tail()
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)  # the engine's process group: EngineCore, workers
             self.proc.wait(10)
+
+
+# vLLM's own teardown race: when an EngineCore is slow to exit (a busy machine), the front end
+# force-kills it and its exit hook then asks psutil about the pid it just killed. Not ours to fail on.
+_VLLM_TEARDOWN_RACE = ("in kill_process_tree", "psutil.NoSuchProcess")
+
+
+def tracebacks(log: str) -> list[str]:
+    """The tracebacks in an engine's log, but vLLM's teardown race."""
+    found = []
+    for part in log.split("Traceback (most recent call last):")[1:]:
+        end = re.search(r"^\S*\w+(Error|Exception|NoSuchProcess|Exit)\b.*$", part, re.MULTILINE)
+        text = part[: end.end()] if end else part
+        if not all(marker in text for marker in _VLLM_TEARDOWN_RACE):
+            found.append(text)
+    return found
 
 
 def run_engine(spec: dict[str, Any], log_path: Path, env: dict[str, str] = ENV,
