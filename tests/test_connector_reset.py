@@ -1,6 +1,7 @@
 """The scheduler half's `reset_cache` (vLLM's `reset_prefix_cache(reset_connector=True)`), driven
 without an engine against a real daemon: the model's chunks leave the daemon, a request waiting with
-a lookup answered before asks again, and a daemon that cannot confirm makes it False, logged.
+a lookup answered before asks again, a store a worker holds for another try is given up, and a daemon
+that cannot confirm makes it False, logged.
 The same on a real engine: tests/test_vllm_reset.py."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from lmcache_mp.custom_types import IPCCacheEngineKey
 from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.protocol import ChunkOutcome, RequestType
-from tests.connector_helpers import match, request
+from tests.connector_helpers import Worker, match, request, step, until
 from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, chunk_hashes, count_lookup, status, store
 from tests.kv_worker import make_caches
 from vllm_adapter import LMCacheMPWorkerAdapter
@@ -57,3 +58,37 @@ def test_reset_cache_drops_the_models_chunks_and_is_false_without_the_daemon(
     finally:
         scheduler.shutdown()
         other.shutdown()
+
+
+def test_a_store_held_across_a_reset_is_given_up_not_sent_with_the_old_kv(daemons) -> None:
+    """A worker holds a store while the daemon is away; the daemon returns and the model is reset
+    (its weights changed): the held store's KV was computed before, so it must never land."""
+    first = daemons(*DAEMON_ARGS)
+    settings = ConnectorSettings(url=first.url, reconnect_interval_s=0.3, timeout_s=60.0, load_mode="async")
+    scheduler = SchedulerSide(settings, "m", 1, 0, BLOCK)
+    worker = Worker(settings, seed=1)  # holds its store up to `timeout_s`: the daemon's restart is shorter
+    try:
+        tokens = list(range(700, 700 + 2 * CHUNK + 1))
+        tables = {"h": list(range(5))}
+        req = request("h", tokens)
+        assert match(scheduler, req) == (0, False)
+        prefill = scheduler.build_connector_meta(step(tables, new=((req, 0, len(tokens)),)))
+        assert list(prefill.stores) == ["h"]
+        assert first.stop() == 0
+        worker.run(prefill)  # held: the daemon is away
+        assert scheduler.request_finished(req) is True
+        second = daemons(*DAEMON_ARGS, url=first.url)
+        until(scheduler.reset_cache)  # True once the scheduler is connected again
+        finished = {"h"}
+
+        def store_settled() -> bool:
+            worker.run(scheduler.build_connector_meta(step(tables)), finished)
+            finished.clear()
+            return "h" in worker.reported["sent"]
+
+        until(store_settled)
+        assert status(second.url).objects == 0
+        assert match(scheduler, request("again", tokens)) == (0, False)
+    finally:
+        worker.side.shutdown()
+        scheduler.shutdown()

@@ -136,6 +136,9 @@ class LMCacheMPConnectorMetadata(KVConnectorMetadata):
     # Nothing is scheduled: vLLM steps only to collect transfers (finished requests whose
     # blocks wait for their stores).
     idle: bool = False
+    # How many times the scheduler has reset the model's KV (`reset_cache`): a worker that sees
+    # it grow gives up the stores it holds, whose KV predates the reset.
+    resets: int = 0
 
 
 @dataclass

@@ -120,6 +120,7 @@ class SchedulerSide:
                                        settings.reconnect_interval_s, f"scheduler at {settings.url}")
         self._holds: BlockHolds | None = None  # sliding-window blocks held for their stores
         self._step = 0  # counts build_connector_meta calls: names the stores of each step
+        self._resets = 0  # counts reset_cache calls: the workers drop the stores they hold
         self._heartbeat: Heartbeat | None = None
         self._chunk_blocks = 0  # vLLM blocks per daemon chunk, known once connected
         self._requests: dict[str, _RequestState] = {}
@@ -322,7 +323,8 @@ class SchedulerSide:
         preempted = set(scheduler_output.preempted_req_ids or ())
         meta = LMCacheMPConnectorMetadata(loads=self._pending_loads, preempted=preempted,
                                           sync_loads=self._pending_sync_loads, step=self._step,
-                                          idle=scheduler_output.total_num_scheduled_tokens == 0)
+                                          idle=scheduler_output.total_num_scheduled_tokens == 0,
+                                          resets=self._resets)
         self._pending_loads, self._pending_sync_loads = {}, set()
         meta.stores.update(self._finish_stores)  # with the finished ids: their workers wait for them
         self._finish_stores = {}
@@ -505,7 +507,10 @@ class SchedulerSide:
 
         vLLM's own reset succeeds only with every block free: no request computing, no store of
         ours pending (they hold their requests' blocks). When it fails, stores of the old KV may
-        still land after this: the caller resets again (vLLM's result is False either way)."""
+        still land after this: the caller resets again (vLLM's result is False either way). The
+        stores the workers hold for another try (NO_SPACE, the daemon away) are given up at their
+        next step, which carries the count of resets: sent again, they would store the old KV."""
+        self._resets += 1
         adapter = self._connected()
         for request_id, state in self._requests.items():
             if state.lookup_sent and not state.load_planned and not state.has_stores:

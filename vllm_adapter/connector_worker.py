@@ -83,6 +83,7 @@ class WorkerSide:
         self._with_stores: set[str] = set()  # requests that had stores, until reported finished
         self._unsent_loads: dict[str, list[int]] = {}  # loads the daemon never got -> their blocks
         self._load_errors: set[int] = set()
+        self._resets_seen = 0  # the scheduler's count of KV resets, as of the last step
         # The sync loads begin_step sent, until start_load_kv has waited for them.
         self._sync_loads: tuple[WorkerGroups, list[SyncLoad]] | None = None
         # Requests with stores not all reported done -> the latest step that had one, and the step
@@ -130,9 +131,12 @@ class WorkerSide:
         this step does not compute)."""
         adapter = self._adapter()
         if adapter is not None:
+            if meta.resets != self._resets_seen:
+                adapter.give_up_stores("the model's KV was reset since it was computed")
             if meta.preempted:
                 adapter.wait_for_stores(meta.preempted, self._timeout_s)
             adapter.ensure_registered()
+        self._resets_seen = meta.resets
         self._send_loads(adapter, meta)
 
     def start_load_kv(self) -> None:

@@ -168,6 +168,10 @@ class WorkerGroups(_Groups):
                    if (step := adapter.oldest_pending_store_step(self.rid(group, request_id))) is not None]
         return min(pending) - 1 if pending else latest_step
 
+    def give_up_stores(self, why: str) -> None:
+        for adapter in self._adapters:
+            adapter.give_up_stores(why)
+
     def wait_for_stores(self, request_ids: Iterable[str], timeout_s: float) -> None:
         request_ids = list(request_ids)
         for group, adapter in self._each():

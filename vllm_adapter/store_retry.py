@@ -143,10 +143,17 @@ class StoreTracker:
         """These requests' blocks are about to be freed: none of their chunks is sent again.
         Returns their held parts, for the caller to finish."""
         wanted = set(request_ids)
+        return self._drop(lambda part: part.request_id in wanted)
+
+    def drop_all(self) -> list[PendingStore]:
+        """No chunk of any store is sent again; returns the held parts, for the caller to finish."""
+        return self._drop(lambda part: True)
+
+    def _drop(self, chosen: Callable[[PendingStore], bool]) -> list[PendingStore]:
         for batch in self._in_flight:
             for part in batch.parts:
-                part.dropped = part.dropped or part.request_id in wanted
-        return self.take_held(lambda p: p.request_id in wanted)
+                part.dropped = part.dropped or chosen(part)
+        return self.take_held(chosen)
 
 
 def _partition(items: list[_T], chosen: Callable[[_T], bool]) -> tuple[list[_T], list[_T]]:

@@ -348,6 +348,12 @@ class LMCacheMPWorkerAdapter:
         self._advance_stores()  # settles the replies (and timeouts) that came meanwhile
         self._fences.wait(request_ids)
 
+    def give_up_stores(self, why: str) -> None:
+        """None of the stores held for another try or on the wire is sent (again): the model's KV
+        was reset, and theirs was computed before. Those on the wire are done at their reply."""
+        for part in self._stores.drop_all():
+            self._give_up(part, why)
+
     def num_blocks_per_chunk(self) -> int:
         return self.blocks_in_chunk
 
