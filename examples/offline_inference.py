@@ -43,7 +43,6 @@ def main() -> None:
 
     kv_transfer_config = {
         "kv_connector": "LMCacheMPDaemonConnector",
-        "kv_connector_module_path": "vllm_adapter.connector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",  # a failed load is recomputed, not an error
         "kv_connector_extra_config": {"lmcache.mp.url": args.url},

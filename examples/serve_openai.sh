@@ -22,7 +22,7 @@ export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" VLLM_HOST_IP="${VLL
 export DO_NOT_TRACK=1 VLLM_NO_USAGE_STATS=1
 
 url="${LMCACHE_MP_URL:-$(.venv/bin/python -c 'from lmcache_mp.config import default_url; print(default_url())')}"
-kv_transfer_config=$(printf '{"kv_connector": "LMCacheMPDaemonConnector", "kv_connector_module_path": "vllm_adapter.connector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"lmcache.mp.url": "%s"}}' "$url")
+kv_transfer_config=$(printf '{"kv_connector": "LMCacheMPDaemonConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"lmcache.mp.url": "%s"}}' "$url")
 
 exec .venv/bin/python -m vllm.entrypoints.openai.api_server --model "$model" \
   --host 127.0.0.1 --port "$port" --enforce-eager --disable-hybrid-kv-cache-manager \

@@ -13,10 +13,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from lmcache_mp.curve import ServerCurve
-from lmcache_mp.kv_events import DEFAULT_LOG_RECORDS, MIN_LOG_RECORDS
-from lmcache_mp.kv_events_publisher import replay_endpoint
-from lmcache_mp.pool_directory import stopped_note, stopped_pool_files
-from lmcache_mp.pool_location import default_pool_file
+from lmcache_mp.kv_events.log import DEFAULT_LOG_RECORDS, MIN_LOG_RECORDS
+from lmcache_mp.kv_events.publisher import replay_endpoint
 from lmcache_mp.settings import SettingError, positive, setting
 from lmcache_mp.settings import check as check_settings
 from lmcache_mp.sockets import (
@@ -29,6 +27,8 @@ from lmcache_mp.sockets import (
     ipc_path,
     runtime_dir,
 )
+from lmcache_mp.storage.pool.directory import stopped_note, stopped_pool_files
+from lmcache_mp.storage.pool.location import default_pool_file
 
 DEFAULT_CHUNK_SIZE = 256
 DEFAULT_L1_SIZE_GB = 1.0
@@ -130,6 +130,13 @@ class ServerConfig:
         False, "allow TCP endpoints beyond loopback WITHOUT authentication (implies "
         "allow_unauthenticated_tcp): anyone who reaches the port can read and write the cache. "
         "Only on a trusted network; prefer CURVE")
+    lmcache_listen: list[str] = setting(
+        list, "also serve LMCache's own vLLM connector on this endpoint (lmcache 0.5.6's multiprocess "
+        "wire: LMCacheMPConnector, lmcache_driven transfers, CPU shared-memory caches), from the same "
+        "pool; repeat for several. tcp://127.0.0.1:5555 is where that connector looks by default; "
+        "that connector cannot authenticate, so tcp:// needs allow_unauthenticated_tcp whatever the "
+        "CURVE keys (ipc://PATH, a Unix socket only this user may open, does not)", metavar="URL",
+        default_text="none")
     chunk_size: int = setting(
         DEFAULT_CHUNK_SIZE, "tokens per stored chunk; a multiple of vLLM's block size", check=_chunk_size)
     l1_size_gb: float = setting(
@@ -240,6 +247,7 @@ class ServerConfig:
                 self.socket_access.check_directory(path.parent)
             check_free(url)
         self.socket_access.check_directory(self.attach_socket.parent)
+        self._check_lmcache_listen()
         for url in self.kv_events_urls:
             check_endpoint(url, self.insecure_remote or curve is not None)
             check_authenticated(url, curve is not None,
@@ -252,6 +260,25 @@ class ServerConfig:
         for url in self.l2:
             check_tier_directory(url)
 
+    def _check_lmcache_listen(self) -> None:
+        """The lmcache door's endpoints: as --listen's, except that CURVE cannot cover them (LMCache's
+        connector does not authenticate), so TCP always needs allow_unauthenticated_tcp."""
+        for url in self.lmcache_listen:
+            check_endpoint(url, self.insecure_remote)
+            if url.startswith("tcp://") and not (self.allow_unauthenticated_tcp or self.insecure_remote):
+                raise ValueError(
+                    f"refusing to serve LMCache's connector on {url} without --allow-unauthenticated-tcp: "
+                    "that connector cannot authenticate, so any local user (and any process in a container "
+                    "sharing this network namespace) could read, overwrite and clear the cache. Use "
+                    "ipc://PATH (the connector's lmcache.mp.server_urls takes it), or pass the flag to "
+                    "accept that risk")
+            if url in self.listen or self.lmcache_listen.count(url) > 1:
+                raise ValueError(f"{url} is given twice (--listen and --lmcache-listen, or twice the latter)")
+            path = ipc_path(url)
+            if path is not None:
+                self.socket_access.check_directory(path.parent)
+            check_free(url)
+
     @property
     def kv_events_urls(self) -> list[str]:
         """The KV event PUB endpoint and its replay endpoint; [] when events are not published."""
@@ -261,14 +288,14 @@ class ServerConfig:
 
     @property
     def pool_path(self) -> Path | None:
-        """The pool file (`pool_file`, "auto" resolved); None for a pool in anonymous memory."""
+        """The pool file (`pool/file.py`, "auto" resolved); None for a pool in anonymous memory."""
         if not self.pool_file:
             return None
         return default_pool_file(self.listen) if self.pool_file == "auto" else Path(self.pool_file)
 
     def _check_pool_memory(self) -> None:
         """The pool is allocated in full. What the pool file at its path holds goes to it (adopted,
-        or replaced), and so does what the stale files its start removes hold (`pool_directory`); the
+        or replaced), and so does what the stale files its start removes hold (`pool/directory.py`); the
         stopped daemons' files it keeps are named if memory is short."""
         available = available_memory_bytes()
         if available is None:

@@ -49,7 +49,7 @@ class IPCCacheEngineKey(msgspec.Struct, frozen=True, array_like=True, gc=False):
     start: Annotated[int, msgspec.Meta(ge=0)] = 0
     end: Annotated[int, msgspec.Meta(ge=0)] = 0
     request_id: RequestId | None = None
-    # Hash mode: the vLLM blocks of a short chunk (a request's tail, `lmcache_mp/tails.py`), which
+    # Hash mode: the vLLM blocks of a short chunk (a request's tail, `lmcache_mp/engine/tails.py`), which
     # takes that many block ids in a STORE or RETRIEVE; 0 for a whole chunk (protocol 4 on).
     num_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0
 

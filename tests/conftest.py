@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmcache_mp.launcher import DaemonProcess, discard_pools, start_daemon
 from lmcache_mp.mq import MessageQueueClient
-from tests.helpers import BLOCK, LAYERS, SHAPE
-from tests.kv_worker import make_caches
+from lmcache_mp.testing.blocks import BLOCK, LAYERS, SHAPE
+from lmcache_mp.testing.kv_worker import make_caches
+from lmcache_mp.testing.launcher import DaemonProcess, discard_pools, start_daemon
 from vllm_adapter import LMCacheMPWorkerAdapter
 
 

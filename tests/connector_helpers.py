@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from tests.helpers import BLOCK, LAYERS, SHAPE, block_hashes
-from tests.kv_worker import make_caches
+from lmcache_mp.testing.blocks import BLOCK, LAYERS, SHAPE, block_hashes
+from lmcache_mp.testing.kv_worker import make_caches
 from vllm_adapter.connector_common import ConnectorSettings, LMCacheMPConnectorMetadata
 from vllm_adapter.connector_scheduler import SchedulerSide
 from vllm_adapter.connector_worker import WorkerSide

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 
-from lmcache_mp import cli
+from lmcache_mp.cli import main as cli
 from lmcache_mp.errors import FatalError
 from lmcache_mp.transfer.context import Copies, Lane, TransferContext
 

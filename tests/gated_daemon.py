@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lmcache_mp import cli
+from lmcache_mp.cli import main as cli
 from lmcache_mp.transfer.context import Copies
 
 HOLD_AT_MOST_S = 120.0

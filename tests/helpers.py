@@ -1,6 +1,7 @@
-"""Helpers the daemon tests share: vLLM-like block and chunk hashes (and a chat service's chains of
-them), raw requests (STORE, LOOKUP), STATUS and /metrics, example wire values, stand-in worker
-processes.
+"""Helpers the daemon tests share: chunk hashes (and a chat service's chains of them), raw requests
+(STORE, LOOKUP), STATUS, example wire values, stand-in worker processes, running a script. What the
+benchmarks and the soak use too (starting daemons and servers, the stand-in worker, its caches'
+geometry and block hashes, /metrics) lives in `lmcache_mp.testing`.
 
 Test modules never import each other: what two of them use lives here (or, for the connector's
 halves driven step by step, in `connector_helpers.py`; for real vLLM engines, `vllm_engines.py`)."""
@@ -12,13 +13,11 @@ import itertools
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,18 +26,16 @@ import pytest
 
 from lmcache_mp.chunks import ChunkFormat
 from lmcache_mp.custom_types import CudaIPCWrapper, IPCCacheEngineKey, SharedMemoryTensor
-from lmcache_mp.dispatch import ARRIVAL
+from lmcache_mp.engine.dispatch import ARRIVAL
 from lmcache_mp.errors import ServerError
-from lmcache_mp.launcher import DaemonProcess, daemon_status
-from lmcache_mp.launcher import free_port as free_port  # the tests import it from here
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import ChunkOutcome, RequestType, StatusReport
+from lmcache_mp.testing.blocks import BLOCK, CHUNK, LAYERS, block_hashes
+from lmcache_mp.testing.launcher import DaemonProcess, daemon_status
+from lmcache_mp.testing.probes import scrape
+from lmcache_mp.testing.servers import REDIS_CLI, REDIS_SERVER
 from vllm_adapter import LMCacheMPSchedulerAdapter
 from vllm_adapter.ops import striding_block_hashes
-
-BLOCK, CHUNK = 16, 32  # vLLM block and daemon chunk sizes of the data-path tests
-NUM_BLOCKS, LAYERS = 64, 2
-SHAPE = [NUM_BLOCKS, 2, BLOCK, 64]  # the stand-in workers' CPU caches: blocks x heads x tokens x dim
 
 ADAPTER_LOG = "vllm_adapter.registration"  # the worker adapter's registration logger
 
@@ -51,15 +48,13 @@ CUDA = CudaIPCWrapper(state=CudaIPCWrapper.State(
     "GPU-uuid", (0, b"\x00" * 64, 1024, 0, b"ref", 0, b"evt", True), "float16", (4, 4), (4, 1), 0))
 
 status = daemon_status  # the tests' short name for one STATUS request
-
-
-def block_hashes(tokens: list[int]) -> list[bytes]:
-    """A vLLM-like chain of block hashes over full blocks."""
-    out, prev = [], b"none"
-    for i in range(len(tokens) // BLOCK):
-        prev = hashlib.sha256(prev + repr(tokens[i * BLOCK:(i + 1) * BLOCK]).encode()).digest()
-        out.append(prev)
-    return out
+needs_redis = pytest.mark.skipif(
+    REDIS_SERVER is None or REDIS_CLI is None,
+    reason="redis-server is not installed (scripts/setup.sh test installs it)")
+# The lmcache door's tests drive LMCache's own client: without it they skip, and
+# tests/unit/test_lmcache_peer.py fails with this line (a suite never passes without them).
+LMCACHE_MISSING = ("lmcache is not installed: run `scripts/setup.sh test` (it installs lmcache==0.5.6 "
+                   "--no-deps, the peer the lmcache door is tested against)")
 
 
 def chunk_hashes(tokens: list[int]) -> list[bytes]:
@@ -139,17 +134,6 @@ def refusal(client: MessageQueueClient, request_type: RequestType, payload: list
     return refused.value
 
 
-def scrape(port: int) -> dict[str, float]:
-    """The daemon's lmcache_mp_ series at http://127.0.0.1:PORT/metrics, by name and labels."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    values = {}
-    for line in text.splitlines():
-        m = re.match(r"^(lmcache_mp_[^\s]+)\s+([-+0-9.eE]+)$", line)
-        if m:
-            values[m.group(1)] = float(m.group(2))
-    return values
-
-
 def register_requests(port: int) -> float:
     """REGISTER_KV_CACHE requests the daemon has answered, whatever the answer."""
     return sum(value for series, value in scrape(port).items()
@@ -198,17 +182,17 @@ def wait_for_leases(url: str, sessions: int, leases: int) -> None:
 
 
 def run_worker(spec: dict, timeout: float = 120) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, "-m", "tests.kv_worker", json.dumps(spec)],
+    out = subprocess.run([sys.executable, "-m", "lmcache_mp.testing.kv_worker", json.dumps(spec)],
                          capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr
     return out
 
 
 def run_benchmark(script: str, args: list[str], timeout_s: float) -> str:
-    """Run `scripts/SCRIPT ARGS` to its end and return its output (stdout, then stderr), failing the
+    """Run `scripts/bench/SCRIPT ARGS` to its end and return its output (stdout, then stderr), failing the
     test if it exits non-zero. It runs in a process group of its own, killed whole if it overruns
     `timeout_s`: a benchmark killed alone would leave its daemons running, holding their pools."""
-    script_path = Path(__file__).resolve().parent.parent / "scripts" / script
+    script_path = Path(__file__).resolve().parent.parent / "scripts" / "bench" / script
     proc = subprocess.Popen([sys.executable, str(script_path), *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, process_group=0)
     try:
@@ -220,22 +204,6 @@ def run_benchmark(script: str, args: list[str], timeout_s: float) -> str:
     output = stdout[-6000:] + stderr[-3000:]
     assert proc.returncode == 0, output
     return output
-
-
-def freeze(proc: subprocess.Popen, timeout: float = 5.0) -> None:
-    """SIGSTOP `proc` and wait until every one of its threads has stopped: a thread running on
-    another core when the signal is sent can still answer a request or two before it stops."""
-    proc.send_signal(signal.SIGSTOP)
-    deadline = time.monotonic() + timeout
-    tasks = Path(f"/proc/{proc.pid}/task")
-    while not all(_thread_state(task) in "tT" for task in tasks.iterdir()):
-        assert time.monotonic() < deadline, "the process did not stop"
-        time.sleep(0.001)
-
-
-def _thread_state(task: Path) -> str:
-    # /proc/PID/task/TID/stat: "tid (comm) STATE ..."; comm may hold spaces and parentheses.
-    return (task / "stat").read_text().rpartition(")")[2].split()[0]
 
 
 @contextmanager

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import MessageQueueClient
+from lmcache_mp.testing.launcher import DaemonProcess
 from lmcache_mp.transfer.attach import (
     MAX_FDS,
     MAX_PENDING,
@@ -44,7 +44,7 @@ import lmcache_mp.transfer.attach as attach
 for name, value in json.loads(sys.argv[1]).items():
     assert hasattr(attach, name), name
     setattr(attach, name, value)
-from lmcache_mp.cli import main
+from lmcache_mp.cli.main import main
 sys.exit(main(sys.argv[5:]))
 """
 

@@ -1,4 +1,4 @@
-"""The KV events benchmark (`scripts/bench_kv_events.py --quick`) as the suite's smoke run:
+"""The KV events benchmark (`scripts/bench/bench_kv_events.py --quick`) as the suite's smoke run:
 three real daemons (no events, a stalled subscriber, a live one) take STOREs through the worker
 adapter while their pools evict; the run must exercise that path: every chunk stored, evictions,
 every event published, the live subscriber receiving all of them and the stalled one none.

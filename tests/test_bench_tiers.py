@@ -1,4 +1,4 @@
-"""The storage tiers' benchmark (`scripts/bench_tiers.py --quick`) as the suite's smoke run: it
+"""The storage tiers' benchmark (`scripts/bench/bench_tiers.py --quick`) as the suite's smoke run: it
 must run as docs/benchmarks.md section 4 says and exercise what it measures (it had stopped at its
 first registration, unnoticed, after the shared `make_kv` changed). Its targets are not judged
 here: the suite runs on busy machines, and the quick run's few requests are too few for them."""

@@ -10,10 +10,12 @@ from pathlib import Path
 
 import torch
 
-from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.protocol import ChunkOutcome, RequestType, StatusReport
-from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, conversation_trace, free_port, scrape, status, store
-from tests.kv_worker import make_caches
+from lmcache_mp.testing.blocks import BLOCK, CHUNK, LAYERS, SHAPE
+from lmcache_mp.testing.kv_worker import make_caches
+from lmcache_mp.testing.launcher import DaemonProcess, free_port
+from lmcache_mp.testing.probes import scrape
+from tests.helpers import conversation_trace, status, store
 from vllm_adapter import LMCacheMPWorkerAdapter
 
 CHUNK_BYTES = LAYERS * (CHUNK // BLOCK) * 2 * BLOCK * 64 * 2  # a chunk of SHAPE caches: 16 KiB

@@ -1,4 +1,4 @@
-"""Concurrent serving end to end: `scripts/bench_concurrent.py --quick` as the suite's
+"""Concurrent serving end to end: `scripts/bench/bench_concurrent.py --quick` as the suite's
 smoke run. Two real vLLM OpenAI API servers with the connector share one real daemon, two more
 serve without it; multi-turn sessions arrive at once and each turn goes to either engine at
 random, so requests are batched, loads and stores run beside other requests' forward passes, and
@@ -27,7 +27,7 @@ RUN_TIMEOUT_S = 1500
 @pytest.mark.vllm
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
 def test_two_engines_serve_concurrent_sessions_through_one_daemon(tmp_path: Path) -> None:
-    run = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_concurrent.py"), "--quick",
+    run = subprocess.run([sys.executable, str(REPO / "scripts" / "bench" / "bench_concurrent.py"), "--quick",
                           "--no-saturate", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     output = run.stdout[-6000:] + run.stderr[-3000:]

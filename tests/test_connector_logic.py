@@ -23,13 +23,15 @@ import torch
 
 pytest.importorskip("vllm")
 
-from lmcache_mp.launcher import DaemonProcess, start_daemon
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import RequestType
 from lmcache_mp.sockets import default_url
+from lmcache_mp.testing.blocks import BLOCK, CHUNK, SHAPE, block_hashes
+from lmcache_mp.testing.kv_worker import pages
+from lmcache_mp.testing.launcher import DaemonProcess, start_daemon
+from lmcache_mp.testing.probes import freeze
 from tests.connector_helpers import Worker, match, request, step, until
-from tests.helpers import BLOCK, CHUNK, SHAPE, block_hashes, freeze, status, wait_for
-from tests.kv_worker import pages
+from tests.helpers import status, wait_for
 from vllm_adapter.connector_common import ConnectorSettings, LMCacheMPConnectorMetadata
 from vllm_adapter.connector_scheduler import SchedulerSide
 from vllm_adapter.connector_worker import IDLE_LOAD_WAIT_S, IDLE_STEP_PAUSE_S

@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from lmcache_mp.custom_types import IPCCacheEngineKey
-from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.protocol import ChunkOutcome, RequestType
+from lmcache_mp.testing.blocks import BLOCK, CHUNK, LAYERS, SHAPE
+from lmcache_mp.testing.kv_worker import make_caches
+from lmcache_mp.testing.launcher import DaemonProcess
 from tests.connector_helpers import Worker, match, request, step, until
-from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, chunk_hashes, count_lookup, status, store
-from tests.kv_worker import make_caches
+from tests.helpers import chunk_hashes, count_lookup, status, store
 from vllm_adapter import LMCacheMPWorkerAdapter
 from vllm_adapter.connector_common import ConnectorSettings
 from vllm_adapter.connector_scheduler import SchedulerSide

@@ -18,12 +18,13 @@ import pytest
 import torch
 
 from lmcache_mp.errors import ServerError
-from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.protocol import ErrorCode
+from lmcache_mp.testing.blocks import BLOCK, CHUNK, LAYERS, NUM_BLOCKS, SHAPE, block_hashes
+from lmcache_mp.testing.kv_worker import make_caches, pages, wait_done
+from lmcache_mp.testing.launcher import DaemonProcess
 from lmcache_mp.transfer import shm_move
 from lmcache_mp.transfer.shm_move import AllocateInSharedMemory
-from tests.helpers import BLOCK, CHUNK, LAYERS, NUM_BLOCKS, SHAPE, block_hashes, status
-from tests.kv_worker import make_caches, pages, wait_done
+from tests.helpers import status
 from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp
 
 DAEMON_ARGS = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05")

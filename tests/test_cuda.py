@@ -1,4 +1,4 @@
-"""`scripts/gpu_selftest.py`, end to end: the real daemon and worker processes storing and
+"""`scripts/gpu/selftest.py`, end to end: the real daemon and worker processes storing and
 retrieving KV allocated as vLLM 0.32 allocates it on a GPU (one buffer; LBNHC and LBHNC views,
 4-D MLA, 80 layers of 2 KV heads, a kernel-block split), two ranks and two groups at once, and a
 worker killed mid-STORE, every byte compared.
@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-SELFTEST = Path(__file__).resolve().parent.parent / "scripts" / "gpu_selftest.py"
+SELFTEST = Path(__file__).resolve().parent.parent / "scripts" / "gpu" / "selftest.py"
 CASES = ("FLASH_ATTN/LBNHC", "FLASH_ATTN/LBHNC", "TRITON_MLA", "80L-2KV", "FLASHINFER/split")
 TOGETHER = ("2 ranks #0", "2 ranks #1", "2 groups, 1 event #0", "2 groups, 1 event #1")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

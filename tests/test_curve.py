@@ -16,10 +16,10 @@ import pytest
 
 from lmcache_mp.curve import ClientCurve
 from lmcache_mp.errors import RequestTimeoutError
-from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import RequestType
-from tests.helpers import BLOCK, block_hashes, free_port
+from lmcache_mp.testing.blocks import BLOCK, block_hashes
+from lmcache_mp.testing.launcher import DaemonProcess, free_port
 from vllm_adapter import LMCacheMPSchedulerAdapter
 from vllm_adapter.connector_common import ConnectorSettings
 

@@ -18,12 +18,13 @@ import torch
 
 from lmcache_mp.custom_types import IPCCacheEngineKey, SharedMemoryTensor
 from lmcache_mp.errors import ServerError
-from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.protocol import ChunkOutcome, ErrorCode, KVCacheRegistration, RequestType
+from lmcache_mp.testing.blocks import BLOCK, CHUNK, LAYERS, NUM_BLOCKS, block_hashes
+from lmcache_mp.testing.kv_worker import make_caches, pages, wait_done
+from lmcache_mp.testing.launcher import DaemonProcess
 from lmcache_mp.transfer.attach_channel import AttachChannel
 from lmcache_mp.transfer.shm import share_cpu_tensors
-from tests.helpers import BLOCK, CHUNK, LAYERS, NUM_BLOCKS, block_hashes, lookup, run_worker, status
-from tests.kv_worker import make_caches, pages, wait_done
+from tests.helpers import lookup, run_worker, status
 from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp
 
 DAEMON_ARGS = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05")
@@ -237,7 +238,7 @@ def test_sigkilled_worker_is_dropped_and_leaves_no_mapping(daemon: DaemonProcess
     spec = {"url": daemon.url, "layout": "CPU_ATTN", "shape": [NUM_BLOCKS, 2, BLOCK, 64],
             "dtype": "bfloat16", "num_layers": LAYERS, "block_size": BLOCK, "action": "hold",
             "block_ids": [0, 1], "block_hashes": [], "model": "m"}
-    proc = subprocess.Popen([sys.executable, "-m", "tests.kv_worker", json.dumps(spec)],
+    proc = subprocess.Popen([sys.executable, "-m", "lmcache_mp.testing.kv_worker", json.dumps(spec)],
                             stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None

@@ -6,7 +6,6 @@ silently.)"""
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 import shutil
@@ -18,7 +17,8 @@ from pathlib import Path
 
 import yaml
 
-from lmcache_mp.launcher import daemon_status, start_daemon
+from lmcache_mp.testing.launcher import daemon_status, start_daemon
+from vllm_adapter.plugin import CONNECTOR_NAME
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "examples" / "docker"
@@ -58,8 +58,10 @@ def test_compose_starts_vllm_with_the_real_connector_on_the_daemons_socket() -> 
     daemon, vllm = compose["services"]["lmcache-mp"], compose["services"]["vllm"]
     command = vllm["command"]
     config = json.loads(command[command.index("--kv-transfer-config") + 1])
-    module = importlib.import_module(config["kv_connector_module_path"])
-    assert hasattr(module, config["kv_connector"])
+    # By name alone: the image pip-installs lmcache-mp, whose vLLM plugin registers the connector.
+    assert "kv_connector_module_path" not in config and config["kv_connector"] == CONNECTOR_NAME
+    plugins = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
+    assert plugins["vllm.general_plugins"] == {"lmcache_mp": "vllm_adapter.plugin:register"}
     assert config["kv_load_failure_policy"] == "recompute"
     runtime_dir = re.search(r"^ENV LMCACHE_MP_RUNTIME_DIR=(\S+)$", (DOCKER / "Dockerfile").read_text(), re.M)
     assert runtime_dir is not None

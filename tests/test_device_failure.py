@@ -13,14 +13,14 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from lmcache_mp.cli import EXIT_FAILED
+from lmcache_mp.cli.main import EXIT_FAILED
 from lmcache_mp.custom_types import IPCCacheEngineKey
 from lmcache_mp.errors import ServerError
-from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.protocol import ErrorCode, RequestType
+from lmcache_mp.testing.blocks import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes
+from lmcache_mp.testing.kv_worker import make_caches
+from lmcache_mp.testing.launcher import DaemonProcess
 from tests.fatal_daemon import MESSAGE
-from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes
-from tests.kv_worker import make_caches
 from vllm_adapter import LMCacheMPWorkerAdapter
 
 

@@ -21,10 +21,10 @@ import torch
 from lmcache_mp.chunks import ChunkFormat, ChunkKey
 from lmcache_mp.storage import chunk_format
 from lmcache_mp.storage.chunk_format import PREFIX_SIZE, CorruptChunk
-from lmcache_mp.storage.disk import DiskTier, object_name
-from lmcache_mp.storage.pool import MemoryPool
-from lmcache_mp.storage.tiers import open_tier
-from lmcache_mp.storage.urls import redact_url
+from lmcache_mp.storage.pool.pool import MemoryPool
+from lmcache_mp.storage.tiers.disk import DiskTier, object_name
+from lmcache_mp.storage.tiers.open import open_tier
+from lmcache_mp.storage.tiers.urls import redact_url
 
 FMT = ChunkFormat("test-model", 2, 0, "vllm_flash", "bfloat16", 4, (2, 16, 8, 64), 256)
 OTHER_FMT = ChunkFormat("test-model", 2, 1, "vllm_flash", "bfloat16", 4, (2, 16, 8, 64), 256)
@@ -434,7 +434,7 @@ def test_oversized_file_does_not_empty_the_tier(tmp_path: Path, caplog: pytest.L
         f.truncate(1 << 36)
     os.utime(huge, ns=(4 * 10**18, 4 * 10**18))  # the year 2096
 
-    with caplog.at_level(logging.WARNING, logger="lmcache_mp.storage.disk"):
+    with caplog.at_level(logging.WARNING, logger="lmcache_mp.storage.tiers.disk"):
         restarted = DiskTier(root, MiB)
     assert all(restarted.contains(key(i)) for i in range(5))
     stats = restarted.stats()
@@ -489,7 +489,7 @@ def test_concurrent_use_never_returns_wrong_bytes(tmp_path: Path) -> None:
 _FULL_DISK_CHILD = textwrap.dedent("""
     import os, sys, torch
     from pathlib import Path
-    from lmcache_mp.storage.disk import DiskTier
+    from lmcache_mp.storage.tiers.disk import DiskTier
     from lmcache_mp.chunks import ChunkFormat, ChunkKey
 
     fmt = ChunkFormat("m", 1, 0, "layout", "uint8", 1, (1,), 16)

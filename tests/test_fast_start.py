@@ -22,7 +22,6 @@ import torch
 
 from lmcache_mp.custom_types import IPCCacheEngineKey
 from lmcache_mp.errors import ServerError
-from lmcache_mp.launcher import DaemonProcess, start_daemon
 from lmcache_mp.mq import MessageQueueClient, MessageQueueServer
 from lmcache_mp.protocol import (
     PHASE_SERVING,
@@ -34,21 +33,11 @@ from lmcache_mp.protocol import (
     RequestType,
     StatusReport,
 )
-from lmcache_mp.storage.disk import DiskTier
-from tests.helpers import (
-    BLOCK,
-    CHUNK,
-    LAYERS,
-    SHAPE,
-    block_hashes,
-    chunk_hashes,
-    count_lookup,
-    lookup,
-    refusal,
-    status,
-    store,
-)
-from tests.kv_worker import make_caches
+from lmcache_mp.storage.tiers.disk import DiskTier
+from lmcache_mp.testing.blocks import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes
+from lmcache_mp.testing.kv_worker import make_caches
+from lmcache_mp.testing.launcher import DaemonProcess, start_daemon
+from tests.helpers import chunk_hashes, count_lookup, lookup, refusal, status, store
 from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter
 from vllm_adapter.registration import MAX_PROBE_INTERVAL_S
 
@@ -130,8 +119,9 @@ def gated(short_tmp: Path) -> Iterator[Callable[..., GatedDaemon]]:
 
 def test_daemon_modules_load_no_torch() -> None:
     code = ("import sys\n"
-            "import lmcache_mp.cli, lmcache_mp.daemon, lmcache_mp.server, lmcache_mp.observability\n"
-            "import lmcache_mp.launcher\n"
+            "import lmcache_mp.cli.main, lmcache_mp.daemon.daemon, lmcache_mp.daemon.server\n"
+            "import lmcache_mp.observability.metrics\n"
+            "import lmcache_mp.testing.launcher, lmcache_mp.testing.blocks, lmcache_mp.testing.probes\n"
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))[:3])\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
@@ -139,7 +129,7 @@ def test_daemon_modules_load_no_torch() -> None:
 
 def test_torch_libraries_are_preloaded_without_importing_torch() -> None:
     code = ("import sys\n"
-            "from lmcache_mp.daemon import preload_torch_libraries\n"
+            "from lmcache_mp.daemon.daemon import preload_torch_libraries\n"
             "preload_torch_libraries()\n"
             "maps = open('/proc/self/maps').read()\n"
             "print('torch' in sys.modules, 'libtorch_cpu.so' in maps, 'libc10.so' in maps)\n")

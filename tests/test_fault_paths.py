@@ -12,11 +12,12 @@ import pytest
 
 from lmcache_mp.custom_types import IPCCacheEngineKey
 from lmcache_mp.errors import RequestTimeoutError, ServerError
-from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import ErrorCode, RequestType
-from tests.helpers import BLOCK, CHUNK, NUM_BLOCKS, block_hashes, lease, status, store
-from tests.servers import redis_server
+from lmcache_mp.testing.blocks import BLOCK, CHUNK, NUM_BLOCKS, block_hashes
+from lmcache_mp.testing.launcher import DaemonProcess
+from lmcache_mp.testing.servers import redis_server
+from tests.helpers import lease, status, store
 
 DAEMON_ARGS = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05")
 

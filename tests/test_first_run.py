@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lmcache_mp.launcher import DaemonProcess
+from lmcache_mp.testing.launcher import DaemonProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 DISTRIBUTION = "lmcache-mp"
@@ -88,7 +88,7 @@ def test_every_third_party_import_is_declared_by_the_profile_that_needs_it() -> 
 
 _CLI_RUN = """
 import json, sys
-from lmcache_mp import cli
+from lmcache_mp.cli import main as cli
 codes = []
 for argv in {argvs!r}:
     try:

@@ -23,8 +23,7 @@ from lmcache_mp.custom_types import (
 )
 from lmcache_mp.distributed.api import MemoryLayoutDesc, ObjectKey, ipc_keys_to_object_keys
 from lmcache_mp.errors import ProtocolMismatchError, RequestTimeoutError, ServerError
-from lmcache_mp.kv_events import CLEARED, STORED, ChunkEvent, EventsReply
-from lmcache_mp.launcher import DaemonProcess, start_daemon
+from lmcache_mp.kv_events.log import CLEARED, STORED, ChunkEvent, EventsReply
 from lmcache_mp.mq import REQUEST_ID, Codec, MessageQueueClient
 from lmcache_mp.protocol import (
     PROTOCOL,
@@ -45,6 +44,7 @@ from lmcache_mp.protocol import (
     TailHit,
     TailNote,
 )
+from lmcache_mp.testing.launcher import DaemonProcess, start_daemon
 from tests.helpers import CUDA, HASH_KEY, SHM, TOKEN_KEY
 
 # One example payload per request type, and one example reply per reply type.

@@ -15,23 +15,14 @@ import zmq
 
 from lmcache_mp.custom_types import MAX_MODEL_NAME_CHARS, MAX_REQUEST_ID_CHARS, IPCCacheEngineKey
 from lmcache_mp.errors import ServerError
-from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import Codec, MessageQueueClient
 from lmcache_mp.mq.server import PEER_REPLY_BYTES
 from lmcache_mp.protocol import ErrorCode, RequestType, TailHit, TailNote
-from tests.helpers import (
-    BLOCK,
-    CHUNK,
-    LAYERS,
-    SHAPE,
-    free_port,
-    refusal,
-    scrape,
-    status,
-    wait_for,
-    wait_for_status,
-)
-from tests.kv_worker import make_caches
+from lmcache_mp.testing.blocks import BLOCK, CHUNK, LAYERS, SHAPE
+from lmcache_mp.testing.kv_worker import make_caches
+from lmcache_mp.testing.launcher import DaemonProcess, free_port
+from lmcache_mp.testing.probes import scrape
+from tests.helpers import refusal, status, wait_for, wait_for_status
 from vllm_adapter import LMCacheMPWorkerAdapter
 
 DAEMON_ARGS = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05")

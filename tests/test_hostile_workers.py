@@ -13,9 +13,9 @@ import pytest
 
 from lmcache_mp.custom_types import SharedMemoryTensor
 from lmcache_mp.errors import ServerError
-from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import ErrorCode, KVCacheRegistration, RequestType
+from lmcache_mp.testing.launcher import DaemonProcess
 from lmcache_mp.transfer.attach_channel import AttachChannel
 from tests.helpers import status
 

@@ -30,9 +30,11 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from lmcache_mp.launcher import DaemonProcess
+from lmcache_mp.testing.blocks import BLOCK, CHUNK
+from lmcache_mp.testing.launcher import DaemonProcess
+from lmcache_mp.testing.probes import freeze
 from tests.connector_helpers import Worker, match, request, step, until
-from tests.helpers import BLOCK, CHUNK, freeze, status
+from tests.helpers import status
 from vllm_adapter.connector_common import ConnectorSettings, LMCacheMPConnectorMetadata
 from vllm_adapter.connector_scheduler import SchedulerSide
 from vllm_adapter.kv_groups import NULL_BLOCK_ID, UnsupportedKVGroups, kv_groups

@@ -23,8 +23,10 @@ import pytest
 from tests.vllm_engines import (
     CHUNK,
     DaemonUnderTest,
+    VllmEngine,
     cached,
     daemon_fixture,  # noqa: F401
+    held_engine,
     run_engine,
     tokens,
     work_dir_fixture,  # noqa: F401
@@ -43,6 +45,7 @@ def _tokens(n: int) -> list[int]:
     return [_rng.randrange(3, 1000) for _ in range(n)]
 
 
+Outputs = list[dict[str, Any]]  # a round's, one per prompt
 _BASE = _tokens(600)
 PROMPTS = [_BASE, _BASE[: 5 * CHUNK] + _tokens(200)]  # 9 full chunks; 8, the first 5 shared
 HITS = [9 * CHUNK, 8 * CHUNK]
@@ -73,21 +76,40 @@ def hybrid_model(work_dir: Path) -> Path:
     return build_model(work_dir / "tiny-gemma3", MODEL_FLAGS)
 
 
-@pytest.fixture(scope="module")
-def baseline(hybrid_model: Path, work_dir: Path) -> list[dict[str, Any]]:
-    (outputs,) = run_engine(spec(hybrid_model, None, prefix_caching=False), work_dir / "baseline.log")
-    assert cached(outputs) == [0, 0]
-    return outputs
+def beside_baseline(model: Path, daemon: DaemonUnderTest, work_dir: Path, name: str,
+                    prefix_caching: bool = True) -> tuple[Outputs, Outputs, Path]:
+    """PROMPTS through an engine without the connector (prefix caching off), then through one with
+    it, which starts while the first runs; each's outputs, and the log of the second."""
+    alone = VllmEngine(spec(model, None, prefix_caching=False), work_dir / f"{name}-baseline.log")
+    log = work_dir / f"{name}.log"
+    engine = held_engine(spec(model, daemon, prefix_caching), log, work_dir / f"hold-{name}")
+    try:
+        (baseline,) = engine.start_after(alone)
+        (outputs,) = engine.outputs()
+    finally:
+        engine.kill()
+        alone.kill()
+    return baseline, outputs, log
 
 
 @pytest.fixture(scope="module")
-def engine1(hybrid_model: Path, work_dir: Path, daemon: DaemonUnderTest,
-            baseline: list[dict[str, Any]]) -> Path:
-    """Engine 1 ran PROMPTS through the daemon with HMA on; returns its log."""
-    log = work_dir / "engine1.log"
-    (outputs,) = run_engine(spec(hybrid_model, daemon), log)
+def first_engines(hybrid_model: Path, work_dir: Path, daemon: DaemonUnderTest) -> tuple[Outputs, Path]:
+    """The baseline's outputs, and the log of engine 1, which ran PROMPTS through the daemon with
+    HMA on, answering as the baseline."""
+    baseline, outputs, log = beside_baseline(hybrid_model, daemon, work_dir, "engine1")
+    assert cached(baseline) == [0, 0]
     assert_same_outputs(outputs, baseline)
-    return log
+    return baseline, log
+
+
+@pytest.fixture(scope="module")
+def baseline(first_engines: tuple[Outputs, Path]) -> Outputs:
+    return first_engines[0]
+
+
+@pytest.fixture(scope="module")
+def engine1(first_engines: tuple[Outputs, Path]) -> Path:
+    return first_engines[1]
 
 
 def test_hma_stays_on_and_every_group_stores_every_chunk(engine1: Path, daemon: DaemonUnderTest) -> None:
@@ -114,9 +136,7 @@ def test_ssm_hybrid_gets_no_hits_and_runs_as_without_the_connector(
     GraniteMoeHybrid (Mamba2 and attention layers) on CPU only with prefix caching off."""
     model = build_model(work_dir / "tiny-granite", ["--dtype", "float32", "--arch", "granitemoehybrid"])
     stored = daemon.objects()
-    (baseline,) = run_engine(spec(model, None, prefix_caching=False), work_dir / "ssm-baseline.log")
-    log = work_dir / "ssm.log"
-    (outputs,) = run_engine(spec(model, daemon, prefix_caching=False), log)
+    baseline, outputs, log = beside_baseline(model, daemon, work_dir, "ssm", prefix_caching=False)
     assert cached(outputs) == [0, 0] and daemon.objects() == stored
     assert_same_outputs(outputs, baseline)
     text = log.read_text(errors="replace")

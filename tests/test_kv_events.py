@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_mp.kv_events import CLEARED, REMOVED, STORED, EventsReply, external_hash
-from lmcache_mp.launcher import DaemonProcess
+from lmcache_mp.cli.status_text import render_status
+from lmcache_mp.kv_events.log import CLEARED, REMOVED, STORED, EventsReply, external_hash
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import RequestType, StatusReport
-from lmcache_mp.status_text import render_status
+from lmcache_mp.testing.launcher import DaemonProcess
 from tests.helpers import count_lookup, fmt, status, store, wait_for, wait_for_status
 from tests.kv_event_subscriber import Subscriber
 
@@ -277,7 +277,7 @@ def test_a_disk_file_lost_or_damaged_is_removed_from_the_stream(daemons, short_t
     """The disk tier's removals that no eviction makes: a file deleted behind the daemon's back,
     and one damaged, both found by the LOOKUP that tries to promote them."""
     from lmcache_mp.chunks import ChunkKey
-    from lmcache_mp.storage.disk import object_name
+    from lmcache_mp.storage.tiers.disk import object_name
 
     disk = short_tmp / "disk"
     daemon: DaemonProcess = daemons(*CHUNK_ARGS, "--l1-size-gb", "0.05", "--l2", f"disk://{disk}?size_gb=0.01",
@@ -290,7 +290,13 @@ def test_a_disk_file_lost_or_damaged_is_removed_from_the_stream(daemons, short_t
         store(client, worker.instance_id, [lost], "a")
         store(client, worker.instance_id, [damaged], "b")
         wait_for_status(daemon.url, lambda r: r.tiers[0].objects == 2, "both written to disk")
-        client.submit(RequestType.CLEAR, []).result(10)  # a LOOKUP must now read them from disk
+        # A LOOKUP must now read them from disk. CLEAR leaves pinned chunks (the pool file's sealer
+        # pins each new chunk while it checksums it, the disk writer while it writes): clear again.
+        def cleared() -> bool:
+            client.submit(RequestType.CLEAR, []).result(10)
+            return status(daemon.url).objects == 0
+
+        wait_for(cleared, "both chunks out of the pool")
         files = {h: disk / object_name(ChunkKey(h, fmt()))[:2] / f"{object_name(ChunkKey(h, fmt()))}.kv"
                  for h in (lost, damaged)}
         files[lost].unlink()

@@ -15,11 +15,12 @@ from pathlib import Path
 
 import zmq
 
-from lmcache_mp.kv_events import external_hash
-from lmcache_mp.launcher import DaemonProcess
+from lmcache_mp.kv_events.log import external_hash
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import ChunkOutcome, RequestType, StatusReport
-from tests.helpers import BLOCK, CHUNK, NUM_BLOCKS, count_lookup, fmt, status, store, wait_for_status
+from lmcache_mp.testing.blocks import BLOCK, CHUNK, NUM_BLOCKS
+from lmcache_mp.testing.launcher import DaemonProcess
+from tests.helpers import count_lookup, fmt, status, store, wait_for_status
 from tests.kv_event_subscriber import Subscriber
 
 CHUNK_ARGS = ("--chunk-size", str(CHUNK))

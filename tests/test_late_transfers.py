@@ -18,27 +18,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmcache_mp import cancellation
 from lmcache_mp.custom_types import IPCCacheEngineKey
+from lmcache_mp.engine import cancellation
 from lmcache_mp.errors import ServerError
-from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import MessageQueueClient, MessagingFuture
 from lmcache_mp.protocol import ChunkOutcome, ErrorCode, RequestType, RetrieveResult
-from tests.helpers import (
-    BLOCK,
-    CHUNK,
-    LAYERS,
-    SHAPE,
-    block_hashes,
-    count_lookup,
-    freeze,
-    lease,
-    refusal,
-    status,
-    store,
-    wait_for_status,
-)
-from tests.kv_worker import make_caches
+from lmcache_mp.testing.blocks import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes
+from lmcache_mp.testing.kv_worker import make_caches
+from lmcache_mp.testing.launcher import DaemonProcess
+from lmcache_mp.testing.probes import freeze
+from tests.helpers import count_lookup, lease, refusal, status, store, wait_for_status
 from vllm_adapter import LMCacheMPWorkerAdapter, LoadStoreOp, fences
 
 DAEMON_ARGS = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05")

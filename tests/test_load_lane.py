@@ -13,11 +13,12 @@ from pathlib import Path
 import torch
 
 from lmcache_mp.custom_types import IPCCacheEngineKey
-from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import MessageQueueClient, MessagingFuture
 from lmcache_mp.protocol import ChunkOutcome, RequestType
-from tests.helpers import block_hashes, wait_for_status
-from tests.kv_worker import make_caches
+from lmcache_mp.testing.blocks import block_hashes
+from lmcache_mp.testing.kv_worker import make_caches
+from lmcache_mp.testing.launcher import DaemonProcess
+from tests.helpers import wait_for_status
 from vllm_adapter import LMCacheMPWorkerAdapter, LoadStoreOp
 
 BLOCK, CHUNK = 16, 64

@@ -20,9 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_mp.launcher import start_daemon
+from lmcache_mp.testing.launcher import free_port, start_daemon
 from lmcache_mp.transfer.attach_channel import AttachChannel
-from tests.helpers import free_port
 
 NOBODY = pwd.getpwnam("nobody").pw_uid
 NOGROUP = pwd.getpwnam("nobody").pw_gid  # not one of this (root) process's groups

@@ -14,13 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmcache_mp.launcher import DaemonProcess
+from lmcache_mp.engine.registry import Registry
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import RequestType
-from lmcache_mp.registry import Registry
 from lmcache_mp.sockets import SocketAccess
-from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes, lookup
-from tests.kv_worker import make_caches, wait_done
+from lmcache_mp.testing.blocks import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes
+from lmcache_mp.testing.kv_worker import make_caches, wait_done
+from lmcache_mp.testing.launcher import DaemonProcess
+from tests.helpers import lookup
 from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp
 
 DAEMON_ARGS = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05")

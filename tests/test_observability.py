@@ -20,11 +20,13 @@ import torch
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
-from lmcache_mp.launcher import start_daemon
-from lmcache_mp.metrics_http import DEFAULT_MAX_CONNECTIONS as METRICS_MAX_CONNECTIONS
-from lmcache_mp.metrics_http import MetricsHTTPServer
-from tests.helpers import BLOCK, CHUNK, LAYERS, NUM_BLOCKS, block_hashes, free_port, lookup, scrape
-from tests.kv_worker import make_caches, wait_done
+from lmcache_mp.observability.http import DEFAULT_MAX_CONNECTIONS as METRICS_MAX_CONNECTIONS
+from lmcache_mp.observability.http import MetricsHTTPServer
+from lmcache_mp.testing.blocks import BLOCK, CHUNK, LAYERS, NUM_BLOCKS, block_hashes
+from lmcache_mp.testing.kv_worker import make_caches, wait_done
+from lmcache_mp.testing.launcher import free_port, start_daemon
+from lmcache_mp.testing.probes import scrape
+from tests.helpers import lookup
 from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp
 
 

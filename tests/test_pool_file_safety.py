@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.protocol import ChunkOutcome
-from tests.helpers import CHUNK, chunk_hashes, count_lookup, status, store, wait_for_status
+from lmcache_mp.testing.blocks import CHUNK
+from lmcache_mp.testing.launcher import DaemonProcess
+from tests.helpers import chunk_hashes, count_lookup, status, store, wait_for_status
 
 ARGS = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05")
 
@@ -46,7 +47,7 @@ raise ImportError("a planted module")
 
 # The daemon, with no directory of its own choosing on its path but its installation's (`-P`: not
 # the working directory, as `python -m` would have it); the launcher's command line follows.
-SAFE_PATH_DAEMON = ("import sys; from lmcache_mp.cli import main; "
+SAFE_PATH_DAEMON = ("import sys; from lmcache_mp.cli.main import main; "
                     "sys.exit(main(sys.argv[sys.argv.index('lmcache_mp.cli') + 1:]))")
 
 

@@ -12,10 +12,10 @@ import sys
 import time
 from pathlib import Path
 
-from lmcache_mp.launcher import DaemonProcess
-from lmcache_mp.pool_location import default_pool_file
+from lmcache_mp.storage.pool.location import default_pool_file
+from lmcache_mp.testing.launcher import DaemonProcess
+from lmcache_mp.testing.servers import command
 from tests.helpers import wait_for
-from tests.servers import command
 
 ARGS = ("--l1-size-gb", "0.05")
 HOUR = 3600.0

@@ -17,24 +17,14 @@ import pytest
 import torch
 
 from lmcache_mp.config import available_memory_bytes
-from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import ChunkOutcome, RequestType, StatusReport
-from tests.helpers import (
-    BLOCK,
-    CHUNK,
-    LAYERS,
-    SHAPE,
-    block_hashes,
-    chunk_hashes,
-    count_lookup,
-    run_worker,
-    scrape,
-    status,
-    store,
-)
-from tests.kv_worker import make_caches, pages
-from tests.servers import command
+from lmcache_mp.testing.blocks import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes
+from lmcache_mp.testing.kv_worker import make_caches, pages
+from lmcache_mp.testing.launcher import DaemonProcess
+from lmcache_mp.testing.probes import scrape
+from lmcache_mp.testing.servers import command
+from tests.helpers import chunk_hashes, count_lookup, run_worker, status, store
 
 BIG_POOL_GB = 6
 # Answers while the pool is prepared: the preparing thread must never hold the socket thread

@@ -15,23 +15,14 @@ import pytest
 import torch
 
 from lmcache_mp.errors import KVExportError, LMCacheMPError, ServerError
-from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import ErrorCode, KVCacheRegistration, RequestType
+from lmcache_mp.testing.blocks import BLOCK, CHUNK, LAYERS, NUM_BLOCKS, block_hashes
+from lmcache_mp.testing.kv_worker import make_caches, pages, wait_done
+from lmcache_mp.testing.launcher import DaemonProcess, free_port
 from lmcache_mp.transfer.attach_channel import AttachChannel
 from lmcache_mp.transfer.shm import share_cpu_tensors
-from tests.helpers import (
-    ADAPTER_LOG,
-    BLOCK,
-    CHUNK,
-    LAYERS,
-    NUM_BLOCKS,
-    block_hashes,
-    free_port,
-    register_requests,
-    status,
-)
-from tests.kv_worker import make_caches, pages, wait_done
+from tests.helpers import ADAPTER_LOG, register_requests, status
 from vllm_adapter import LMCacheMPWorkerAdapter, LoadStoreOp
 
 DAEMON_ARGS = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05")

@@ -15,37 +15,26 @@ import redis
 import torch
 
 from lmcache_mp.chunks import ChunkKey, TierStats
-from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.protocol import ChunkOutcome
 from lmcache_mp.storage.chunk_format import header_size_of
-from lmcache_mp.storage.remote import NetworkTier
-from lmcache_mp.storage.tiers import open_tier
-from lmcache_mp.storage.v1_tier import _key_string
-from tests.helpers import (
-    BLOCK,
-    CHUNK,
-    LAYERS,
-    SHAPE,
-    block_hashes,
-    count_lookup,
-    fmt,
-    run_worker,
-    scrape,
-    status,
-    store,
-)
-from tests.kv_worker import make_caches, pages
-from tests.servers import (
+from lmcache_mp.storage.tiers.open import open_tier
+from lmcache_mp.storage.tiers.remote import NetworkTier
+from lmcache_mp.storage.tiers.v1 import _key_string
+from lmcache_mp.testing.blocks import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes
+from lmcache_mp.testing.kv_worker import make_caches, pages
+from lmcache_mp.testing.launcher import DaemonProcess
+from lmcache_mp.testing.probes import scrape
+from lmcache_mp.testing.servers import (
     RedisServer,
     ServerProcess,
     free_port,
-    needs_redis,
     redis_cluster,
     redis_cluster_url,
     redis_server,
     redis_url,
     start_v1_server,
 )
+from tests.helpers import count_lookup, fmt, needs_redis, run_worker, status, store
 
 pytestmark = needs_redis
 WAIT_S = 20.0

@@ -19,16 +19,17 @@ import torch
 
 from lmcache_mp.chunks import ChunkFormat, ChunkKey
 from lmcache_mp.custom_types import IPCCacheEngineKey
-from lmcache_mp.kv_events import CLEARED, STORED
-from lmcache_mp.launcher import DaemonProcess
+from lmcache_mp.kv_events.log import CLEARED, STORED
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import ChunkOutcome, ModelReset, ModelScope, RequestType, TailHit, TailNote
-from lmcache_mp.storage import disk_file
-from lmcache_mp.storage.remote import NetworkTier
-from lmcache_mp.storage.tiers import open_tier
-from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, chunk_hashes, status, wait_for_status
-from tests.kv_worker import make_caches
-from tests.servers import needs_redis, redis_cluster_url, redis_url, start_v1_server
+from lmcache_mp.storage.tiers import disk_file
+from lmcache_mp.storage.tiers.open import open_tier
+from lmcache_mp.storage.tiers.remote import NetworkTier
+from lmcache_mp.testing.blocks import BLOCK, CHUNK, LAYERS, SHAPE
+from lmcache_mp.testing.kv_worker import make_caches
+from lmcache_mp.testing.launcher import DaemonProcess
+from lmcache_mp.testing.servers import redis_cluster_url, redis_url, start_v1_server
+from tests.helpers import chunk_hashes, needs_redis, status, wait_for_status
 from vllm_adapter import LMCacheMPWorkerAdapter
 
 BLOCKS_PER_CHUNK = CHUNK // BLOCK

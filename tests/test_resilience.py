@@ -14,10 +14,11 @@ import torch
 
 from lmcache_mp.custom_types import IPCCacheEngineKey
 from lmcache_mp.errors import ServerError
-from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.protocol import ErrorCode, RequestType, StatusReport, StoreResult
-from tests.helpers import BLOCK, CHUNK, LAYERS, block_hashes, status
-from tests.kv_worker import make_caches
+from lmcache_mp.testing.blocks import BLOCK, CHUNK, LAYERS, block_hashes
+from lmcache_mp.testing.kv_worker import make_caches
+from lmcache_mp.testing.launcher import DaemonProcess
+from tests.helpers import status
 from vllm_adapter import LMCacheMPWorkerAdapter
 
 SMALL_POOL = ("--l1-size-gb", "0.05")

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from lmcache_mp.config import ServerConfig
-from lmcache_mp.launcher import start_daemon
 from lmcache_mp.settings import markdown_table
+from lmcache_mp.testing.launcher import start_daemon
 
 ROOT = Path(__file__).resolve().parent.parent
 

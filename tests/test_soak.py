@@ -1,4 +1,4 @@
-"""The chaos soak (`scripts/soak.py`) for 45 s in its warm-restart mode: clients SIGKILLed, the
+"""The chaos soak (`scripts/soak/soak.py`) for 45 s in its warm-restart mode: clients SIGKILLed, the
 daemon restarted (SIGTERM or SIGKILL) on its pool file alone, every adopted chunk read back and
 compared, malformed traffic, hostile workers (a CANCEL_TRANSFERS flood, a worker shrinking its
 registered cache, idle connections); every byte retrieved is checked."""
@@ -21,13 +21,15 @@ import pytest
 import torch
 
 from lmcache_mp.custom_types import IPCCacheEngineKey
-from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.protocol import RequestType
-from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes, freeze, lookup
-from tests.kv_worker import make_caches
+from lmcache_mp.testing.blocks import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes
+from lmcache_mp.testing.kv_worker import make_caches
+from lmcache_mp.testing.launcher import DaemonProcess
+from lmcache_mp.testing.probes import freeze
+from tests.helpers import lookup
 from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp
 
-SOAK = Path(__file__).resolve().parent.parent / "scripts" / "soak.py"
+SOAK = Path(__file__).resolve().parent.parent / "scripts" / "soak" / "soak.py"
 
 
 def without_matplotlib(tmp_path: Path) -> dict[str, str]:
@@ -53,7 +55,7 @@ def test_soak_45_s_of_chaos_serves_no_wrong_byte_and_leaks_nothing(tmp_path: Pat
     # Chaos every 3 s: the daemon restarts in the first 75% of the run (at least twice, even on a
     # busy machine, where a restart takes up to ~13 s), clients are killed throughout; the last
     # 25% is one daemon's, whose idle resources end the run. No freezes of the daemon: each
-    # lasts 16 s, too long for this test (`scripts/soak.py` runs them by default).
+    # lasts 16 s, too long for this test (`scripts/soak/soak.py` runs them by default).
     # Without matplotlib (the soak once failed at its chart, after its checks, and wrote no
     # JSON): the report is written and the exit status is the checks'; the chart is drawn below.
     out = subprocess.run([sys.executable, str(SOAK), "--duration-s", "45", "--chaos-interval-s", "3",

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_mp.launcher import DaemonProcess
-from tests.helpers import free_port, wait_for
+from lmcache_mp.testing.launcher import DaemonProcess, free_port
+from tests.helpers import wait_for
 
 ALLOW_TCP = "--allow-unauthenticated-tcp"
 ALLOW_TCP_ENV = "LMCACHE_MP_ALLOW_UNAUTHENTICATED_TCP"

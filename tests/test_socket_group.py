@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmcache_mp.launcher import DaemonProcess
-from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes
-from tests.kv_worker import make_caches, pages
+from lmcache_mp.testing.blocks import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes
+from lmcache_mp.testing.kv_worker import make_caches, pages
+from lmcache_mp.testing.launcher import DaemonProcess
 
 REPO = Path(__file__).resolve().parent.parent
 # The venv's interpreter may live where other users cannot go (/root/.pyenv): they run the
@@ -136,11 +136,13 @@ def start_as_daemon_user(users: SocketUsers, daemons, run: Path) -> DaemonProces
 
 
 def run_as_worker(users: SocketUsers, spec: dict, home: Path) -> None:
-    """tests/kv_worker.py as the worker's user, with its groups (the socket group among them)."""
+    """The stand-in worker (lmcache_mp/testing/kv_worker.py) as the worker's user, with its groups
+    (the socket group among them)."""
     worker = pwd.getpwnam(users.worker_user)
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "PYTHONDONTWRITEBYTECODE": "1"}
     out = subprocess.run([str(SYSTEM_PYTHON), "-c", AS_USER, str(SITE_PACKAGES), str(REPO), "-m",
-                          "tests.kv_worker", json.dumps(spec)], user=worker.pw_uid, group=worker.pw_gid,
+                          "lmcache_mp.testing.kv_worker", json.dumps(spec)],
+                         user=worker.pw_uid, group=worker.pw_gid,
                          extra_groups=[grp.getgrnam(users.group).gr_gid], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -23,26 +23,13 @@ import torch
 
 from lmcache_mp.custom_types import IPCCacheEngineKey
 from lmcache_mp.errors import ServerError
-from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import ChunkOutcome, ErrorCode, RequestType
-from tests.helpers import (
-    BLOCK,
-    CHUNK,
-    LAYERS,
-    NUM_BLOCKS,
-    SHAPE,
-    block_hashes,
-    chunk_hashes,
-    count_lookup,
-    freeze,
-    lease,
-    lookup,
-    status,
-    store,
-    wait_for_leases,
-)
-from tests.kv_worker import make_caches
+from lmcache_mp.testing.blocks import BLOCK, CHUNK, LAYERS, NUM_BLOCKS, SHAPE, block_hashes
+from lmcache_mp.testing.kv_worker import make_caches
+from lmcache_mp.testing.launcher import DaemonProcess
+from lmcache_mp.testing.probes import freeze
+from tests.helpers import chunk_hashes, count_lookup, lease, lookup, status, store, wait_for_leases
 from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp
 
 # A pool of a few dozen chunks (16 KiB each), quick to fill with pinned ones.
@@ -200,7 +187,7 @@ def test_release_leases_drops_only_the_named_chunks(daemon: DaemonProcess, worke
 def ranks_holding(url: str, world_size: int, hashes: list[bytes]) -> Iterator[None]:
     """`world_size` worker processes, registered as the ranks of model "m", each with the chunks
     of `hashes` (vLLM block hashes, from block 0 on) stored, holding their registrations: the
-    setup of `scripts/bench_control_plane.py`'s hit rotation."""
+    setup of `scripts/bench/bench_control_plane.py`'s hit rotation."""
     procs = []
     try:
         for rank in range(world_size):
@@ -208,8 +195,9 @@ def ranks_holding(url: str, world_size: int, hashes: list[bytes]) -> Iterator[No
                     "num_layers": LAYERS, "block_size": BLOCK, "action": "store_and_hold", "model": "m",
                     "world_size": world_size, "rank": rank, "seed": rank,
                     "block_ids": list(range(len(hashes))), "block_hashes": [h.hex() for h in hashes]}
-            procs.append(subprocess.Popen([sys.executable, "-m", "tests.kv_worker", json.dumps(spec)],
-                                          stdout=subprocess.PIPE, text=True))
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "lmcache_mp.testing.kv_worker", json.dumps(spec)],
+                stdout=subprocess.PIPE, text=True))
             assert procs[-1].stdout is not None
             assert procs[-1].stdout.readline().startswith("READY"), f"rank {rank} did not come up"
         yield

@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from lmcache_mp.custom_types import IPCCacheEngineKey
-from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import ErrorCode, RequestType, TailHit, TailNote
-from tests.helpers import BLOCK, CHUNK, SHAPE, block_hashes, refusal, status, wait_for, wait_for_leases
-from tests.kv_worker import pages, wait_done
+from lmcache_mp.testing.blocks import BLOCK, CHUNK, SHAPE, block_hashes
+from lmcache_mp.testing.kv_worker import pages, wait_done
+from lmcache_mp.testing.launcher import DaemonProcess
+from tests.helpers import refusal, status, wait_for, wait_for_leases
 from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp
 
 DAEMON_ARGS = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05")

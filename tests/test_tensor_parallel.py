@@ -19,21 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmcache_mp.launcher import DaemonProcess
+from lmcache_mp.testing.blocks import BLOCK, CHUNK, LAYERS, NUM_BLOCKS, SHAPE, block_hashes
+from lmcache_mp.testing.kv_worker import make_caches, pages
+from lmcache_mp.testing.launcher import DaemonProcess
 from tests import helpers
 from tests import vllm_engines as real
-from tests.helpers import (
-    BLOCK,
-    CHUNK,
-    LAYERS,
-    NUM_BLOCKS,
-    SHAPE,
-    block_hashes,
-    lookup,
-    status,
-    wait_for_status,
-)
-from tests.kv_worker import make_caches, pages
+from tests.helpers import lookup, status, wait_for_status
 from vllm_adapter import LMCacheMPSchedulerAdapter
 
 DAEMON_ARGS = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05")
@@ -50,8 +41,8 @@ HASHES = block_hashes(TOKENS)
 
 
 class Rank:
-    """One stand-in vLLM worker process (`tests/kv_worker.py serve`), registered as `rank` of
-    MODEL: its caches hold KV from `seed`, or zeros (a fresh engine's) without one."""
+    """One stand-in vLLM worker process (`lmcache_mp.testing.kv_worker`, action "serve"), registered
+    as `rank` of MODEL: its caches hold KV from `seed`, or zeros (a fresh engine's) without one."""
 
     def __init__(self, url: str, rank: int, seed: int | None, tmp: Path):
         self.rank = rank
@@ -59,7 +50,7 @@ class Rank:
         spec = {"url": url, "layout": "CPU_ATTN", "shape": SHAPE, "dtype": "bfloat16", "num_layers": LAYERS,
                 "block_size": BLOCK, "model": MODEL, "world_size": WORLD, "rank": rank, "seed": seed,
                 "action": "serve"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.kv_worker", json.dumps(spec)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "lmcache_mp.testing.kv_worker", json.dumps(spec)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         ready, instance_id = self._line().split()
         assert ready == "READY"
@@ -322,17 +313,18 @@ def test_vllm_tp2_engines_store_and_load_per_rank(short_tmp: Path) -> None:
     pytest.importorskip("vllm")
     model = short_tmp / "tiny-llama-f32"
     real.make_tiny_llama(model)
-    (baseline,) = real.run_engine(tp_spec(model, None, [real.PROMPTS], prefix_caching=False),
-                                  short_tmp / "baseline.log", TP_ENV, TP_TIMEOUT_S)
-    assert real.cached(baseline) == [0] * len(real.PROMPTS)
     daemon = real.DaemonUnderTest(short_tmp)
     try:
+        # Engine 1 starts while the baseline runs. Its round 1 (a prompt shorter than a chunk) only
+        # keeps it up while STATUS is read.
+        alone = real.VllmEngine(tp_spec(model, None, [real.PROMPTS], prefix_caching=False),
+                                short_tmp / "baseline.log", TP_ENV, TP_TIMEOUT_S)
         barrier = short_tmp / "barrier"
-        barrier.mkdir()
-        # Round 1 (a prompt shorter than a chunk) only keeps the engine up while STATUS is read.
         spec = tp_spec(model, daemon, [real.PROMPTS, [real.PROMPTS[3]]], barrier_dir=str(barrier))
-        engine = real.VllmEngine(spec, short_tmp / "engine1.log", TP_ENV, TP_TIMEOUT_S)
+        engine = real.held_engine(spec, short_tmp / "engine1.log", barrier, TP_ENV, TP_TIMEOUT_S)
         try:
+            (baseline,) = engine.start_after(alone)
+            assert real.cached(baseline) == [0] * len(real.PROMPTS)
             stored = engine.round(0)
             # While the engine runs (both ranks registered), once its STOREs have landed: a
             # request's STORE is sent as it finishes and copied by the daemon after that.
@@ -343,6 +335,7 @@ def test_vllm_tp2_engines_store_and_load_per_rank(short_tmp: Path) -> None:
             engine.finish()
         finally:
             engine.kill()
+            alone.kill()
         # Registered under the model's identity: its name and a digest of its settings.
         assert sorted((i.model_name.partition("@")[0], i.world_size, i.worker_id)
                       for i in report.instances) == [(str(model), WORLD, 0), (str(model), WORLD, 1)]

@@ -18,24 +18,13 @@ import torch
 
 from lmcache_mp.chunks import ChunkFormat, ChunkKey, TierStats
 from lmcache_mp.custom_types import IPCCacheEngineKey
-from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.protocol import ChunkOutcome, RequestType
-from lmcache_mp.storage.disk import object_name
-from tests.helpers import (
-    BLOCK,
-    CHUNK,
-    LAYERS,
-    SHAPE,
-    block_hashes,
-    count_lookup,
-    fmt,
-    lookup,
-    run_worker,
-    scrape,
-    status,
-    store,
-)
-from tests.kv_worker import make_caches, pages, wait_done
+from lmcache_mp.storage.tiers.disk import object_name
+from lmcache_mp.testing.blocks import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes
+from lmcache_mp.testing.kv_worker import make_caches, pages, wait_done
+from lmcache_mp.testing.launcher import DaemonProcess
+from lmcache_mp.testing.probes import scrape
+from tests.helpers import count_lookup, fmt, lookup, run_worker, status, store
 from vllm_adapter import LMCacheMPSchedulerAdapter, LoadStoreOp
 
 CHUNK_BYTES = LAYERS * (CHUNK // BLOCK) * 2 * BLOCK * 64 * 2  # 16 KiB

@@ -18,7 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmcache_mp.cli import build_parser
+from lmcache_mp.cli.main import build_parser
+from lmcache_mp.testing.servers import ServerProcess, command, start_v1_server
 from lmcache_mp.v1remote.client import V1Connection, V1ConnectionError
 from lmcache_mp.v1remote.protocol import (
     DEFAULT_MAX_CONNECTIONS,
@@ -35,7 +36,6 @@ from lmcache_mp.v1remote.protocol import (
     parse_key,
 )
 from lmcache_mp.v1remote.server import DEFAULT_IDLE_TIMEOUT_S, RemoteServer
-from tests.servers import ServerProcess, command, start_v1_server
 
 CLIENT_FMT = "iiiiiiiii150s"  # command, length, fmt, dtype, location, shape0..3, key
 SERVER_FMT = "iiiiiiiii"  # code, length, fmt, dtype, shape0..3, location

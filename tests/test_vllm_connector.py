@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from lmcache_mp.launcher import start_daemon
-from tests.helpers import free_port, status, wait_for_status
+from lmcache_mp.testing.launcher import free_port, start_daemon
+from tests.helpers import status, wait_for_status
 from tests.vllm_engine_run import kv_transfer_config
 
 # The engine runner, the prompts, and the module-scoped fixtures `daemon` and `work_dir`.
@@ -45,6 +45,7 @@ from tests.vllm_engines import (
     cached,
     daemon_fixture,  # noqa: F401
     engine_spec,
+    held_engine,
     make_tiny_llama,
     run_engine,
     tokens,
@@ -60,20 +61,63 @@ def tiny_model(work_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def baseline(tiny_model: Path, work_dir: Path) -> list[list[int]]:
-    """Greedy outputs of an engine without the connector: PROMPTS, then PROBE."""
-    (outputs,) = run_engine(engine_spec(tiny_model, None, [[*PROMPTS, PROBE]], prefix_caching=False),
-                            work_dir / "baseline.log")
-    assert cached(outputs) == [0] * (len(PROMPTS) + 1)
-    return tokens(outputs)
+def first_engines(tiny_model: Path, work_dir: Path,
+                  daemon: DaemonUnderTest) -> tuple[list[list[int]], list[list[int]]]:
+    """Greedy outputs of an engine without the connector (PROMPTS, then PROBE), and of engine 1,
+    which ran PROMPTS through the daemon, starting while the first ran."""
+    alone = VllmEngine(engine_spec(tiny_model, None, [[*PROMPTS, PROBE]], prefix_caching=False),
+                       work_dir / "baseline.log")
+    engine = held_engine(engine_spec(tiny_model, daemon, [PROMPTS]), work_dir / "engine1.log",
+                         work_dir / "hold-engine1")
+    try:
+        (baseline,) = engine.start_after(alone)
+        (outputs,) = engine.outputs()
+    finally:
+        engine.kill()
+        alone.kill()
+    assert cached(baseline) == [0] * (len(PROMPTS) + 1)
+    return tokens(baseline), tokens(outputs)
 
 
 @pytest.fixture(scope="module")
-def engine1(tiny_model: Path, work_dir: Path, daemon: DaemonUnderTest,
-            baseline: list[list[int]]) -> list[list[int]]:
-    """Engine 1 ran PROMPTS through the daemon; returns its outputs."""
-    (outputs,) = run_engine(engine_spec(tiny_model, daemon, [PROMPTS]), work_dir / "engine1.log")
-    return tokens(outputs)
+def baseline(first_engines: tuple[list[list[int]], list[list[int]]]) -> list[list[int]]:
+    return first_engines[0]
+
+
+@pytest.fixture(scope="module")
+def engine1(first_engines: tuple[list[list[int]], list[list[int]]]) -> list[list[int]]:
+    """Engine 1 ran PROMPTS through the daemon; its outputs."""
+    return first_engines[1]
+
+
+def in_turn(work_dir: Path, specs: dict[str, dict[str, Any]]) -> dict[str, list[list[dict[str, Any]]]]:
+    """Fresh engines (logs `engine-<name>.log`), started together; once all are up, each runs its
+    rounds after the one before it has exited, in the order given. The outputs of each."""
+    engines: dict[str, VllmEngine] = {}
+    try:
+        for name, spec in specs.items():
+            engines[name] = held_engine(spec, work_dir / f"engine-{name}.log", work_dir / f"hold-{name}")
+        for engine in engines.values():
+            engine.wait_held()
+        outputs = {}
+        for name, engine in engines.items():
+            engine.go()
+            outputs[name] = engine.outputs()
+        return outputs
+    finally:
+        for engine in engines.values():
+            engine.kill()
+
+
+@pytest.fixture(scope="module")
+def moved_then_probe(engine1: list[list[int]], tiny_model: Path, work_dir: Path,
+                     daemon: DaemonUnderTest) -> tuple[dict[str, list[list[dict[str, Any]]]], int]:
+    """Two fresh engines in turn: one without the allocation context (`tests.vllm_moving_connector`)
+    runs PROMPTS; then one runs PROBE, then PROMPTS. Their outputs, and the daemon's objects after."""
+    outputs = in_turn(work_dir, {
+        "moved": engine_spec(tiny_model, daemon, [PROMPTS], connector_module="tests.vllm_moving_connector"),
+        "probe": engine_spec(tiny_model, daemon, [[PROBE], PROMPTS])})
+    return outputs, daemon.objects()
 
 
 def test_engine1_matches_baseline_and_stores_every_full_chunk(
@@ -91,13 +135,11 @@ def test_engine_allocates_its_cpu_cache_in_shared_memory(engine1: list[list[int]
     assert "moved into shared memory" not in log
 
 
-def test_engine_whose_cache_is_moved_serves_and_loads(engine1: list[list[int]], tiny_model: Path,
-                                                     work_dir: Path, daemon: DaemonUnderTest,
-                                                     baseline: list[list[int]]) -> None:
+def test_engine_whose_cache_is_moved_serves_and_loads(moved_then_probe: tuple[dict[str, Any], int],
+                                                     work_dir: Path, baseline: list[list[int]]) -> None:
     """Without the allocation context, registering moves vLLM's own CPU cache into a memfd
     in place: vLLM's tensors keep serving (outputs as the baseline's) and the loads land in them."""
-    spec = engine_spec(tiny_model, daemon, [PROMPTS], connector_module="tests.vllm_moving_connector")
-    (outputs,) = run_engine(spec, work_dir / "engine-moved.log")
+    (outputs,) = moved_then_probe[0]["moved"]
     assert cached(outputs) == HITS
     assert tokens(outputs) == baseline[: len(PROMPTS)]
     log = (work_dir / "engine-moved.log").read_text(errors="replace")
@@ -105,28 +147,38 @@ def test_engine_whose_cache_is_moved_serves_and_loads(engine1: list[list[int]], 
     assert "allocated in shared memory" not in log
 
 
-def test_fresh_engine_loads_chunk_aligned_prefixes(engine1: list[list[int]], tiny_model: Path,
-                                                   work_dir: Path, daemon: DaemonUnderTest,
+def test_fresh_engine_loads_chunk_aligned_prefixes(moved_then_probe: tuple[dict[str, Any], int],
                                                    baseline: list[list[int]]) -> None:
     # Round 0 caches PROBE's first 3 blocks locally, so in round 1 the loads of the prompts
     # sharing them start inside a chunk and leave vLLM's own blocks alone (block id -1).
-    probe, prompts = run_engine(engine_spec(tiny_model, daemon, [[PROBE], PROMPTS]), work_dir / "engine2.log")
+    outputs, objects = moved_then_probe
+    probe, prompts = outputs["probe"]
     assert cached(probe) == [CHUNK]
     assert cached(prompts) == HITS
     assert tokens(probe) + tokens(prompts) == [baseline[-1], *baseline[: len(PROMPTS)]]
-    assert daemon.objects() == STORED_CHUNKS + 1  # PROBE's own second chunk
+    assert objects == STORED_CHUNKS + 1  # PROBE's own second chunk
 
 
-@pytest.mark.parametrize("load_mode", ["sync", "async"])
-def test_fresh_engine_with_each_load_mode(engine1: list[list[int]], tiny_model: Path, work_dir: Path,
-                                          daemon: DaemonUnderTest, baseline: list[list[int]],
-                                          load_mode: str) -> None:
+LOAD_MODES = ["sync", "async"]
+
+
+@pytest.fixture(scope="module")
+def load_mode_outputs(engine1: list[list[int]], tiny_model: Path, work_dir: Path,
+                      daemon: DaemonUnderTest) -> dict[str, list[list[dict[str, Any]]]]:
+    """PROMPTS through a fresh engine per load mode, in turn."""
+    specs = {mode: engine_spec(tiny_model, daemon, [PROMPTS]) for mode in LOAD_MODES}
+    for mode, spec in specs.items():
+        spec["connector"]["lmcache.mp.load_mode"] = mode
+    return in_turn(work_dir, specs)
+
+
+@pytest.mark.parametrize("load_mode", LOAD_MODES)
+def test_fresh_engine_with_each_load_mode(load_mode_outputs: dict[str, list[list[dict[str, Any]]]],
+                                          baseline: list[list[int]], load_mode: str) -> None:
     """The other tests run the default, "auto" (sync while nothing else computes). "sync": loads
     land before the forward pass, and a whole-prompt hit (the last prompt) leaves its last chunk
     for vLLM to compute. "async": loads run while the engine steps on, whole-prompt hits whole."""
-    spec = engine_spec(tiny_model, daemon, [PROMPTS])
-    spec["connector"]["lmcache.mp.load_mode"] = load_mode
-    (outputs,) = run_engine(spec, work_dir / f"engine-{load_mode}.log")
+    (outputs,) = load_mode_outputs[load_mode]
     assert cached(outputs) == ([3 * CHUNK, 3 * CHUNK, CHUNK, 0, 3 * CHUNK] if load_mode == "sync" else HITS)
     assert tokens(outputs) == baseline[: len(PROMPTS)]
 

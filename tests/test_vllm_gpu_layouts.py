@@ -1,9 +1,10 @@
 """The caches vLLM 0.32 registers on a GPU, through the CPU's shared-memory path.
 
-vLLM 0.32 hands the connector per-layer 4-D views of one int8 buffer (`tests/vllm_caches.py`,
-checked here against vLLM's own allocation). One real daemon serves every case: worker A stores
-through the worker adapter, the scheduler adapter looks up, and worker B, a second registration
-of a freshly allocated identical cache, retrieves into other blocks (some ids -1) bit-exact.
+vLLM 0.32 hands the connector per-layer 4-D views of one int8 buffer
+(`lmcache_mp/testing/vllm_caches.py`, checked here against vLLM's own allocation). One real daemon
+serves every case: worker A stores through the worker adapter, the scheduler adapter looks up, and
+worker B, a second registration of a freshly allocated identical cache, retrieves into other blocks
+(some ids -1) bit-exact.
 MLA under tensor parallelism is stored once for every rank. Last, what the connector refuses.
 """
 
@@ -25,12 +26,12 @@ import torch
 
 from lmcache_mp.custom_types import IPCCacheEngineKey
 from lmcache_mp.errors import KVExportError, ServerError
-from lmcache_mp.launcher import start_daemon
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import ErrorCode, KVCacheRegistration, RequestType, StatusReport
+from lmcache_mp.testing.kv_worker import wait_done
+from lmcache_mp.testing.launcher import start_daemon
+from lmcache_mp.testing.vllm_caches import LAYOUTS, allocate_like_vllm, block_pages
 from tests.helpers import lookup, refusal, status, wait_for_status
-from tests.kv_worker import wait_done
-from tests.vllm_caches import LAYOUTS, allocate_like_vllm, block_pages
 from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp, registration
 
 CHUNK = 64  # the daemon's chunk: 4 blocks of 16 tokens, 2 of 32

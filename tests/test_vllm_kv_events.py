@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_mp.kv_events import STORED
-from lmcache_mp.launcher import DaemonProcess
+from lmcache_mp.kv_events.log import STORED
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import RequestType
+from lmcache_mp.testing.launcher import DaemonProcess
 from tests.helpers import wait_for, wait_for_status
 from tests.kv_event_subscriber import Subscriber
 from tests.vllm_engines import BLOCK, CHUNK, ENV, VllmEngine, engine_spec, make_tiny_llama

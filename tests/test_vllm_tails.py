@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
+from lmcache_mp.protocol import StatusReport
 from tests.helpers import status, wait_for_status
 
 # The engine runner, and the module-scoped fixtures `daemon` and `work_dir`.
@@ -29,8 +32,8 @@ from tests.vllm_engines import (
     cached,
     daemon_fixture,  # noqa: F401
     engine_spec,
+    held_engine,
     make_tiny_llama,
-    run_engine,
     tokens,
     work_dir_fixture,  # noqa: F401
 )
@@ -74,26 +77,28 @@ def model(work_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def floor(model: Path, work_dir: Path) -> list[list[list[int]]]:
-    """The answers of an engine whose own prefix cache holds every turn (no connector)."""
-    rounds = run_engine(engine_spec(model, None, ROUNDS, conversation=True), work_dir / "floor.log")
-    return [tokens(r) for r in rounds]
+def floor(model: Path, work_dir: Path) -> Iterator[VllmEngine]:
+    """An engine whose own prefix cache holds every turn (no connector). Started here, it runs while
+    the first test's engine starts; its answers are read once it has exited."""
+    engine = VllmEngine(engine_spec(model, None, ROUNDS, conversation=True), work_dir / "floor.log")
+    yield engine
+    engine.kill()
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["daemon-only", "with-vllm-cache"])
 def test_returning_turns_load_their_whole_history(model: Path, work_dir: Path, daemon: DaemonUnderTest,
-                                                  floor: list[list[list[int]]], prefix_caching: bool) -> None:
+                                                  floor: VllmEngine, prefix_caching: bool) -> None:
     daemon.proc.stop()
     daemon.start()  # empty: each case starts from nothing
     # The engine stays up before an extra last round, while the objects are counted: a tail is
     # freed with its model's formats, known while its ranks are registered.
     barrier = work_dir / f"barrier-{prefix_caching}"
-    barrier.mkdir()
     spec = engine_spec(model, daemon, [*ROUNDS, [[5], [5]]], prefix_caching=prefix_caching, conversation=True,
                        barrier_dir=str(barrier))
     spec["connector"]["lmcache.mp.tails"] = True
-    engine = VllmEngine(spec, work_dir / f"tails-{prefix_caching}.log")
+    engine = held_engine(spec, work_dir / f"tails-{prefix_caching}.log", barrier)
     try:
+        floor_answers = [tokens(r) for r in engine.start_after(floor)]
         turns = []
         for i in range(len(ROUNDS)):
             turns.append(engine.round(i))
@@ -105,7 +110,7 @@ def test_returning_turns_load_their_whole_history(model: Path, work_dir: Path, d
                             f"round {i}: (objects, tails noted) {landed}", timeout_s=120,
                             daemon=daemon.proc)
             (barrier / f"go-{i + 1}").touch()
-        assert [tokens(r) for r in turns] == floor
+        assert [tokens(r) for r in turns] == floor_answers
         prompts = _histories()
         previous = [[p + MAX_TOKENS for p in round_prompts] for round_prompts in prompts]
         assert cached(turns[0]) == [0, 0]
@@ -119,51 +124,6 @@ def test_returning_turns_load_their_whole_history(model: Path, work_dir: Path, d
         engine.finish()
     finally:
         engine.kill()
-
-
-def floor_and_engine(model: Path, work_dir: Path, daemon: DaemonUnderTest, rounds: list,
-                     name: str, **options: object) -> tuple[list, VllmEngine, Path]:
-    """The rounds' answers from an engine without the connector (the floor), and an engine with
-    the connector and tails that runs each round after the first once `go-<i>` is in the barrier
-    directory (returned too)."""
-    floor = run_engine(engine_spec(model, None, rounds, **options), work_dir / f"{name}-floor.log")
-    barrier = work_dir / f"barrier-{name}"
-    barrier.mkdir()
-    spec = engine_spec(model, daemon, rounds, barrier_dir=str(barrier), **options)
-    spec["connector"]["lmcache.mp.tails"] = True
-    return floor, VllmEngine(spec, work_dir / f"tails-{name}.log"), barrier
-
-
-# vLLM gives each position of a prompt of embeddings the token id 0: these token ids are what the
-# embeddings' prompt holds in its first 20 positions.
-ZEROS = [0] * 20
-EMBEDDINGS = {"embeds_seed": 39, "length": 25}
-
-
-def test_a_prompt_of_embeddings_never_takes_a_tail(model: Path, work_dir: Path,
-                                                   daemon: DaemonUnderTest) -> None:
-    """A prompt of 20 token ids 0 leaves its tail (shorter than a block: indexed after token 0).
-    A prompt of 25 embeddings then finds no tail offered (it asks for none), loads nothing, and
-    answers as an engine without the connector does; nor does it leave a tail of its own."""
-    daemon.proc.stop()
-    daemon.start()  # empty
-    rounds = [[ZEROS], [EMBEDDINGS]]
-    embeds = {"max_tokens": 1, "prompt_embeds": True, "logprobs": True}
-    floor, engine, barrier = floor_and_engine(model, work_dir, daemon, rounds, "embeds", **embeds)
-    try:
-        engine.round(0)
-        noted = wait_for_status(daemon.url, lambda r: (r.objects, r.tails_noted_total) == (1, 1),
-                                "the token prompt's tail stored and noted", timeout_s=120, daemon=daemon.proc)
-        (barrier / "go-1").touch()
-        embedded = engine.round(1)
-        engine.finish()
-    finally:
-        engine.kill()
-    after = status(daemon.url)
-    assert cached(embedded) == [0]
-    assert embedded == floor[1]  # the same token and the same logprob: no other prompt's KV
-    assert after.tails_offered_total == noted.tails_offered_total  # it looked up no tail
-    assert (after.objects, after.tails_noted_total) == (1, 1)  # and stored none
 
 
 def make_lora(path: Path, seed: int) -> Path:
@@ -183,28 +143,89 @@ def make_lora(path: Path, seed: int) -> Path:
     return path
 
 
-def test_a_lora_adapters_tail_is_its_own(model: Path, work_dir: Path, daemon: DaemonUnderTest) -> None:
-    """Two adapters of one name at two paths (a name re-pointed at another adapter): the second
-    does not take the first's tail of the same tokens, and answers as an engine without the
-    connector does; the first, back, takes its own."""
+# The one-token turns: an adapter's history and two returning turns, under two adapters of one name
+# at two paths (a name re-pointed at another adapter); then a prompt of token ids 0 and one of
+# embeddings. One engine with prompt embeddings and LoRA on answers them all, one token each.
+HISTORY = _tokens(20)  # shorter than a block: its tail is found after token 0
+RETURNS = [_tokens(5), _tokens(5)]
+# vLLM gives each position of a prompt of embeddings the token id 0: these token ids are what the
+# embeddings' prompt holds in its first 20 positions.
+ZEROS = [0] * 20
+EMBEDDINGS = {"embeds_seed": 39, "length": 25}
+ONE_TOKEN = {"max_tokens": 1, "prompt_embeds": True, "max_lora_rank": 8, "logprobs": True}
+# The daemon's (objects, tails noted) once the adapters' turns have landed: each turn noted its tail;
+# the first adapter's second turn loaded its first's and superseded it (freed). Then the token
+# prompt's tail, and no more.
+ADAPTERS_LANDED = (2, 3)
+ZEROS_LANDED = (3, 4)
+
+
+@dataclass
+class OneTokenTurns:
+    floor: list[list[dict]]  # per round, the answers of an engine without the connector
+    outputs: list[list[dict]]  # and those of the engine with it
+    zeros_landed: StatusReport  # once the token prompt's tail was stored and noted
+    end: StatusReport  # after the embeddings' turn, the engine exited
+
+
+@pytest.fixture(scope="module")
+def one_token_turns(model: Path, work_dir: Path, daemon: DaemonUnderTest) -> OneTokenTurns:
+    """The one-token turns through an engine with the connector and tails, on an empty daemon, each
+    round once the last one's tails have landed (counted exactly); and through an engine without
+    it (the floor), which runs while the other starts."""
     daemon.proc.stop()
     daemon.start()  # empty
     here, there = (str(make_lora(work_dir / f"lora-{seed}", seed)) for seed in (1, 2))
-    history = _tokens(20)  # shorter than a block: its tail is found after token 0
-    rounds = [[{"tokens": history, "lora": ["adapter", 1, here]}],
-              [{"tokens": history + _tokens(5), "lora": ["adapter", 2, there]}],
-              [{"tokens": history + _tokens(5), "lora": ["adapter", 1, here]}]]
-    lora = {"max_tokens": 1, "max_lora_rank": 8, "logprobs": True}
-    floor, engine, barrier = floor_and_engine(model, work_dir, daemon, rounds, "lora", **lora)
+    rounds = [[{"tokens": HISTORY, "lora": ["adapter", 1, here]}],
+              [{"tokens": HISTORY + RETURNS[0], "lora": ["adapter", 2, there]}],
+              [{"tokens": HISTORY + RETURNS[1], "lora": ["adapter", 1, here]}],
+              [ZEROS], [EMBEDDINGS]]
+    floor = VllmEngine(engine_spec(model, None, rounds, **ONE_TOKEN), work_dir / "one-token-floor.log")
+    barrier = work_dir / "barrier-one-token"
+    spec = engine_spec(model, daemon, rounds, barrier_dir=str(barrier), **ONE_TOKEN)
+    spec["connector"]["lmcache.mp.tails"] = True
+    engine = held_engine(spec, work_dir / "one-token.log", barrier)
+
+    def landed(want: tuple[int, int], what: str) -> StatusReport:
+        return wait_for_status(daemon.url, lambda r: (r.objects, r.tails_noted_total) == want, what,
+                               timeout_s=120, daemon=daemon.proc)
+
     try:
-        engine.round(0)
-        wait_for_status(daemon.url, lambda r: (r.objects, r.tails_noted_total) == (1, 1),
-                        "the first adapter's tail stored and noted", timeout_s=120, daemon=daemon.proc)
+        floor_outputs = engine.start_after(floor)
+        outputs = [engine.round(0)]
+        landed((1, 1), "the first adapter's tail stored and noted")
         for i in (1, 2):
             (barrier / f"go-{i}").touch()
-        other, own = engine.round(1), engine.round(2)
+        outputs += [engine.round(1), engine.round(2)]
+        landed(ADAPTERS_LANDED, "the adapters' tails stored and noted, the superseded one freed")
+        (barrier / "go-3").touch()
+        outputs.append(engine.round(3))
+        zeros_landed = landed(ZEROS_LANDED, "the token prompt's tail stored and noted")
+        (barrier / "go-4").touch()
+        outputs.append(engine.round(4))
         engine.finish()
     finally:
         engine.kill()
+        floor.kill()
+    return OneTokenTurns(floor_outputs, outputs, zeros_landed, status(daemon.url))
+
+
+def test_a_prompt_of_embeddings_never_takes_a_tail(one_token_turns: OneTokenTurns) -> None:
+    """A prompt of 20 token ids 0 leaves its tail (shorter than a block: indexed after token 0).
+    A prompt of 25 embeddings then finds no tail offered (it asks for none), loads nothing, and
+    answers as an engine without the connector does; nor does it leave a tail of its own."""
+    turns = one_token_turns
+    embedded = turns.outputs[4]
+    assert cached(embedded) == [0]
+    assert embedded == turns.floor[4]  # the same token and the same logprob: no other prompt's KV
+    assert turns.end.tails_offered_total == turns.zeros_landed.tails_offered_total  # it looked up no tail
+    assert (turns.end.objects, turns.end.tails_noted_total) == ZEROS_LANDED  # and stored none
+
+
+def test_a_lora_adapters_tail_is_its_own(one_token_turns: OneTokenTurns) -> None:
+    """Two adapters of one name at two paths: the second does not take the first's tail of the
+    same tokens, and answers as an engine without the connector does; the first, back, takes its
+    own."""
+    floor, (_, other, own, *_) = one_token_turns.floor, one_token_turns.outputs
     assert cached(other) == [0] and other == floor[1]
     assert cached(own) == [20] and tokens(own) == tokens(floor[2])

@@ -16,23 +16,11 @@ import torch
 
 from lmcache_mp.custom_types import IPCCacheEngineKey
 from lmcache_mp.errors import LMCacheMPError
-from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.protocol import ChunkOutcome, ErrorCode, RequestType
-from tests.helpers import (
-    BLOCK,
-    CHUNK,
-    LAYERS,
-    SHAPE,
-    block_hashes,
-    count_lookup,
-    refusal,
-    run_worker,
-    status,
-    store,
-    wait_for,
-    wait_for_status,
-)
-from tests.kv_worker import make_caches, pages, wait_done
+from lmcache_mp.testing.blocks import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes
+from lmcache_mp.testing.kv_worker import make_caches, pages, wait_done
+from lmcache_mp.testing.launcher import DaemonProcess
+from tests.helpers import count_lookup, refusal, run_worker, status, store, wait_for, wait_for_status
 from vllm_adapter import LMCacheMPWorkerAdapter, LoadStoreOp
 
 ARGS = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05")

@@ -25,26 +25,17 @@ from lmcache_mp.custom_types import (
     get_customized_encoder,
 )
 from lmcache_mp.errors import ServerError
-from lmcache_mp.launcher import DaemonProcess
 from lmcache_mp.mq import MessageQueueClient
 from lmcache_mp.protocol import ErrorCode, KVCacheRegistration, RequestType
+from lmcache_mp.testing.blocks import BLOCK
+from lmcache_mp.testing.launcher import DaemonProcess, free_port
 from lmcache_mp.transfer.cuda import (
     IPC_REQUIREMENTS,
     export_cuda_tensors,
     import_cuda_tensors,
     index_of_uuid,
 )
-from tests.helpers import (
-    ADAPTER_LOG,
-    BLOCK,
-    CUDA,
-    HASH_KEY,
-    SHM,
-    TOKEN_KEY,
-    free_port,
-    register_requests,
-    status,
-)
+from tests.helpers import ADAPTER_LOG, CUDA, HASH_KEY, SHM, TOKEN_KEY, register_requests, status
 from vllm_adapter import LMCacheMPWorkerAdapter
 
 CUDA_STATE = CUDA.state  # the same handles test_foundation.py round-trips
@@ -67,7 +58,7 @@ def _python(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedP
 @pytest.mark.parametrize("command", [["ping", "--count", "2"], ["status", "--json"]])
 def test_cli_talks_to_the_daemon_without_torch(daemon: DaemonProcess, command: list[str]) -> None:
     code = ("import sys\n"
-            "from lmcache_mp.cli import main\n"
+            "from lmcache_mp.cli.main import main\n"
             "rc = main(sys.argv[1:])\n"
             "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
             "assert not loaded, f'the CLI loaded torch: {loaded[:5]}'\n"

@@ -6,6 +6,10 @@ SPEC: model, dtype, block_size, num_blocks (KV cache size; registering the cache
 daemon moves it into shared memory, so small is quick), max_tokens, prefix_caching (bool),
 connector (null, or the `kv_connector_extra_config` for LMCacheMPDaemonConnector), connector_module
 (optional: another module holding a class of that name, instead of `vllm_adapter.connector`),
+kv_connector (optional: a connector vLLM knows by name instead, e.g. "LMCacheMPConnector", which is
+LMCache's own where the lmcache package is installed; `connector` is then its extra config),
+kv_offloading (optional: {"backend", "size", "extra_config" (optional)}: vLLM's --kv-offloading-backend and
+--kv-offloading-size, which choose the connector themselves; extra_config, its kv_connector_extra_config),
 hybrid_kv_cache_manager (optional bool: vLLM's HMA on; off by default), hf_overrides (optional),
 max_num_batched_tokens (optional), kv_events (optional: vLLM's `KVEventsConfig` fields, its KV event
 publisher on), logprobs (optional bool: also report each generated token's
@@ -15,10 +19,12 @@ prompt_embeds, `{"embeds_seed": s, "length": n}`: n rows of random embeddings dr
 or `{"tokens": [...], "lora": [name, id, path]}`: token ids through that LoRA adapter), conversation
 (optional bool: prompt j of round i > 0 is then the previous round's prompt j and its answer,
 followed by these tokens: a multi-turn chat), barrier_dir (optional: before round i > 0, wait
-until the file `go-i` exists there, so a test can act between rounds), resets (optional: {"i": bool}:
-before round i, vLLM's `reset_prefix_cache(reset_connector=bool)`, asked again until it succeeds:
-the stores of the round before hold their blocks for a few more steps), results_dir (optional:
-where each round's result is also written, whole, as `round-i.json`).
+until the file `go-i` exists there, so a test can act between rounds), hold_dir (optional: before
+round 0, make the file `held` there, then wait until `go` exists there: the engine starts while
+another runs), resets (optional: {"i": bool}: before round i, vLLM's
+`reset_prefix_cache(reset_connector=bool)`, asked again until it succeeds: the stores of the round
+before hold their blocks for a few more steps), results_dir (optional: where each round's result is
+also written, whole, as `round-i.json`).
 
 After each round it prints one line `RESULT {"round": i, "outputs": [{"num_cached_tokens":
 n, "token_ids": [...]}, ...]}` (greedy decoding, fixed length). vLLM's own log goes to the
@@ -71,6 +77,14 @@ def engine_args(spec: dict[str, Any]) -> dict[str, Any]:
         args["kv_transfer_config"] = kv_transfer_config(spec["connector"])
         if spec.get("connector_module"):
             args["kv_transfer_config"]["kv_connector_module_path"] = spec["connector_module"]
+        if spec.get("kv_connector"):  # a connector vLLM knows by name, e.g. LMCache's LMCacheMPConnector
+            args["kv_transfer_config"]["kv_connector"] = spec["kv_connector"]
+            del args["kv_transfer_config"]["kv_connector_module_path"]
+    if spec.get("kv_offloading"):
+        offloading = spec["kv_offloading"]
+        args.update(kv_offloading_backend=offloading["backend"], kv_offloading_size=offloading["size"])
+        if offloading.get("extra_config"):
+            args["kv_transfer_config"] = {"kv_connector_extra_config": offloading["extra_config"]}
     return args
 
 
@@ -138,6 +152,9 @@ def main() -> int:
                             logprobs=0 if spec.get("logprobs") else None)
     histories: list[list[int]] = []  # a conversation's: each prompt and its answer so far
     for i, prompts in enumerate(spec["rounds"]):
+        if not i and spec.get("hold_dir"):
+            (Path(spec["hold_dir"]) / "held").touch()
+            wait_for(Path(spec["hold_dir"]) / "go")
         if i and spec.get("barrier_dir"):
             wait_for(Path(spec["barrier_dir"]) / f"go-{i}")
         if str(i) in spec.get("resets", {}):

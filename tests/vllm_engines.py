@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from lmcache_mp.launcher import start_daemon
+from lmcache_mp.testing.launcher import start_daemon
 from tests.helpers import status
 
 REPO = Path(__file__).resolve().parent.parent
@@ -85,6 +85,9 @@ class VllmEngine:
         self.results_dir = log_path.with_suffix(".results")
         shutil.rmtree(self.results_dir, ignore_errors=True)
         self.results_dir.mkdir(parents=True)
+        self.num_rounds = len(spec["rounds"])
+        self.hold_dir = Path(spec["hold_dir"]) if spec.get("hold_dir") else None
+        self._outputs: list[list[dict[str, Any]]] | None = None
         spec = {**spec, "results_dir": str(self.results_dir)}
         # A process group of its own (killed whole), but the test's session, the daemon's too: Linux
         # shares CPUs between sessions first, and a daemon in another session than an engine whose
@@ -101,15 +104,24 @@ class VllmEngine:
     def round(self, i: int) -> list[dict[str, Any]]:
         """The outputs of round i, waiting for them."""
         result_path = self.results_dir / f"round-{i}.json"
+        self._wait_for(result_path, f"round {i}")
+        return json.loads(result_path.read_text())["outputs"]
+
+    def wait_held(self) -> None:
+        """Returns once an engine from `held_engine` is up, waiting to start its first round."""
+        assert self.hold_dir is not None
+        self._wait_for(self.hold_dir / "held", "it was up")
+
+    def _wait_for(self, path: Path, what: str) -> None:
         while True:
-            exited = self.proc.poll() is not None  # before looking: a round written as it exits counts
-            if result_path.exists():
-                return json.loads(result_path.read_text())["outputs"]
+            exited = self.proc.poll() is not None  # before looking: a file written as it exits counts
+            if path.exists():
+                return
             if exited:
-                pytest.fail(f"engine exited with {self.proc.returncode} before round {i}:\n{self.log_tail()}")
+                pytest.fail(f"engine exited with {self.proc.returncode} before {what}:\n{self.log_tail()}")
             if time.monotonic() > self.deadline:
                 self.kill()
-                pytest.fail(f"engine timed out before round {i}:\n{self.log_tail()}")
+                pytest.fail(f"engine timed out before {what}:\n{self.log_tail()}")
             time.sleep(0.1)
 
     def finish(self) -> None:
@@ -125,6 +137,42 @@ class VllmEngine:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)  # the engine's process group: EngineCore, workers
             self.proc.wait(10)
+
+    def outputs(self) -> list[list[dict[str, Any]]]:
+        """Every round's outputs, once the engine has exited cleanly (killed if it fails); waited
+        for by the first caller, kept for the next."""
+        if self._outputs is None:
+            try:
+                rounds = [self.round(i) for i in range(self.num_rounds)]
+                self.finish()
+            finally:
+                self.kill()
+            self._outputs = rounds
+        return self._outputs
+
+    def go(self) -> None:
+        """Lets an engine from `held_engine` start its first round."""
+        assert self.hold_dir is not None
+        (self.hold_dir / "go").touch()
+
+    def start_after(self, first: VllmEngine) -> list[list[dict[str, Any]]]:
+        """For an engine from `held_engine`: `first`'s outputs, once it has exited; then this one's
+        first round goes."""
+        outputs = first.outputs()
+        self.go()
+        return outputs
+
+
+def held_engine(spec: dict[str, Any], log_path: Path, hold_dir: Path, env: dict[str, str] = ENV,
+                timeout_s: float = ENGINE_TIMEOUT_S) -> VllmEngine:
+    """An engine whose first round waits for `go` in `hold_dir` (made here). Started while another
+    engine runs or starts, it spends that time on its own start (most of an engine's time: imports
+    in its three processes); the test lets it go (`go`, `start_after`) once the other has exited,
+    or, when the other has the connector too, once both were up before either ran (`wait_held`): no
+    lookup or store of one runs beside the other's rounds or start."""
+    hold_dir.mkdir(exist_ok=True)
+    return VllmEngine({**spec, "hold_dir": str(hold_dir)}, log_path, env,
+                      timeout_s + ENGINE_TIMEOUT_S)  # the other engine's run comes first
 
 
 # vLLM's own teardown race: when an EngineCore is slow to exit (a busy machine), the front end
@@ -145,13 +193,7 @@ def tracebacks(log: str) -> list[str]:
 
 def run_engine(spec: dict[str, Any], log_path: Path, env: dict[str, str] = ENV,
                timeout_s: float = ENGINE_TIMEOUT_S) -> list[list[dict[str, Any]]]:
-    engine = VllmEngine(spec, log_path, env, timeout_s)
-    try:
-        rounds = [engine.round(i) for i in range(len(spec["rounds"]))]
-        engine.finish()
-        return rounds
-    finally:
-        engine.kill()
+    return VllmEngine(spec, log_path, env, timeout_s).outputs()
 
 
 def make_tiny_llama(out: Path) -> Path:

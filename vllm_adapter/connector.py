@@ -1,9 +1,8 @@
 """`LMCacheMPDaemonConnector`: vLLM 0.32's KV connector for the lmcache-mp daemon.
 
-Load it with
+Load it with (by name: `plugin.py` registers it with vLLM)
 
     --kv-transfer-config '{"kv_connector": "LMCacheMPDaemonConnector",
-                           "kv_connector_module_path": "vllm_adapter.connector",
                            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"lmcache.mp.url": "ipc:///run/user/1000/lmcache-mp/daemon.sock"}}'
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from lmcache_mp.errors import LMCacheMPError
-from lmcache_mp.kv_events import CLEARED, STORED, ChunkEvent, EventsReply
+from lmcache_mp.kv_events.log import CLEARED, STORED, ChunkEvent, EventsReply
 from lmcache_mp.mq.client import MessageQueueClient, MessagingFuture
 from lmcache_mp.protocol import RequestType
 

@@ -13,7 +13,7 @@ this side's one filter of it.
 
 `KeyMaker` holds an adapter's identity (model, world size, rank) and chunk geometry, once: the
 adapters read theirs from it. Its `num_chunks` restates the daemon's count of an op's chunks
-(`lmcache_mp/keys.py`, token mode): a STORE reply has one outcome per chunk in key order, which
+(`lmcache_mp/engine/keys.py`, token mode): a STORE reply has one outcome per chunk in key order, which
 the worker slices per request with that count, so the two must agree. `connect` says HELLO and
 checks the daemon's chunk size against vLLM's block size, which every key depends on.
 """

@@ -82,7 +82,7 @@ class LMCacheMPSchedulerAdapter:
             keys = self._keys
             hashes = list(striding_block_hashes(block_hashes or [], keys.blocks_in_chunk))
             payload: list[Any] = [keys.model_name, keys.world_size, request_id, hashes]
-            if tails:  # and the window a tail's last full block must be in (`lmcache_mp.tails`)
+            if tails:  # and the window a tail's last full block must be in (`lmcache_mp.engine.tails`)
                 last_chunk = max(0, len(hashes) - 1) * keys.blocks_in_chunk
                 payload.append(list((block_hashes or [])[last_chunk:]))
             kind = RequestType.LOOKUP_PREFIX if tails else RequestType.LOOKUP_CHUNKS

@@ -4,7 +4,7 @@ A returning turn of a conversation resends its history, which seldom ends on a c
 without its tail, it would recompute up to a chunk of tokens it had sent before. So when a
 request finishes, the scheduler stores the part of its KV past its last full chunk (up to a
 chunk's blocks, the last maybe partly filled) as one short chunk, and notes it to the daemon
-under its *anchor*, the key of the chunk before it (`lmcache_mp.tails`).
+under its *anchor*, the key of the chunk before it (`lmcache_mp.engine.tails`).
 
 Its key names the tail's tokens and all before them, as vLLM's block hash would name a block of
 them: vLLM's hash of the tail's last full block (which chains through every earlier token, with
@@ -12,7 +12,7 @@ the request's LoRA, cache salt and multimodal inputs), or of the anchor's last b
 past it, and the extra keys vLLM's own block hasher adds for those tokens (the LoRA adapter's
 name and path, and the cache salt where no block hash precedes them). A returning turn gets the
 tails noted after its last chunk hit (those whose last full block its prompt's last chunk or
-later blocks hold: the daemon's window, `lmcache_mp.tails`), and keeps the longest whose key its
+later blocks hold: the daemon's window, `lmcache_mp.engine.tails`), and keeps the longest whose key its
 own tokens reproduce, so a tail that is not the request's own history is never loaded.
 
 A request whose token ids do not name its input gets no tail, neither stored nor looked up:

@@ -177,17 +177,22 @@ class MessageQueueServer:
                 status, payload = ErrorCode.OVERLOADED, self._unread_refusal(identity, len(body))
             else:
                 payload = frame
-        frames = [identity, request_id, STATUS_FRAME[status], payload]
+        self.send(identity, [request_id, STATUS_FRAME[status], payload])
+        return status
+
+    def send(self, identity: bytes, frames: list[bytes | zmq.Frame]) -> None:
+        """Send a message of these frames to the connection `identity` (from any thread; after
+        `stop` it is dropped). `reply` sends through it; another wire's replies go as they are."""
+        message = [identity, *frames]
         if threading.current_thread() is self._thread:  # only while the I/O thread runs
-            send_frames(self._sock, frames)
-            return status
+            send_frames(self._sock, message)
+            return
         with self._reply_lock:
             if self._closed:
                 logger.debug("dropping a reply: the message queue is stopped")
-                return status
-            self._outbox.append(frames)
+                return
+            self._outbox.append(message)
             os.eventfd_write(self._doorbell, 1)
-        return status
 
     def _unread_refusal(self, identity: bytes, size: int) -> bytes:
         message = (f"a reply of {size} bytes not sent: this connection holds "

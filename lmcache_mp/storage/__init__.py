@@ -1,7 +1,7 @@
 """The daemon's storage: the CPU memory pool (L1), the tiers below it, and the manager over both.
 
 This package's face is what the rest of the daemon uses of it: the `StorageManager` (its only
-door to storage, see `manager.py`) and the names of what it hands out:
+door to storage, see `manager.py`; LOOKUP's part in `read_through.py`) and the names of what it hands out:
 
     StorageManager      builds, serves and closes the pool and the tiers
     Hits                a LOOKUP's result: per leading chunk, one pinned L1 object per rank
@@ -19,23 +19,27 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lmcache_mp.storage.manager import FormatCombo, Hits, RankSpec, StorageManager
-    from lmcache_mp.storage.pool import PoolObject, ReserveFailure
+    from lmcache_mp.storage.manager import StorageManager
+    from lmcache_mp.storage.pool.pool import PoolObject, ReserveFailure
+    from lmcache_mp.storage.read_through import FormatCombo, Hits, RankSpec
 
     Slot = PoolObject | ReserveFailure
 
-_MANAGER_NAMES = frozenset({"StorageManager", "Hits", "RankSpec", "FormatCombo"})
+_READ_THROUGH_NAMES = frozenset({"Hits", "RankSpec", "FormatCombo"})
 _POOL_NAMES = frozenset({"PoolObject", "ReserveFailure"})
 
 __all__ = ["FormatCombo", "Hits", "PoolObject", "RankSpec", "ReserveFailure", "Slot", "StorageManager"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _MANAGER_NAMES:
+    if name == "StorageManager":
         import lmcache_mp.storage.manager as manager
-        value = getattr(manager, name)
+        value = manager.StorageManager
+    elif name in _READ_THROUGH_NAMES:
+        import lmcache_mp.storage.read_through as read_through
+        value = getattr(read_through, name)
     elif name in _POOL_NAMES or name == "Slot":
-        import lmcache_mp.storage.pool as pool
+        import lmcache_mp.storage.pool.pool as pool
         value = pool.PoolObject | pool.ReserveFailure if name == "Slot" else getattr(pool, name)
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -73,7 +73,7 @@ def as_buffer(payload: Payload) -> memoryview:
 
 def encode_head(key: ChunkKey, payload_len: int) -> bytes:
     """The header of the object that stores `payload_len` bytes under `key`, but its checksum:
-    `encode_header` appends it; the pool writes its records in two steps (`pool_file`)."""
+    `encode_header` appends it; the pool writes its records in two steps (`pool/file.py`)."""
     fields = key.fmt.encode()
     if max(len(key.chunk_hash), len(key.fingerprint), len(fields)) > _MAX_FIELD:
         raise ValueError("chunk hash or format too long for a chunk header")

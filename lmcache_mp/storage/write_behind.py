@@ -28,8 +28,8 @@ from collections import deque
 from collections.abc import Callable, Iterator, Set
 
 from lmcache_mp.chunks import ChunkKey
-from lmcache_mp.storage.base import StorageTier
-from lmcache_mp.storage.pool import PoolObject
+from lmcache_mp.storage.pool.pool import PoolObject
+from lmcache_mp.storage.tiers.base import StorageTier
 
 logger = logging.getLogger(__name__)
 

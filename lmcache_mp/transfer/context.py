@@ -99,7 +99,7 @@ def as_words(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The tensors' bytes seen as 8-byte words, when every one of them allows it (innermost
     dimension contiguous, sizes, strides and offset whole words); else the tensors as they are.
     An indexed copy costs per element, not per byte: 2-byte bf16 elements ran a GPU gather at
-    a fifth of a plain copy's speed (H100, `scripts/gpu_copy_probe.py`)."""
+    a fifth of a plain copy's speed (H100, `scripts/gpu/copy_probe.py`)."""
     try:
         return tuple(t if t.dtype.itemsize == 8 else t.view(torch.int64) for t in tensors)
     except RuntimeError:  # torch: "... must be divisible ..." / "... stride 1 ..."

@@ -35,7 +35,7 @@ import threading
 import torch
 
 from lmcache_mp.custom_types import SharedMemoryTensor
-from lmcache_mp.storage.pool_memory import MADV_POPULATE_WRITE, _madvise
+from lmcache_mp.storage.pool.memory import MADV_POPULATE_WRITE, _madvise
 from lmcache_mp.transfer.dtypes import dtype_to_str, str_to_dtype
 from lmcache_mp.transfer.shm_move import move_to_shared_memory
 from lmcache_mp.transfer.views import view_of

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from lmcache_mp.storage.pool_memory import MADV_POPULATE_WRITE, _madvise
+from lmcache_mp.storage.pool.memory import MADV_POPULATE_WRITE, _madvise
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 A RETRIEVE is on the critical path of the request that waits for it (vLLM computes nothing for it
 until its KV is in place), and one thread copying pages can leave memory bandwidth unused while
-another core is free (`scripts/bench_data_plane.py` measures the split RETRIEVE against the
+another core is free (`scripts/bench/bench_data_plane.py` measures the split RETRIEVE against the
 one-thread one). So a RETRIEVE of several chunks hands chunks out to helper threads that are free at that
 moment, and copies the rest itself.
 

@@ -11,7 +11,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from lmcache_mp.cancellation import TransferFence
+from lmcache_mp.engine.cancellation import TransferFence
 from lmcache_mp.errors import ServerError
 from lmcache_mp.protocol import ErrorCode
 from tests.helpers import arrived

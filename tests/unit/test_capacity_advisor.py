@@ -1,4 +1,4 @@
-"""The capacity advisor (`capacity_advisor.py`): its predicted hit rates against an LRU cache
+"""The capacity advisor (`engine/capacity_advisor.py`): its predicted hit rates against an LRU cache
 simulated access by access, exactly while it samples every chunk and within a few points once it
 samples, with its memory bounded however many chunks it sees."""
 
@@ -14,9 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmcache_mp.capacity_advisor import MAX_SAMPLED_PER_LOOKUP, MAX_TRACKED, SCALES, CapacityAdvisor
+from lmcache_mp.cli.status_text import render_status
+from lmcache_mp.engine.capacity_advisor import MAX_SAMPLED_PER_LOOKUP, MAX_TRACKED, SCALES, CapacityAdvisor
 from lmcache_mp.protocol import CapacityPoint, StatusReport
-from lmcache_mp.status_text import render_status
 from tests.helpers import conversation_trace
 
 

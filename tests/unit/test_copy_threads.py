@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from lmcache_mp.dispatch import ARRIVAL
+from lmcache_mp.engine.dispatch import ARRIVAL
 from lmcache_mp.transfer.threads import CopyThreads
 from tests.helpers import Recorder
 

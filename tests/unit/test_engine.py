@@ -20,17 +20,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmcache_mp import status
 from lmcache_mp.config import ServerConfig
 from lmcache_mp.custom_types import IPCCacheEngineKey
-from lmcache_mp.dispatch import PEER, ReplyThen
-from lmcache_mp.engine import Engine
+from lmcache_mp.engine import status
+from lmcache_mp.engine.dispatch import PEER, ReplyThen
+from lmcache_mp.engine.engine import Engine
 from lmcache_mp.errors import ServerError
-from lmcache_mp.observability import Metrics
+from lmcache_mp.observability.metrics import Metrics
 from lmcache_mp.protocol import ChunkOutcome, ErrorCode, KVCacheRegistration, ModelScope, RequestType
+from lmcache_mp.testing.blocks import BLOCK, CHUNK, LAYERS, SHAPE
+from lmcache_mp.testing.kv_worker import make_caches, pages
 from lmcache_mp.transfer.attach_channel import AttachChannel
-from tests.helpers import BLOCK, CHUNK, LAYERS, SHAPE, arrived, wait_for
-from tests.kv_worker import make_caches, pages
+from tests.helpers import arrived, wait_for
 from vllm_adapter.kv_export import export_kv_caches
 
 MODEL = "m"

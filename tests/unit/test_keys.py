@@ -11,9 +11,9 @@ import hashlib
 import pytest
 
 from lmcache_mp.custom_types import IPCCacheEngineKey
+from lmcache_mp.engine.hashing import chunk_hashes
+from lmcache_mp.engine.keys import ChunkMapper, check_keys_for, check_same_model
 from lmcache_mp.errors import ServerError
-from lmcache_mp.hashing import chunk_hashes
-from lmcache_mp.keys import ChunkMapper, check_keys_for, check_same_model
 from lmcache_mp.protocol import ErrorCode, KVCacheRegistration
 
 C = 4  # tokens per chunk

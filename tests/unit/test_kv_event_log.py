@@ -16,9 +16,9 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from lmcache_mp.kv_events import STORED, EventBatch, EventLog
-from lmcache_mp.kv_events_publisher import BATCH_OVERHEAD_BYTES, END_SEQ, EventPublisher, KeptBatches
-from lmcache_mp.kv_events_resync import Pass, Resync
+from lmcache_mp.kv_events.log import STORED, EventBatch, EventLog
+from lmcache_mp.kv_events.publisher import BATCH_OVERHEAD_BYTES, END_SEQ, EventPublisher, KeptBatches
+from lmcache_mp.kv_events.resync import Pass, Resync
 
 FINGERPRINT = b"f" * 16
 

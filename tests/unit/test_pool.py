@@ -15,9 +15,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from lmcache_mp.cli.status_text import render_status
 from lmcache_mp.protocol import StatusReport
-from lmcache_mp.status_text import render_status
-from lmcache_mp.storage.pool import (
+from lmcache_mp.storage.pool.pool import (
     ALIGN,
     MemoryPool,
     ObjectState,
@@ -916,7 +916,7 @@ def test_a_pinning_failure_leaves_the_rest_of_the_pool_unpinned_but_usable(
     it says how much is pinned and why no more (STATUS shows both), and pinning is not tried again."""
     slab, capacity = 192 * KiB, 4 * MiB  # 21 slabs; pieces of about 1 MiB
     pins = PinsUntil(good)
-    with caplog.at_level(logging.WARNING, logger="lmcache_mp.storage.pool_memory"):
+    with caplog.at_level(logging.WARNING, logger="lmcache_mp.storage.pool.memory"):
         pool = MemoryPool(capacity, pin=pins, slab_bytes=slab, background=background, piece_bytes=MiB)
         try:
             wait_for(lambda: pool.stats().ready_bytes == capacity)

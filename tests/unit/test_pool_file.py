@@ -1,5 +1,5 @@
-"""Warm restart at the pool's level: a pool in a file that a new pool adopts (storage/pool_file.py,
-pool_records.py, pool_integrity.py), crash consistency under SIGKILL at random instants, and the
+"""Warm restart at the pool's level: a pool in a file that a new pool adopts (pool/file.py,
+pool/records.py, pool/integrity.py), crash consistency under SIGKILL at random instants, and the
 files that must never be adopted."""
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from lmcache_mp.chunks import ChunkFormat, ChunkKey
-from lmcache_mp.pool_location import PoolFileError, discard_pool_file
-from lmcache_mp.storage import pool_memory
 from lmcache_mp.storage.chunk_format import encode_head
-from lmcache_mp.storage.pool import MemoryPool, ObjectState, PoolObject
-from lmcache_mp.storage.pool_file import _layout, open_pool_file
-from lmcache_mp.storage.pool_integrity import PoolIntegrity
+from lmcache_mp.storage.pool import memory as pool_memory
+from lmcache_mp.storage.pool.file import _layout, open_pool_file
+from lmcache_mp.storage.pool.integrity import PoolIntegrity
+from lmcache_mp.storage.pool.location import PoolFileError, discard_pool_file
+from lmcache_mp.storage.pool.pool import MemoryPool, ObjectState, PoolObject
 from tests.helpers import wait_for
 
 CAPACITY = 1 << 20

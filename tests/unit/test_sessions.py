@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from lmcache_mp import sessions as sessions_module
-from lmcache_mp.sessions import SessionTable
+from lmcache_mp.engine import sessions as sessions_module
+from lmcache_mp.engine.sessions import SessionTable
 
 TTL_S = 10.0
 

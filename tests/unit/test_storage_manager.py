@@ -21,9 +21,11 @@ import torch
 
 from lmcache_mp.chunks import ChunkFormat, ChunkKey, TierStats
 from lmcache_mp.storage import manager as manager_module
-from lmcache_mp.storage.disk import DiskTier, object_name
-from lmcache_mp.storage.manager import FormatCombo, Hits, RankSpec, StorageManager
-from lmcache_mp.storage.pool import MemoryPool, ObjectState, PoolObject, ReserveFailure
+from lmcache_mp.storage import read_through
+from lmcache_mp.storage.manager import StorageManager
+from lmcache_mp.storage.pool.pool import MemoryPool, ObjectState, PoolObject, ReserveFailure
+from lmcache_mp.storage.read_through import FormatCombo, Hits, RankSpec
+from lmcache_mp.storage.tiers.disk import DiskTier, object_name
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -617,7 +619,7 @@ def test_a_tier_without_an_in_memory_index_is_asked_on_the_reader_thread(make, d
 
 
 def test_pending_promotions_are_bounded(make, disk, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(manager_module, "MAX_PENDING_PROMOTIONS", 2)
+    monkeypatch.setattr(read_through, "MAX_PENDING_PROMOTIONS", 2)
     tier = disk(cls=GatedDiskTier, gate_reads=True)
     mgr = make(tier)
     chain = hashes(4)

@@ -16,12 +16,13 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 
 from lmcache_mp.custom_types import IPCCacheEngineKey
+from lmcache_mp.engine.keys import ChunkMapper, short_chunk_hash, short_chunks
+from lmcache_mp.engine.tails import TailIndex, tail_identity
 from lmcache_mp.errors import ServerError
-from lmcache_mp.keys import ChunkMapper, short_chunk_hash, short_chunks
 from lmcache_mp.protocol import TailHit
-from lmcache_mp.storage.manager import RankSpec
-from lmcache_mp.tails import TailIndex, tail_identity
-from tests.helpers import BLOCK, CHUNK, block_hashes, fmt
+from lmcache_mp.storage.read_through import RankSpec
+from lmcache_mp.testing.blocks import BLOCK, CHUNK, block_hashes
+from tests.helpers import fmt
 from vllm_adapter.ops import KeyMaker, LoadStoreOp
 from vllm_adapter.tails import finish_store, longest_own_tail, may_have_tail, tail_hash
 

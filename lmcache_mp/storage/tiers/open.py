@@ -1,0 +1,53 @@
+"""Lower tiers by URL (`--l2 URL`).
+
+A tier's URL scheme picks its class; the class parses the rest (its module's docstring
+lists the forms and parameters). A tier's module is imported only when a URL names it.
+
+    disk:///ABSOLUTE/PATH?size_gb=N                     a local directory (`disk.py`)
+    redis://, rediss://, redis+cluster://, rediss+cluster://
+                                                        Valkey/Redis (`tiers/redis.py`)
+    lmcache://HOST:PORT                                 a v1 remote server (`tiers/v1.py`)
+
+What logs, STATUS and /metrics show of a URL is `urls.redact_url`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+from lmcache_mp.storage.tiers.base import StorageTier
+from lmcache_mp.storage.tiers.urls import redact_url
+
+
+def _disk(url: str) -> StorageTier:
+    from lmcache_mp.storage.tiers.disk import DiskTier
+    return DiskTier.from_url(url)
+
+
+def _redis(url: str) -> StorageTier:
+    from lmcache_mp.storage.tiers.redis import RedisTier
+    return RedisTier.from_url(url)
+
+
+def _v1_remote(url: str) -> StorageTier:
+    from lmcache_mp.storage.tiers.v1 import V1RemoteTier
+    return V1RemoteTier.from_url(url)
+
+
+_OPENERS: dict[str, Callable[[str], StorageTier]] = {
+    "disk": _disk,
+    "redis": _redis, "rediss": _redis, "redis+cluster": _redis, "rediss+cluster": _redis,
+    "lmcache": _v1_remote,
+}
+
+
+def open_tier(url: str) -> StorageTier:
+    """The tier that `url` names; ValueError on an unsupported scheme or a bad URL."""
+    scheme = urlsplit(url).scheme
+    opener = _OPENERS.get(scheme)
+    if opener is None:
+        supported = ", ".join(f"{s}://" for s in sorted(_OPENERS))
+        raise ValueError(f"unsupported storage tier URL {redact_url(url)!r}: "
+                         f"the supported schemes are {supported}")
+    return opener(url)
