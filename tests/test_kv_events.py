@@ -144,6 +144,9 @@ def test_the_pool_events_name_the_chunk_by_its_hash_and_its_parent(daemons, shor
         assert reply.events[0].kind == CLEARED  # the stream starts from nothing
         other: EventsReply = client.submit(RequestType.KV_EVENTS, [0, ["another model"], 100]).result(10)
         assert [e.kind for e in other.events] == [CLEARED]
+        # CLEAR leaves pinned chunks, and the pool file's sealer pins each new chunk while it
+        # checksums it (at nice 19: a while on a busy machine).
+        wait_for_status(daemon.url, lambda r: r.pool_unsealed == 0, "every chunk sealed")
         client.submit(RequestType.CLEAR, []).result(10)
         after: EventsReply = client.submit(RequestType.KV_EVENTS, [reply.next_seq, ["m"], 100]).result(10)
         assert {e.chunk_hash for e in after.events if e.kind == REMOVED} == set(chain)
@@ -254,6 +257,7 @@ def test_the_connector_follows_its_chunks_through_clears_and_restarts(daemons, s
         assert [e.block_hashes for e in seen] == [[external_hash(h) for h in pair] for pair in blocks]
         assert [e.parent_block_hash for e in seen] == [None, *(external_hash(p[-1]) for p in blocks[:2])]
         assert {e.medium for e in seen} == {"CPU"} and {e.block_size for e in seen} == {16}
+        wait_for_status(daemon.url, lambda r: r.pool_unsealed == 0, "every chunk sealed")  # unpinned
         client.submit(RequestType.CLEAR, []).result(10)
         until("3 removed", lambda: len(seen) >= 6)
         assert [type(e) for e in seen[3:]] == [BlockRemoved] * 3
