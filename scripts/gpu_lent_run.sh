@@ -16,7 +16,7 @@ echo "probe exit code ${PIPESTATUS[0]}"
 timeout -k 10 "${SELFTEST_S:-300}" python3 scripts/gpu/selftest.py --pin-gib "${PIN_GIB:-8,32}" \
   --out "$OUT/gpu_selftest.json" 2>&1 | tee "$OUT/selftest.log"
 echo "self-test exit code ${PIPESTATUS[0]}"
-timeout -k 10 "${PYTEST_S:-150}" python3 -m pytest -q -p no:cacheprovider -m cuda -rA tests/test_cuda.py \
+timeout -k 10 "${PYTEST_S:-150}" python3 -m pytest -q -p no:cacheprovider -m cuda -rA tests/smoke/test_cuda.py \
   2>&1 | tee "$OUT/pytest_cuda.log"
 echo "pytest -m cuda exit code ${PIPESTATUS[0]}"
 tar czf "$OUT/daemon_logs.tgz" /tmp/lmc-gpu-* /tmp/pytest-of-* 2>/dev/null

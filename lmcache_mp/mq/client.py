@@ -14,7 +14,7 @@ Invariants:
 - The client never blocks on a full queue or a missing connection: the request is dropped and
   times out instead.
 - This module and what it imports load neither torch nor numpy: the CLI's `ping` and `status`
-  start fast (tests/test_fast_start.py).
+  start fast (tests/smoke/test_fast_start.py).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ buffer at the layer's byte offset, then `.view(dtype)`. The physical order of th
 C is `2 * head_size` (K and V side by side) for attention, `head_size` for MLA, whose cache has
 one latent head (`[blocks, 1, block_size, latent]`). Where the backend's kernel block size is
 smaller than vLLM's block size, dim 0 counts `num_blocks * ratio` kernel blocks and dim 2 the
-kernel block's tokens. `tests/test_vllm_gpu_layouts.py` checks every shape, stride, offset and
+kernel block's tokens. `tests/vllm/test_vllm_gpu_layouts.py` checks every shape, stride, offset and
 dtype made here against vLLM's own functions; `scripts/gpu/selftest.py` can use this without vLLM.
 """
 

@@ -14,7 +14,7 @@ import pytest
 from lmcache_mp.engine.cancellation import TransferFence
 from lmcache_mp.errors import ServerError
 from lmcache_mp.protocol import ErrorCode
-from tests.helpers import arrived
+from tests.support.helpers import arrived
 
 A, B = 1, 2  # instance ids
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from lmcache_mp.cli.status_text import render_status
 from lmcache_mp.engine.capacity_advisor import MAX_SAMPLED_PER_LOOKUP, MAX_TRACKED, SCALES, CapacityAdvisor
 from lmcache_mp.protocol import CapacityPoint, StatusReport
-from tests.helpers import conversation_trace
+from tests.support.helpers import conversation_trace
 
 
 def lru_hit_rate(lookups: list[list[bytes]], capacity: int) -> float:

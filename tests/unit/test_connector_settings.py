@@ -1,6 +1,7 @@
 """The connector's settings: declared once (`ConnectorSettings`), read from vLLM's
 `kv_connector_extra_config` by `settings.from_keys`, and docs/configuration.md's table of them
-generated from the same declaration. tests/test_connector_logic.py::test_settings has the keys' checks."""
+generated from the same declaration. tests/connector/test_connector_logic.py::test_settings has the
+keys' checks."""
 
 from __future__ import annotations
 

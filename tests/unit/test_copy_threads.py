@@ -16,7 +16,7 @@ import pytest
 
 from lmcache_mp.engine.dispatch import ARRIVAL
 from lmcache_mp.transfer.threads import CopyThreads
-from tests.helpers import Recorder
+from tests.support.helpers import Recorder
 
 
 @contextmanager

@@ -31,7 +31,7 @@ from lmcache_mp.protocol import ChunkOutcome, ErrorCode, KVCacheRegistration, Mo
 from lmcache_mp.testing.blocks import BLOCK, CHUNK, LAYERS, SHAPE
 from lmcache_mp.testing.kv_worker import make_caches, pages
 from lmcache_mp.transfer.attach_channel import AttachChannel
-from tests.helpers import arrived, wait_for
+from tests.support.helpers import arrived, wait_for
 from vllm_adapter.kv_export import export_kv_caches
 
 MODEL = "m"
@@ -345,7 +345,7 @@ def test_clear_drops_every_chunk_no_lease_holds(engine: EngineUnderTest) -> None
     assert not ok and "no longer stored" in reason
 
 
-# ---- RESET_MODEL (more in tests/test_reset.py) ---------------------------------------------------
+# ---- RESET_MODEL (more in tests/daemon/test_reset.py) ---------------------------------------------------
 
 
 def test_a_store_that_arrived_before_a_reset_of_its_model_stores_nothing(engine: EngineUnderTest) -> None:

@@ -11,7 +11,7 @@ import importlib.metadata
 import pytest
 
 from lmcache_mp.lmcache_door import wire
-from tests.helpers import LMCACHE_MISSING
+from tests.support.helpers import LMCACHE_MISSING
 
 # What the door's tests import of lmcache: its request client, CPU segments and vLLM connector.
 CLIENT_MODULES = ("lmcache.v1.multiprocess.transport.zmq_impl", "lmcache.v1.platform.devices.cpu.shm",

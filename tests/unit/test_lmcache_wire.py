@@ -14,7 +14,7 @@ import torch
 
 from lmcache_mp.lmcache_door import wire
 from lmcache_mp.lmcache_door.keys import engine_key
-from tests.helpers import LMCACHE_MISSING
+from tests.support.helpers import LMCACHE_MISSING
 
 pytest.importorskip("lmcache", reason=LMCACHE_MISSING)  # tests/unit/test_lmcache_peer.py fails
 
@@ -33,7 +33,7 @@ from lmcache.v1.multiprocess.transport.zmq_impl.wire import (
 )
 from lmcache.v1.platform.devices.cpu.shm import CpuShmTensorWrapper
 
-from tests.lmcache_peer import client_frames
+from tests.support.lmcache_peer import client_frames
 
 TOKENS = list(range(1000, 1100))
 

@@ -23,7 +23,7 @@ from lmcache_mp.storage.pool.file import _layout, open_pool_file
 from lmcache_mp.storage.pool.integrity import PoolIntegrity
 from lmcache_mp.storage.pool.location import PoolFileError, discard_pool_file
 from lmcache_mp.storage.pool.pool import MemoryPool, ObjectState, PoolObject
-from tests.helpers import wait_for
+from tests.support.helpers import wait_for
 
 CAPACITY = 1 << 20
 ALIGN = 4096

@@ -1,6 +1,6 @@
 """Tails in process: the daemon's index of them, their keys, which one a request keeps, the store a
 finished request plans, and how keys name a short chunk. Requests are vLLM's own `Request`, with
-vLLM's block hasher; tests/test_tails.py and tests/test_vllm_tails.py run the real daemon and a
+vLLM's block hasher; tests/daemon/test_tails.py and tests/vllm/test_vllm_tails.py run the real daemon and a
 real engine."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from lmcache_mp.errors import ServerError
 from lmcache_mp.protocol import TailHit
 from lmcache_mp.storage.read_through import RankSpec
 from lmcache_mp.testing.blocks import BLOCK, CHUNK, block_hashes
-from tests.helpers import fmt
+from tests.support.helpers import fmt
 from vllm_adapter.ops import KeyMaker, LoadStoreOp
 from vllm_adapter.tails import finish_store, longest_own_tail, may_have_tail, tail_hash
 

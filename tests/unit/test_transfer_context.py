@@ -24,7 +24,7 @@ from lmcache_mp.transfer.context import (
 from lmcache_mp.transfer.cuda import wait_bounded
 from lmcache_mp.transfer.layouts import describe_caches
 from lmcache_mp.transfer.threads import CopyThreads
-from tests.helpers import Recorder
+from tests.support.helpers import Recorder
 
 NUM_BLOCKS = 12
 CHUNK_TOKENS = 64  # 4 blocks of 16

@@ -1,0 +1,163 @@
+"""LMCache's `engine_driven` mode (its default on CPU) through the lmcache door: LMCache's OWN worker-side
+transfer context (`EngineDrivenTransferContext`: its registration, its gathers and scatters of vLLM's
+paged KV, its prepare/commit requests) against the real daemon, which hands it a staging segment of
+its own registration's, never the pool, and never loads a pickle."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lmcache_mp.testing.launcher import DaemonProcess
+from tests.support.helpers import LMCACHE_MISSING, status, wait_for_status
+
+pytest.importorskip("lmcache", reason=LMCACHE_MISSING)  # tests/unit/test_lmcache_peer.py fails
+
+from lmcache.v1.multiprocess.group_view import EngineGroupInfo
+from lmcache.v1.multiprocess.transfer_context.shm import EngineDrivenContextShm
+from lmcache.v1.multiprocess.transfer_context.worker_transfer import EngineDrivenTransferContext
+
+from tests.support.lmcache_peer import (
+    BLOCK,
+    BLOCKS,
+    CHUNK,
+    HEADS,
+    LAYERS,
+    MODEL,
+    TIMEOUT_S,
+    WIDTH,
+    door_fixture,  # noqa: F401 (a fixture)
+    key,
+    lmcache_client_fixture,  # noqa: F401 (a fixture)
+    lookup,
+)
+
+BLOCKS_IN_CHUNK = CHUNK // BLOCK
+
+
+class Worker:
+    """A CPU worker of vLLM 0.32 as LMCache's connector drives it in engine_driven mode: its per-layer
+    caches `[blocks, heads, block tokens, 2 * head size]`, and LMCache's own transfer context."""
+
+    def __init__(self, client: Any, instance_id: int):
+        self.kv = {f"layers.{i}.attn": torch.zeros(BLOCKS, HEADS, BLOCK, WIDTH, dtype=torch.bfloat16)
+                   for i in range(LAYERS)}
+        self.context = EngineDrivenTransferContext(instance_id, client)
+        self.context.register(self.kv, MODEL, 1, BLOCKS_IN_CHUNK, TIMEOUT_S, layout_hints={},
+                              engine_group_infos=[EngineGroupInfo(0, tuple(range(LAYERS)), BLOCK)])
+
+    @property
+    def layers(self) -> list[torch.Tensor]:
+        return list(self.kv.values())
+
+    def store(self, request_id: str, blocks: list[int], end: int = 64) -> bool:
+        return self.context.submit_store(request_id, key(request_id, 0, 0, end), self.kv, [blocks], None,
+                                         BLOCKS_IN_CHUNK).result(TIMEOUT_S)
+
+    def retrieve(self, request_id: str, blocks: list[int], skip: int = 0) -> bool:
+        return self.context.submit_retrieve(request_id, key(request_id, 0, 0, 64), self.kv, [blocks], None,
+                                            BLOCKS_IN_CHUNK, skip_first_n_tokens=skip).result(TIMEOUT_S)
+
+
+def test_a_store_and_a_load_go_through_the_registration_s_own_staging_segment(
+        door: tuple[DaemonProcess, str], lmcache_client: Any) -> None:
+    daemon, _ = door
+    worker = Worker(lmcache_client, 48)
+    shm = worker.context.engine_driven_context
+    assert isinstance(shm, EngineDrivenContextShm), "the worker fell back to pickle"
+    staging = Path("/dev/shm") / shm._shm_name.lstrip("/")
+    assert staging.exists() and staging.stat().st_mode & 0o777 == 0o600
+    assert staging.resolve().parent == Path("/dev/shm") and daemon.pool_path != staging
+    generator = torch.Generator().manual_seed(7)
+    for layer in worker.layers:
+        layer[0:4].copy_(torch.randn(4, HEADS, BLOCK, WIDTH, generator=generator))
+
+    assert worker.store("first", [0, 1, 2, 3]) is True
+    lmcache_client.end_session("first").result(TIMEOUT_S)
+    assert status(daemon.url).objects == 2
+    assert lookup(lmcache_client, "again", 64) == 2
+    assert worker.retrieve("again", [8, 9, 10, 11]) is True
+    assert all(torch.equal(layer[8:12], layer[0:4]) for layer in worker.layers)
+    lmcache_client.end_session("again").result(TIMEOUT_S)
+
+    # A load whose first block vLLM holds already: LMCache's worker leaves it alone.
+    assert lookup(lmcache_client, "skip", 64) == 2
+    for layer in worker.layers:
+        layer[12:16].fill_(7)
+    assert worker.retrieve("skip", [12, 13, 14, 15], skip=BLOCK) is True
+    for layer in worker.layers:
+        assert torch.equal(layer[13:16], layer[1:4]) and bool((layer[12] == 7).all())
+    lmcache_client.end_session("skip").result(TIMEOUT_S)
+
+    report = status(daemon.url)
+    assert [(i.instance_id, i.layout, i.door) for i in report.instances] == [
+        (48, "LMCACHE_ENGINE_DRIVEN", "lmcache")]
+    assert report.leases == 0
+    # The daemon copies with preadv/pwritev: it never maps the staging segment (a worker that cut it
+    # short could not fault it).
+    assert staging.name not in Path(f"/proc/{daemon.proc.pid}/maps").read_text()
+
+    worker.context.unregister().result(TIMEOUT_S)
+    worker.context.close()
+    assert not staging.exists()
+    wait_for_status(daemon.url, lambda r: r.registered_instances == [], "the registration gone")
+
+
+def test_a_load_finds_the_chunks_a_store_left_and_a_missing_chunk_fails_it_whole(
+        door: tuple[DaemonProcess, str], lmcache_client: Any) -> None:
+    worker = Worker(lmcache_client, 49)
+    try:
+        for layer in worker.layers:
+            layer[0:2].copy_(torch.randn(2, HEADS, BLOCK, WIDTH))
+        assert worker.store("one", [0, 1], end=32) is True  # the first chunk only
+        lmcache_client.end_session("one").result(TIMEOUT_S)
+        assert lookup(lmcache_client, "two", 64) == 1
+        for layer in worker.layers:
+            layer[8:12].fill_(3)
+        # Both chunks asked for, one stored: nothing is written, the load fails (vLLM recomputes).
+        assert worker.retrieve("two", [8, 9, 10, 11]) is False
+        assert all(bool((layer[8:12] == 3).all()) for layer in worker.layers)
+        lmcache_client.end_session("two").result(TIMEOUT_S)
+    finally:
+        worker.context.unregister().result(TIMEOUT_S)
+        worker.context.close()
+
+
+def test_a_staging_segment_cut_short_fails_the_commit_and_the_daemon_serves_on(
+        door: tuple[DaemonProcess, str], lmcache_client: Any) -> None:
+    daemon, _ = door
+    worker = Worker(lmcache_client, 50)
+    staging = Path("/dev/shm") / worker.context.engine_driven_context._shm_name.lstrip("/")
+    try:
+        prepared = lmcache_client.prepare_store(key("cut", 0, 0, 64), 50).result(TIMEOUT_S)
+        assert len(prepared.context["slots"]) == 2
+        worker.context.close()  # unmapped here first: this process must not touch its pages once cut
+        os.truncate(staging, 0)  # what a careless or hostile worker may do between prepare and commit
+        assert lmcache_client.commit_store(key("cut", 0, 0, 64), 50, b"").result(TIMEOUT_S) is False
+        assert daemon.proc.poll() is None and lmcache_client.ping(50).result(TIMEOUT_S) is True
+        assert status(daemon.url).objects == 0
+    finally:
+        lmcache_client.unregister_kv_cache_engine_driven_context(50).result(TIMEOUT_S)
+    assert not staging.exists()
+
+
+def test_a_staging_segment_left_by_a_killed_daemon_goes_at_the_next_start(
+        daemons: Any, short_tmp: Path) -> None:
+    dead = subprocess.Popen(["true"])  # a process id no daemon holds any more
+    dead.wait()
+    orphan = Path(f"/dev/shm/lmcache_mp_staging_{dead.pid}_0123abcd")
+    alive = Path(f"/dev/shm/lmcache_mp_staging_{os.getpid()}_0123abcd")  # a live process's: kept
+    orphan.write_bytes(b"\0" * 64)
+    alive.write_bytes(b"\0" * 64)
+    try:
+        daemon = daemons("--lmcache-listen", f"ipc://{short_tmp / 'lmcache.sock'}", "--l1-size-gb", "0.05")
+        assert not orphan.exists() and alive.exists()
+        assert f"removed 1 staging segments of daemons no longer running: {orphan.name}" in daemon.log()
+    finally:
+        orphan.unlink(missing_ok=True)
+        alive.unlink()

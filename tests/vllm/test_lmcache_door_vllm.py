@@ -1,0 +1,114 @@
+"""Real vLLM engines with LMCache's own connector (`"kv_connector": "LMCacheMPConnector"`, which vLLM
+0.32 resolves to lmcache's `lmcache_mp_connector` when the lmcache package is installed) against our
+daemon's lmcache door: in its `lmcache_driven` mode on CPU (caches in POSIX shared memory), and as
+vLLM's `--kv-offloading-backend lmcache` sets it up, with nothing else set (its default on CPU:
+`engine_driven`, through a staging segment of the daemon's)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lmcache_mp.testing.launcher import DaemonProcess, free_port, start_daemon
+from tests.support.helpers import LMCACHE_MISSING, status
+from tests.support.vllm_engines import (
+    CHUNK,
+    ENGINE_TIMEOUT_S,
+    PROMPTS,
+    cached,
+    engine_spec,
+    make_tiny_llama,
+    run_engine,
+    tokens,
+    tracebacks,
+    work_dir_fixture,  # noqa: F401 (a fixture)
+)
+
+pytest.importorskip("lmcache", reason=LMCACHE_MISSING)  # tests/unit/test_lmcache_peer.py fails
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3 * ENGINE_TIMEOUT_S + 60)]  # up to 3 engines each
+
+
+@pytest.fixture(scope="module")
+def model(work_dir: Path) -> Path:
+    return make_tiny_llama(work_dir / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def baseline(model: Path, work_dir: Path) -> list[dict[str, Any]]:
+    """What an engine without a connector makes of the prompts."""
+    return run_engine(engine_spec(model, None, [PROMPTS]), work_dir / "baseline.log")[0]
+
+
+def test_a_fresh_engine_hits_what_another_stored_through_lmcache_s_connector(
+        work_dir: Path, model: Path, baseline: list[dict[str, Any]]) -> None:
+    door = f"ipc://{work_dir / 'lmcache.sock'}"
+    daemon = start_daemon(work_dir, "--lmcache-listen", door, "--chunk-size", str(CHUNK),
+                          "--l1-size-gb", "0.05")
+    try:
+        spec = engine_spec(model, None, [PROMPTS])
+        spec["connector"] = {"lmcache.mp.server_urls": door, "lmcache.mp.mp_transfer_mode": "lmcache_driven"}
+        spec["kv_connector"] = "LMCacheMPConnector"
+        first = run_engine(spec, work_dir / "first.log")[0]
+        stored = status(daemon.url).objects
+        second = run_engine(spec, work_dir / "second.log")[0]
+        for name in ("first", "second"):
+            log = (work_dir / f"{name}.log").read_text(errors="replace")
+            assert not tracebacks(log), log[-6000:]
+            assert "lmcache_mp_connector" in log or "LMCache" in log, "not LMCache's own connector"
+    finally:
+        daemon.stop()
+    assert "Traceback" not in daemon.log(), daemon.log()
+    # A fresh daemon has nothing to load: engine 1 hits only its own prefix cache, as the baseline.
+    assert cached(first) == cached(baseline)
+    assert stored > 0
+    # Engine 2, fresh, loads every full chunk engine 1 stored of each prompt: 3 chunks of the first
+    # two (they share 2), 1 of the third, none of the short one, and all 4 of the prompt of exactly 4
+    # chunks, of which vLLM counts all but the last token (it computes that one again).
+    assert cached(second) == [3 * CHUNK, 3 * CHUNK, CHUNK, 0, 4 * CHUNK - 1]
+    assert tokens(second) == tokens(baseline) == tokens(first)
+
+
+# Where vLLM's `--kv-offloading-backend lmcache` points LMCache's connector when nothing else is set.
+DEFAULT_PORT = 5555
+
+
+def _door_on_the_default_port(work_dir: Path) -> tuple[DaemonProcess, dict[str, Any]]:
+    """A daemon whose lmcache door listens where vLLM's default points, and the connector settings the
+    engine then needs: none. If another process holds that port (a benchmark's `lmcache server`), a
+    free port and the one setting that names it."""
+    args = ("--allow-unauthenticated-tcp", "--chunk-size", str(CHUNK), "--l1-size-gb", "0.05")
+    try:
+        return start_daemon(work_dir, "--lmcache-listen", f"tcp://127.0.0.1:{DEFAULT_PORT}", *args), {}
+    except RuntimeError as err:
+        if "Address already in use" not in str(err):
+            raise
+    port = free_port()
+    print(f"port {DEFAULT_PORT} is taken: the engine is pointed at port {port} (lmcache.mp.port)")
+    daemon = start_daemon(work_dir, "--lmcache-listen", f"tcp://127.0.0.1:{port}", *args)
+    return daemon, {"lmcache.mp.port": port}
+
+
+def test_kv_offloading_backend_lmcache_hits_with_no_other_setting(
+        work_dir: Path, model: Path, baseline: list[dict[str, Any]]) -> None:
+    daemon, extra_config = _door_on_the_default_port(work_dir)
+    try:
+        spec = engine_spec(model, None, [PROMPTS],
+                           kv_offloading={"backend": "lmcache", "size": 1, "extra_config": extra_config})
+        first = run_engine(spec, work_dir / "offload-first.log")[0]
+        stored = status(daemon.url)
+        second = run_engine(spec, work_dir / "offload-second.log")[0]
+        logs = [(work_dir / f"offload-{n}.log").read_text(errors="replace") for n in ("first", "second")]
+    finally:
+        daemon.stop()
+    assert "Traceback" not in daemon.log(), daemon.log()
+    for log in logs:
+        assert not tracebacks(log), log[-6000:]
+        # LMCache's connector on CPU by default: engine_driven, through the daemon's staging segment.
+        assert "engine-driven context registered" in log and "mode=SHM" in log, log[-6000:]
+    assert stored.objects > 0 and "engine_driven: chunks of" in daemon.log()
+    assert cached(first) == cached(baseline)
+    assert cached(second) == [3 * CHUNK, 3 * CHUNK, CHUNK, 0, 4 * CHUNK - 1]
+    assert tokens(second) == tokens(baseline) == tokens(first)
