@@ -35,6 +35,7 @@ from vllm_adapter.heartbeat import Heartbeat
 from vllm_adapter.kv_events import EngineEvents
 from vllm_adapter.kv_groups import NULL_BLOCK_ID, KVGroup, skip_null_blocks
 from vllm_adapter.ops import SKIP_BLOCK, LoadStoreOp
+from vllm_adapter.request_params import RequestParams
 from vllm_adapter.scheduler_adapter import LMCacheMPSchedulerAdapter, reset_models
 from vllm_adapter.tails import finish_store, longest_own_tail, may_have_tail
 
@@ -49,29 +50,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-# Per-request switches, in the request's `kv_transfer_params` (the OpenAI API's field of that
-# name, or `SamplingParams.extra_args["kv_transfer_params"]` offline): true skips the request's
-# lookup and load, or its stores (a one-off prompt that would only churn the cache).
-SKIP_LOAD, SKIP_SAVE = "lmcache.mp.skip_load", "lmcache.mp.skip_save"
-
 # How a request whose tail is stored ended (vLLM's `RequestStatus` names): not aborted, nor failed.
 _ENDED_AS_ASKED = frozenset({"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION"})
-
-
-def _request_switch(request: Request, key: str) -> bool:
-    """The request's `key` switch: a JSON true or false; anything else is ignored, with a warning."""
-    params = getattr(request, "kv_transfer_params", None) or {}
-    value = params.get(key, False) if isinstance(params, dict) else False
-    if isinstance(value, bool):
-        return value
-    logger.warning("request %s: kv_transfer_params %s=%r is not true or false; ignored",
-                   request.request_id, key, value)
-    return False
 
 
 @dataclass
 class _RequestState:
     request: Request  # vLLM's live object: its block hashes grow as tokens complete blocks
+    params: RequestParams  # its own settings (kv_transfer_params)
     loads: bool = True  # looked up and loaded: the engine's kv_role and the request's switch
     stores: bool = True  # its chunks stored: likewise
     lookup_sent: bool = False
@@ -171,12 +157,28 @@ class SchedulerSide:
         if hit is None:
             return None, True  # lookup pending: vLLM skips the request this step, asks again
         state.local_tokens = num_computed_tokens
+        hit = self._capped_hit(state, hit)
         sync = self._loads_synchronously(request, hit, hit - num_computed_tokens)
         if sync:
             hit = self._sync_hit(request, hit)
         new = max(0, hit - num_computed_tokens)
         state.sync_load = sync
         return new, new > 0 and not sync
+
+    def _capped_hit(self, state: _RequestState, hit: int) -> int:
+        """The hit a load may cover: at most the request's `max_load_tokens` past vLLM's own prefix
+        hit, ending on a chunk boundary (a chunk is loaded whole). A cut hit loses its tail."""
+        limit = state.params.max_load_tokens
+        if limit is None or hit <= state.local_tokens + limit:
+            return hit
+        chunk_tokens = self._chunk_blocks * self._block_size
+        state.tail = None
+        return max(state.local_tokens, (state.local_tokens + limit) // chunk_tokens * chunk_tokens)
+
+    def _stored_through(self, state: _RequestState, end: int) -> int:
+        """`end`, or the request's `max_offload_tokens` if fewer: no store goes past it."""
+        limit = state.params.max_offload_tokens
+        return end if limit is None else min(end, limit)
 
     def _loads_synchronously(self, request: Request, hit: int, tokens: int) -> bool:
         """Whether the request's load (of `tokens`) runs right before its forward pass
@@ -202,9 +204,10 @@ class SchedulerSide:
     def _state(self, request: Request) -> _RequestState:
         state = self._requests.get(request.request_id)
         if state is None:
+            params = RequestParams.of(request)
             state = self._requests[request.request_id] = _RequestState(
-                request, loads=self._loads and not _request_switch(request, SKIP_LOAD),
-                stores=self._stores and not _request_switch(request, SKIP_SAVE))
+                request, params, loads=self._loads and not params.skip_load,
+                stores=self._stores and not params.skip_save)
         return state
 
     def _hit_tokens(self, state: _RequestState, wait: bool = False) -> int | None:
@@ -356,7 +359,8 @@ class SchedulerSide:
         """A store of the full chunks that are computed once this step has run and that the
         daemon does not hold yet (neither its hit nor our earlier stores), one op per group."""
         request = state.request
-        limit = request.num_tokens if self._save_decode_cache else request.num_prompt_tokens
+        limit = self._stored_through(
+            state, request.num_tokens if self._save_decode_cache else request.num_prompt_tokens)
         full_blocks = min(min(computed, limit) // self._block_size, len(request.block_hashes))
         chunks = full_blocks // self._chunk_blocks
         tables = block_state.get_block_ids(request.request_id)
@@ -483,6 +487,7 @@ class SchedulerSide:
         end = min(request.num_computed_tokens, request.num_tokens - 1)
         if not self._save_decode_cache:
             end = min(end, request.num_prompt_tokens)
+        end = self._stored_through(state, end)
         store = finish_store(request, block_ids, state.saved_chunks, self._chunk_blocks, self._block_size,
                              end)
         stored: list[TailNote] = []

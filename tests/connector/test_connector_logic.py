@@ -16,7 +16,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 import torch
@@ -30,7 +29,7 @@ from lmcache_mp.testing.blocks import BLOCK, CHUNK, SHAPE, block_hashes
 from lmcache_mp.testing.kv_worker import pages
 from lmcache_mp.testing.launcher import DaemonProcess, start_daemon
 from lmcache_mp.testing.probes import freeze
-from tests.support.connector_helpers import Worker, match, request, step, until
+from tests.support.connector_helpers import Blocks, Worker, match, request, step, store_prompt, until
 from tests.support.helpers import status, wait_for
 from vllm_adapter.connector_common import ConnectorSettings, LMCacheMPConnectorMetadata
 from vllm_adapter.connector_scheduler import SchedulerSide
@@ -38,26 +37,6 @@ from vllm_adapter.connector_worker import IDLE_LOAD_WAIT_S, IDLE_STEP_PAUSE_S
 from vllm_adapter.ops import LoadStoreOp
 
 DAEMON_ARGS = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05")
-
-
-class Blocks:
-    """What vLLM hands `update_state_after_alloc`: every block the request holds."""
-
-    def __init__(self, ids: list[int]):
-        self.ids = ids
-
-    def get_block_ids(self) -> tuple[list[int], ...]:
-        return (list(self.ids),)
-
-
-def store_prompt(scheduler: SchedulerSide, worker: Worker, req: Any, tables: dict[str, list[int]]) -> None:
-    """A request that misses, computes its whole prompt in one step and finishes; returns
-    once its chunks are stored."""
-    assert match(scheduler, req) == (0, False)
-    worker.run(scheduler.build_connector_meta(step(tables, new=((req, 0, req.num_prompt_tokens),))))
-    scheduler.request_finished(req)
-    worker.collect({req.request_id})
-    worker.wait_reported("sent", req.request_id)
 
 
 def clear_all(raw: MessageQueueClient, expected: int = 2) -> int:
@@ -551,42 +530,3 @@ def test_kv_role_consumer_never_stores_and_producer_never_loads(daemon: DaemonPr
         worker.side.shutdown()
         for side in (both, consumer, producer):
             side.shutdown()
-
-
-@pytest.mark.daemon_args(*DAEMON_ARGS)
-def test_per_request_switches_skip_a_requests_load_or_its_stores(
-        halves: tuple[SchedulerSide, Worker], daemon: DaemonProcess,
-        caplog: pytest.LogCaptureFixture) -> None:
-    """`kv_transfer_params` {"lmcache.mp.skip_load": true} / {"lmcache.mp.skip_save": true}: that
-    request alone neither looks up nor loads / stores nothing; a value other than true or false
-    is ignored with a warning."""
-    scheduler, worker = halves
-    rng = random.Random(13)
-    tokens = [rng.randrange(1000) for _ in range(2 * CHUNK + 3)]
-    tables = {"no-save": list(range(1, 10)), "bad": list(range(10, 19))}
-
-    no_save = request("no-save", tokens)
-    no_save.kv_transfer_params = {"lmcache.mp.skip_save": True}
-    assert match(scheduler, no_save) == (0, False)
-    meta = scheduler.build_connector_meta(step(tables, new=((no_save, 0, no_save.num_prompt_tokens),)))
-    assert meta.stores == {}
-    assert scheduler.request_finished(no_save) is False
-
-    bad = request("bad", tokens)
-    bad.kv_transfer_params = {"lmcache.mp.skip_save": "yes"}
-    assert match(scheduler, bad) == (0, False)
-    assert "is not true or false; ignored" in caplog.text
-    store_meta = scheduler.build_connector_meta(step(tables, new=((bad, 0, bad.num_prompt_tokens),)))
-    assert list(store_meta.stores) == ["bad"]  # stored as any request
-    worker.run(store_meta)
-    scheduler.request_finished(bad)
-    worker.collect({"bad"})
-    worker.wait_reported("sent", "bad")
-    assert status(daemon.url).objects == 2
-
-    lookups_before = status(daemon.url).lookup_chunks_total
-    no_load = request("no-load", tokens)
-    no_load.kv_transfer_params = {"lmcache.mp.skip_load": True}
-    assert match(scheduler, no_load) == (0, False)  # the daemon holds both chunks
-    assert status(daemon.url).lookup_chunks_total == lookups_before
-    assert match(scheduler, request("plain", tokens)) == (2 * CHUNK, True)

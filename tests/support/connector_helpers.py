@@ -67,12 +67,15 @@ def match(scheduler: SchedulerSide, req: Any, local: int = 0) -> tuple[int | Non
 class Worker:
     """A WorkerSide over its own caches, run the way vLLM's model runner runs it."""
 
-    def __init__(self, settings: ConnectorSettings, seed: int, groups: list[KVGroup] | None = None):
+    def __init__(self, settings: ConnectorSettings, seed: int, groups: list[KVGroup] | None = None,
+                 block_bytes: list[int] | None = None):
+        """`block_bytes`: per group, a block's bytes, for the worker's stats (default 0)."""
         self.caches = make_caches(SHAPE, torch.bfloat16, LAYERS, seed=seed)
         backend = SimpleNamespace(get_name=lambda: "CPU_ATTN")
         layers = {name: SimpleNamespace(attn_backend=backend) for name in self.caches}
         vllm_config = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context=layers))
-        self.side = WorkerSide(settings, vllm_config, "m", 1, 0, BLOCK, groups)  # type: ignore[arg-type]
+        self.side = WorkerSide(settings, vllm_config, "m", 1, 0, BLOCK, groups,  # type: ignore[arg-type]
+                               block_bytes=block_bytes or ())
         self.side.register_kv_caches(self.caches)
         self.reported: dict[str, Counter[str]] = {kind: Counter() for kind in ("sent", "received", "failed")}
         self.load_errors: set[int] = set()
@@ -96,3 +99,23 @@ class Worker:
             return request_id in self.reported[kind]
 
         until(seen)
+
+
+class Blocks:
+    """What vLLM hands `update_state_after_alloc`: every block the request holds."""
+
+    def __init__(self, ids: list[int]):
+        self.ids = ids
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return (list(self.ids),)
+
+
+def store_prompt(scheduler: SchedulerSide, worker: Worker, req: Any, tables: dict[str, list[int]]) -> None:
+    """A request that misses, computes its whole prompt in one step and finishes; returns
+    once its chunks are stored."""
+    assert match(scheduler, req) == (0, False)
+    worker.run(scheduler.build_connector_meta(step(tables, new=((req, 0, req.num_prompt_tokens),))))
+    scheduler.request_finished(req)
+    worker.collect({req.request_id})
+    worker.wait_reported("sent", req.request_id)

@@ -16,7 +16,8 @@ publisher on), logprobs (optional bool: also report each generated token's
 logprob), prompt_embeds (optional bool: vLLM's `enable_prompt_embeds`), max_lora_rank (optional:
 LoRA on), rounds (a list of rounds, each a list of prompts, each a list of token ids or, with
 prompt_embeds, `{"embeds_seed": s, "length": n}`: n rows of random embeddings drawn from seed s,
-or `{"tokens": [...], "lora": [name, id, path]}`: token ids through that LoRA adapter), conversation
+or `{"tokens": [...], "lora": [name, id, path]}`: token ids through that LoRA adapter; a prompt's
+dict may also hold `kv_transfer_params`, the request's own connector settings), conversation
 (optional bool: prompt j of round i > 0 is then the previous round's prompt j and its answer,
 followed by these tokens: a multi-turn chat), barrier_dir (optional: before round i > 0, wait
 until the file `go-i` exists there, so a test can act between rounds), hold_dir (optional: before
@@ -147,8 +148,13 @@ def main() -> int:
 
     llm = LLM(**engine_args(spec))
     hidden_size = llm.llm_engine.model_config.get_hidden_size()
-    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True,
-                            logprobs=0 if spec.get("logprobs") else None)
+
+    def params(p: list[int] | dict[str, Any]) -> SamplingParams:
+        transfer = p.get("kv_transfer_params") if isinstance(p, dict) else None
+        return SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True,
+                              logprobs=0 if spec.get("logprobs") else None,
+                              extra_args={"kv_transfer_params": transfer} if transfer else None)
+
     histories: list[list[int]] = []  # a conversation's: each prompt and its answer so far
     for i, prompts in enumerate(spec["rounds"]):
         if not i and spec.get("hold_dir"):
@@ -160,7 +166,8 @@ def main() -> int:
             reset_prefix_cache(llm, spec["resets"][str(i)])
         if spec.get("conversation") and histories:
             prompts = [history + p for history, p in zip(histories, prompts, strict=True)]
-        outputs = llm.generate([prompt(p, hidden_size) for p in prompts], params, use_tqdm=False,
+        outputs = llm.generate([prompt(p, hidden_size) for p in prompts], [params(p) for p in prompts],
+                               use_tqdm=False,
                                lora_request=[lora(p) for p in prompts])
         if spec.get("conversation"):
             histories = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outputs, strict=True)]
