@@ -38,6 +38,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from lmcache_mp.transfer.shm_move import AllocateInSharedMemory
 from vllm_adapter.connector_common import ConnectorSettings, LMCacheMPConnectorMetadata
@@ -45,6 +52,7 @@ from vllm_adapter.connector_scheduler import SchedulerSide
 from vllm_adapter.connector_worker import WorkerSide
 from vllm_adapter.kv_groups import UnsupportedKVGroups, kv_bytes_per_token, kv_groups
 from vllm_adapter.model_identity import model_identity
+from vllm_adapter.stats import LMCacheMPConnectorStats, LMCacheMPPromMetrics, group_block_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -106,6 +114,11 @@ class LMCacheMPDaemonConnector(KVConnectorBase_V1, SupportsHMA):
     """Supports vLLM's hybrid KV cache manager: each KV cache group is stored and loaded on its
     own (`vllm_adapter.kv_groups`). A model with state it cannot store (Mamba) gets no hits."""
 
+    # Where vLLM's per-source prompt-token metric (`vllm:prompt_tokens_cached_by_source`) puts our
+    # hits: every load reads the daemon's CPU pool. A chunk found in a lower tier was promoted into
+    # the pool at LOOKUP, but the LOOKUP's reply does not say which were: all count as "host".
+    _cache_hit_source = CacheHitSource.HOST
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         _route_logs_to_vllm()
@@ -142,7 +155,17 @@ class LMCacheMPDaemonConnector(KVConnectorBase_V1, SupportsHMA):
                                             kv_events=events is not None and events.enable_kv_cache_events)
         else:
             self._worker = WorkerSide(settings, vllm_config, model_name, parallel.world_size,
-                                      parallel.rank, block_size, groups, replicated)
+                                      parallel.rank, block_size, groups, replicated,
+                                      group_block_bytes(kv_cache_config))
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """None: the connector asks vLLM for no particular KV cache layout. Its registration tells
+        the daemon the layout vLLM chose (each layer's shape and strides, the attention backend), and
+        the daemon copies blocks in that layout: any layout vLLM picks is served, and no other
+        connector beside ours (vLLM's MultiConnector) is overruled."""
+        del vllm_config
+        return None
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -253,6 +276,21 @@ class LMCacheMPDaemonConnector(KVConnectorBase_V1, SupportsHMA):
         still reach vLLM through `get_block_ids_with_load_errors`."""
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending, results.finished_recving
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """The transfers this worker completed since vLLM last asked (each step): vLLM's metrics
+        (`vllm_adapter.stats`). The scheduler side has none."""
+        return None if self._worker is None else self._worker.take_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return LMCacheMPConnectorStats(data={} if data is None else data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig,
+                           metric_types: dict[type[PromMetric], type[PromMetricT]], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
+        return LMCacheMPPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set() if self._worker is None else self._worker.take_load_errors()

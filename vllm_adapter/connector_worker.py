@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -28,6 +30,7 @@ from vllm_adapter.kv_export import record_kv_event
 from vllm_adapter.kv_groups import KVGroup
 from vllm_adapter.loads import SyncLoad
 from vllm_adapter.ops import kept_blocks
+from vllm_adapter.stats import LMCacheMPConnectorStats, TransferRecorder
 from vllm_adapter.worker_adapter import LMCacheMPWorkerAdapter
 
 if TYPE_CHECKING:
@@ -58,9 +61,13 @@ class WorkerSide:
 
     def __init__(self, settings: ConnectorSettings, vllm_config: VllmConfig, model_name: str,
                  world_size: int, rank: int, block_size: int, groups: list[KVGroup] | None = None,
-                 replicated: bool = False):
-        """`replicated`: every rank holds the same KV bytes (`connector.replicated_kv`)."""
+                 replicated: bool = False, block_bytes: Sequence[int] = ()):
+        """`replicated`: every rank holds the same KV bytes (`connector.replicated_kv`).
+        `block_bytes`: per group, the bytes of one block on this rank (`stats.group_block_bytes`),
+        for vLLM's metrics (`take_stats`)."""
         groups = groups or [KVGroup(0, (), None, model_name)]
+        self._stats = TransferRecorder(groups, block_bytes or [0] * len(groups), block_size,
+                                       counts_tokens=rank == 0)
         self._vllm_config = vllm_config
         self._timeout_s = settings.timeout_s
         self._rank = rank
@@ -73,7 +80,8 @@ class WorkerSide:
             return LMCacheMPWorkerAdapter(settings.url, None, group.namespace, world_size, rank, block_size,
                                           timeout_s=settings.timeout_s, connect_timeout_s=CONNECT_TIMEOUT_S,
                                           reregister_interval_s=settings.reconnect_interval_s,
-                                          curve=settings.curve, replicated=replicated)
+                                          curve=settings.curve, replicated=replicated,
+                                          on_stored=partial(self._stats.store_landed, group.index))
 
         self._link = BackgroundConnect(lambda: WorkerGroups(groups, connect_groups(groups, connect)),
                                        settings.reconnect_interval_s, f"worker {rank} at {settings.url}")
@@ -85,7 +93,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._resets_seen = 0  # the scheduler's count of KV resets, as of the last step
         # The sync loads begin_step sent, until start_load_kv has waited for them.
-        self._sync_loads: tuple[WorkerGroups, list[SyncLoad]] | None = None
+        self._sync_loads: tuple[WorkerGroups, list[str], list[SyncLoad]] | None = None
         # Requests with stores not all reported done -> the latest step that had one, and the step
         # through which they were last reported done (see block_holds).
         self._store_steps: dict[str, int] = {}
@@ -150,22 +158,23 @@ class WorkerSide:
         # An earlier step's, should vLLM have returned before its start_load_kv (execute_model
         # has such a path, for encoder-cache transfers): their errors must not be lost.
         self._finish_sync_loads()
+        self._stats.loads_sent(meta.loads)
         now = {rid: ops for rid, ops in meta.loads.items() if rid in meta.sync_loads}
         later = {rid: ops for rid, ops in meta.loads.items() if rid not in meta.sync_loads}
         if now:  # first: the forward pass waits for these, and nothing queues ahead of them
             if adapter is None:
-                self._note_load_errors({rid: _loaded_blocks(ops) for rid, ops in now.items()})
+                self._loads_done(now, {rid: _loaded_blocks(ops) for rid, ops in now.items()})
             else:
-                self._sync_loads = (adapter, adapter.start_retrieve(list(now), list(now.values()),
-                                                                    record_kv_event(self._kv_caches)))
+                self._sync_loads = (adapter, list(now), adapter.start_retrieve(
+                    list(now), list(now.values()), record_kv_event(self._kv_caches)))
         if later:
             self._load_later(adapter, later)
 
     def _finish_sync_loads(self) -> None:
         if self._sync_loads is not None:
-            adapter, loads = self._sync_loads
+            adapter, request_ids, loads = self._sync_loads
             self._sync_loads = None
-            self._note_load_errors(adapter.finish_retrieve(loads, self._timeout_s))
+            self._loads_done(request_ids, adapter.finish_retrieve(loads, self._timeout_s))
 
     def _load_later(self, adapter: WorkerGroups | None, loads: dict[str, RequestOps]) -> None:
         """While the engine steps on: reported done (or failed) by `transfer_results`."""
@@ -216,11 +225,13 @@ class WorkerSide:
         self._unsent_loads = {}
         sent &= self._with_stores
         self._with_stores -= sent
-        self._note_load_errors(failed)
+        self._loads_done(received | failed.keys(), failed)
         return KVConnectorTransferResults(finished_sending=sent, finished_recving=received,
                                           failed_recving=set(failed))
 
-    def _note_load_errors(self, failed: dict[str, list[int]]) -> None:
+    def _loads_done(self, request_ids: Iterable[str], failed: dict[str, list[int]]) -> None:
+        """These loads are done, those in `failed` (-> the blocks they would have written) failed."""
+        self._stats.loads_done(request_ids, failed)
         if self._report_failed_blocks:
             for block_ids in failed.values():
                 self._load_errors.update(block_ids)
@@ -239,6 +250,10 @@ class WorkerSide:
                 del self._store_steps[req_id]
                 self._reported_through.pop(req_id, None)
         return LMCacheMPWorkerMeta({self._rank: done}) if done else None
+
+    def take_stats(self) -> LMCacheMPConnectorStats | None:
+        """The transfers completed since the last call, for vLLM's metrics (None: none)."""
+        return self._stats.take()
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -110,6 +110,13 @@ class KeyMaker:
         end = min(op.end or len(op.token_ids or ()), len(op.token_ids or ()))
         return max(0, end // chunk_tokens - op.start // chunk_tokens)
 
+    def chunk_blocks(self, op: LoadStoreOp) -> list[int]:
+        """The vLLM blocks each chunk of `op` covers, in key order (as `num_chunks` counts them)."""
+        if op.block_hashes is None:
+            return [self.blocks_in_chunk] * self.num_chunks(op)
+        whole = [self.blocks_in_chunk] * (len(op.block_hashes) // self.blocks_in_chunk)
+        return [*whole, self._tail_blocks(op)] if op.tail_hash is not None else whole
+
     def chunks_of(self, op: LoadStoreOp, chunks: list[int]) -> LoadStoreOp:
         """An op of just these chunks of `op` (its tail is the one past its full chunks). A
         token-mode op is kept whole: its key names a token range (the chunks that landed come back

@@ -71,6 +71,7 @@ class StoreBatch:
     future: MessagingFuture[StoreResult]
     parts: list[PendingStore]
     target: Target | None
+    sent_at: float = field(default_factory=time.monotonic)
 
 
 class StoreTracker:

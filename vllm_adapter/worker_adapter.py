@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import zmq
@@ -51,13 +51,15 @@ class LMCacheMPWorkerAdapter:
                  connect_timeout_s: float | None = None,
                  reregister_interval_s: float = REREGISTER_INTERVAL_S, instance_id: int | None = None,
                  store_retry_s: float | None = None, max_held_stores: int = MAX_HELD_STORES,
-                 curve: ClientCurve | None = None, replicated: bool = False):
+                 curve: ClientCurve | None = None, replicated: bool = False,
+                 on_stored: Callable[[int, float], None] | None = None):
         """`instance_id`: the id to register under (default: a random one, `new_instance_id`).
         `store_retry_s`: how long a store that did not land (or went unsent while the daemon
         was away) is tried again (default `timeout_s`); `max_held_stores`: how many such
         stores are held at most. `curve`: the keys to authenticate with, for a daemon that
         requires CURVE. `replicated`: every rank of the world holds the same KV bytes (MLA
-        under tensor parallelism alone; `KVCacheRegistration.replicated`)."""
+        under tensor parallelism alone; `KVCacheRegistration.replicated`). `on_stored(blocks, seconds)`
+        hears of each STORE that copied blocks: how many, and how long after its sending."""
         self.server_url = server_url
         self.mq_client, chunk_size = connect(server_url, context, f"vllm-worker-{kv_rank}", timeout_s,
                                              vllm_block_size, connect_timeout_s, curve)
@@ -73,6 +75,7 @@ class LMCacheMPWorkerAdapter:
         self._reported: OrderedDict[str, None] = OrderedDict()
         self._failed_retrieves: dict[str, list[int]] = {}
         self._unfenced: dict[str, list[int]] = {}  # loads released, not reported yet -> blocks
+        self._on_stored = on_stored
 
     @property
     def instance_id(self) -> int:
@@ -195,15 +198,21 @@ class LMCacheMPWorkerAdapter:
                     self._hold(part, part.op, now, str(error))
             return
         outcomes = batch.future.result().outcomes
+        stored_blocks = 0
         for part in batch.parts:
             count = self._keys.num_chunks(part.op)
             mine, outcomes = outcomes[:count], outcomes[count:]
+            stored_blocks += sum(blocks for blocks, outcome in zip(self._keys.chunk_blocks(part.op), mine,
+                                                                   strict=False)
+                                 if outcome == ChunkOutcome.STORED)
             no_space = [i for i, outcome in enumerate(mine) if outcome == ChunkOutcome.NO_SPACE]
             if no_space:
                 why = f"no space for {len(no_space)} chunk(s) in the daemon's pool"
                 self._hold(part, self._keys.chunks_of(part.op, no_space), now, why)
             else:
                 self._finish_store(part)
+        if stored_blocks and self._on_stored is not None:
+            self._on_stored(stored_blocks, now - batch.sent_at)
 
     def _hold(self, part: PendingStore, op: LoadStoreOp, now: float, why: str) -> None:
         """Hold what is left of a part for another try, unless its tries are spent."""
