@@ -72,10 +72,11 @@ class DaemonProcess:
         time.sleep(0.2)  # the rest of the dump
         return "\n".join(lines) + "\n" + (self.log()[before:] or "(no stacks written)")
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0, *, keep_pool: bool = False) -> int:
-        """Signal the daemon and wait for it; then discard its pool file (the memory it holds) if a
-        daemon started here made it, unless `keep_pool`: the next daemon started as this one was
-        then adopts it."""
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0, *, keep_pool: bool = False) -> int:
+        """Signal the daemon and wait for it (a SIGTERM'd daemon finishes what it has queued: on a
+        busy 2-core machine that took over 10 s); then discard its pool file (the memory it holds)
+        if a daemon started here made it, unless `keep_pool`: the next daemon started as this one
+        was then adopts it."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         code = self.proc.wait(timeout)

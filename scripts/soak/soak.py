@@ -17,7 +17,8 @@ same socket, which adopts the pool file the last one left, with the same disk ti
 (SIGSTOP past the clients' timeouts, then SIGCONT). With --warm-restart there is no disk tier:
 chunks outlive a restart in the pool file alone, and after each restart every chunk the new daemon
 adopted is read back and compared bit for bit, and every prompt whose STORE was acknowledged before
-the signal must be there whole (`soak_warm.py`). The clients are in `soak_client.py`, the hostile
+the signal must be there whole (`soak_warm.py`); no restart comes before a client has seen a STORE
+acknowledged (one before would adopt nothing). The clients are in `soak_client.py`, the hostile
 traffic below in `soak_attacks.py`. A thread sends, every half interval, a burst of malformed
 traffic from a raw ZeroMQ socket (garbage frames, unknown types, bad payloads, bad block ids,
 unknown instance ids, an oversized message, a registration whose attach channel never opens).
@@ -27,16 +28,21 @@ and every other flood names the clients' instances too (FORBIDDEN); a shrinking 
 registers a fresh cache every interval, tries to ftruncate its memfd (the seal must refuse it), then
 serves a round like any client; every other interval, --idle-connections ZeroMQ connections and as
 many raw connections to the attach socket say nothing for a while, during which a worker must still
-register and STATUS be answered. Restarts stop for the last --last-daemon-frac of the run, all chaos
+register and STATUS be answered. The run's clock starts once every client has served a prompt.
+Restarts stop for the last --last-daemon-frac of the run, all chaos
 --settle-s before the end; then the clients stop, their leases are released, and the last daemon's
-RSS, open descriptors and leases are compared with a fresh daemon's.
+RSS, open descriptors and leases are compared with a fresh daemon's. With --min-restarts N, a run
+that has not restarted the daemon N times when its restart window would close (a restart takes half
+a minute on a busy machine) is extended, the restart window, the chaos end and the end moving later
+together, up to --max-duration-s (`soak_schedule.py`); the clients read the moved end from a file.
 
 Fails (exit 1) on: any wrong byte served, any request without a reply (a future that did not settle
 within its timeout plus a grace period, or a malformed or flooding request the daemon never
-answered), a restart after which no client stored and read back a prompt before the next one, a
-daemon traceback, a client's instance cancelled by another connection, a registered cache shrunk, a
-registration or STATUS not served while idle connections were held, an adopted chunk wrong or an
-acknowledged one lost (--warm-restart), or resources beyond the tolerances. Prints a report, writes
+answered), a restart after which no client stored and read back a prompt before the next one,
+fewer than --min-restarts restarts by --max-duration-s, a daemon traceback, a client's instance
+cancelled by another connection, a registered cache shrunk, a registration or STATUS not served
+while idle connections were held, an adopted chunk wrong or an acknowledged one lost
+(--warm-restart), or resources beyond the tolerances. Prints a report, writes
 soak.json and, where matplotlib is installed, soak.png (a timeline) to --out; the exit status is the
 checks' either way.
 """
@@ -45,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import json
 import multiprocessing as mp
 import os
@@ -73,7 +78,9 @@ from soak_attacks import (
     IdleConnections,
     try_status,
 )
-from soak_client import SHRINK_NOT_TRIED, SHRINK_REFUSED, ClientConfig, client_main
+from soak_client import ClientConfig, client_main
+from soak_report import FD_TOLERANCE, RSS_TOLERANCE_MIB, checks_of, print_report, write_report
+from soak_schedule import END_TIME_FILE, Schedule
 from soak_warm import AdoptionCheck, check_adoption
 
 from lmcache_mp.protocol import RequestType, StatusReport
@@ -81,11 +88,13 @@ from lmcache_mp.testing.blocks import CHUNK
 from lmcache_mp.testing.launcher import DaemonProcess, daemon_status, start_daemon
 from lmcache_mp.testing.probes import freeze
 
-# Resource tolerances, idle fresh daemon vs idle daemon after the load: the daemon's RSS settles
-# within a few MiB (allocator caches, imported code paths); a descriptor or two may be an
-# epoll/eventfd that libzmq creates lazily on the first connection.
-RSS_TOLERANCE_MIB = 48.0
-FD_TOLERANCE = 4
+# A restart owed (--min-restarts) keeps the window open this long past its turn: the loop looks
+# again at least every second, and a client kill before that turn takes a moment.
+OWED_MARGIN_S = 2.0
+# An extension moves the end while it is at least --settle-s away (less the hold-open tick): the
+# clients, reading it again within a second, must never find it already past.
+MIN_SETTLE_WITH_EXTENSIONS_S = 2.0
+CLIENT_START_DEADLINE_S = 90.0  # spawned Pythons importing torch, on a busy machine
 
 
 # ---- the daemon and its resources -----------------------------------------------------------
@@ -142,11 +151,13 @@ class Soak:
         self.adoption_checks: list[AdoptionCheck] = []
         self.client_kills: list[float] = []
         self.killed: set[int] = set()
+        self.acked_seen = False  # with --warm-restart: a client has seen a STORE acknowledged
         self.restarting = threading.Lock()  # held by a restart or freeze, and by each attack (`every`)
         self.stopping = threading.Event()
         self.attack_errors: list[Exception] = []
         self.start = 0.0
-        self.end_time = 0.0
+        self.clients_start_s = 0.0  # from their launch until each had served a prompt
+        self.schedule: Schedule  # planned when the load starts (run)
 
     @property
     def daemon(self) -> DaemonProcess:
@@ -159,10 +170,11 @@ class Soak:
     def client_config(self, index: int, stem: str, shrink_every_s: float = 0.0) -> ClientConfig:
         a = self.args
         return ClientConfig(index, self.url, a.seed * 1000 + index, a.seed, a.prompts, a.prefixes,
-                            self.end_time, a.timeout_s, a.grace_s, a.freeze_s,
+                            self.schedule.end_time, a.timeout_s, a.grace_s, a.freeze_s,
                             str(self.tmp / f"{stem}.json"), str(self.tmp / f"{stem}.pairs"),
                             str(self.tmp / f"{stem}.log"), shrink_every_s,
-                            acked_path=str(self.tmp / f"{stem}.acked") if a.warm_restart else "")
+                            acked_path=str(self.tmp / f"{stem}.acked") if a.warm_restart else "",
+                            end_time_path=str(self.schedule.path))
 
     def start_client(self, index: int, shrink_every_s: float = 0.0) -> mp.process.BaseProcess:
         """A client process; with `shrink_every_s`, the shrinking worker (not in `clients`)."""
@@ -203,9 +215,26 @@ class Soak:
         self.client_kills.append(time.time() - self.start)
         self.start_client(max(self.clients) + 1)
 
+    def restarts_done(self) -> int:
+        """Daemon restarts completed, SIGTERM or SIGKILL (not freezes)."""
+        return sum(r["signal"] != "SIGSTOP" for r in self.restarts)
+
+    def restarts_owed(self) -> bool:
+        return self.restarts_done() < self.args.min_restarts
+
+    def something_to_adopt(self) -> bool:
+        """With --warm-restart, whether a client has seen a STORE acknowledged: a restart before
+        that (the clients take a while to start on a busy machine) would adopt nothing to check."""
+        if not self.args.warm_restart or self.acked_seen:
+            return True
+        self.acked_seen = any(p.stat().st_size for p in self.tmp.glob("client-*.acked"))
+        return self.acked_seen
+
     def restart_daemon(self) -> None:
         sig = self.rng.choice((signal.SIGTERM, signal.SIGKILL))
-        with self.restarting:
+        # With --min-restarts, however long it takes, the last daemon gets its whole window after.
+        held_open = self.schedule.held_open() if self.args.min_restarts else contextlib.nullcontext()
+        with held_open, self.restarting:
             killed = time.time()
             exit_code = self.daemon.stop(sig, timeout=30, keep_pool=True)  # the next daemon adopts it
             stopped = time.time()
@@ -234,30 +263,33 @@ class Soak:
 
     def chaos_loop(self) -> None:
         """SIGKILL a client every other event; in between, restart the daemon or freeze it
-        (restarts only before the last daemon's window); malformed traffic and the hostile
-        workers' attacks come from threads of their own meanwhile."""
+        (restarts only before the last daemon's window, which moves later while --min-restarts
+        are owed); malformed traffic and the hostile workers' attacks come from threads of their
+        own meanwhile."""
         a = self.args
         next_chaos = time.time() + a.chaos_interval_s
-        chaos_end = self.end_time - a.settle_s
-        restarts_end = self.end_time - max(a.settle_s, a.last_daemon_frac * a.duration_s)
         hold_s = min(IDLE_HOLD_S, a.chaos_interval_s / 2)
         attacks = [
-            self.every("garbage", a.chaos_interval_s / 2, chaos_end,
+            self.every("garbage", a.chaos_interval_s / 2,
                        lambda instances: self.garbage.burst(instances, a.timeout_s + a.grace_s)),
-            self.every("cancel flood", a.chaos_interval_s, chaos_end, self.flooder.flood),
-            self.every("idle connections", 2 * a.chaos_interval_s, chaos_end,
-                       lambda _: self.idle.hold(hold_s)),
+            self.every("cancel flood", a.chaos_interval_s, self.flooder.flood),
+            self.every("idle connections", 2 * a.chaos_interval_s, lambda _: self.idle.hold(hold_s),
+                       prepare=self.idle.prepare),
         ]
         tick = 0
         try:
-            while time.time() < self.end_time:
-                time.sleep(min(1.0, max(0.0, self.end_time - time.time())))
+            while time.time() < self.schedule.end_time:
+                time.sleep(min(1.0, max(0.0, self.schedule.end_time - time.time())))
                 self.sample()
-                if time.time() < next_chaos or time.time() > chaos_end:
+                owed = self.restarts_owed()
+                if owed:  # the window stays open until the next restart's turn (odd ticks)
+                    next_restart = next_chaos + (0.0 if tick % 2 else a.chaos_interval_s)
+                    self.schedule.keep_restarts_until(next_restart + OWED_MARGIN_S)
+                if time.time() < next_chaos or time.time() > self.schedule.chaos_end:
                     continue
-                can_restart = time.time() < restarts_end
-                can_freeze = a.freeze_s > 0 and time.time() + a.freeze_s < chaos_end
-                if tick % 2 and can_freeze and (tick % 4 == 3 or not can_restart):
+                can_restart = time.time() < self.schedule.restarts_end and self.something_to_adopt()
+                can_freeze = a.freeze_s > 0 and time.time() + a.freeze_s < self.schedule.chaos_end
+                if tick % 2 and can_freeze and not owed and (tick % 4 == 3 or not can_restart):
                     self.freeze_daemon()
                 elif tick % 2 and can_restart:
                     self.restart_daemon()
@@ -272,14 +304,18 @@ class Soak:
         if self.attack_errors:
             raise self.attack_errors[0]
 
-    def every(self, name: str, period_s: float, until: float,
-              attack: Callable[[list[int]], None]) -> threading.Thread:
-        """A thread that runs `attack(the registered instance ids)` every `period_s` until `until`,
-        never across a restart or a freeze (it holds the lock they take: the replies to requests
-        in flight die with a daemon, and a frozen one answers nothing)."""
+    def every(self, name: str, period_s: float, attack: Callable[[list[int]], None],
+              prepare: Callable[[], None] = lambda: None) -> threading.Thread:
+        """A thread that runs `attack(the registered instance ids)` every `period_s` until the
+        chaos end (which may move later: the thread lives until the loop stops), never across a
+        restart or a freeze (it holds the lock they take: the replies to requests in flight die
+        with a daemon, and a frozen one answers nothing); `prepare()` first, without the lock."""
         def loop() -> None:
             try:
-                while not self.stopping.wait(period_s) and time.time() < until:
+                while not self.stopping.wait(period_s):
+                    if time.time() >= self.schedule.chaos_end:
+                        continue
+                    prepare()
                     with self.restarting:
                         report = try_status(self.url)
                         attack(report.registered_instances if report else [])
@@ -307,11 +343,17 @@ class Soak:
         base_pid = self.daemon.proc.pid
         baseline = {"rss_mib": rss_mib(base_pid), "fds": fd_count(base_pid),
                     "leases": daemon_status(self.url).leases}
-        self.start = time.time()
-        self.end_time = self.start + a.duration_s
+        # Until the load's clock starts, the clients' end is the latest it can be; then the file says.
+        launched = time.time()
+        self.schedule = Schedule.plan(launched + CLIENT_START_DEADLINE_S, a, self.tmp / END_TIME_FILE)
         for index in range(a.clients):
             self.start_client(index)
         self.shrinker = self.start_client(-1, shrink_every_s=a.chaos_interval_s)
+        self.wait_clients_serving(launched + CLIENT_START_DEADLINE_S)
+        self.start = time.time()
+        self.clients_start_s = self.start - launched
+        self.schedule = Schedule.plan(self.start, a, self.tmp / END_TIME_FILE)
+        self.schedule.publish()
         self.chaos_loop()
         hung, crashed = self.stop_clients()
         report = self.wait_idle()
@@ -323,10 +365,21 @@ class Soak:
         final_exit = self.daemon.stop(signal.SIGTERM, timeout=30)
         return self.figures(baseline, end, (hung, crashed), final_exit)
 
+    def wait_clients_serving(self, deadline: float) -> None:
+        """Until every client has served its first prompt (its first snapshot), has died, or the
+        deadline: the load's clock starts then, not while they import torch (40 s on a busy
+        machine, and chaos meanwhile would only kill clients that never ran)."""
+        def starting() -> bool:
+            return any(p.is_alive() and not (self.tmp / f"client-{i}.json").exists()
+                       for i, p in self.clients.items())
+
+        while starting() and time.time() < deadline:
+            time.sleep(0.1)
+
     def stop_clients(self) -> tuple[int, int]:
         """Clients stop on their own at the end time; any still running long after is hung.
         Returns (hung, crashed: exited non-zero without being killed by the chaos)."""
-        deadline = self.end_time + 2 * (self.args.timeout_s + self.args.grace_s) + 30
+        deadline = self.schedule.end_time + 2 * (self.args.timeout_s + self.args.grace_s) + 30
         hung = 0
         survivors = [p for i, p in self.clients.items() if i not in self.killed]
         if self.shrinker is not None:  # a client too, never killed by the chaos
@@ -360,7 +413,7 @@ class Soak:
                     pairs.append((stored, done))
         out = []
         for i, r in enumerate(self.restarts):
-            until = self.restarts[i + 1]["ready"] if i + 1 < len(self.restarts) else self.end_time
+            until = self.restarts[i + 1]["ready"] if i + 1 < len(self.restarts) else self.schedule.end_time
             done = [d for s, d in pairs if s >= r["ready"] and d <= until]
             row = {k: v for k, v in r.items() if k not in ("killed", "ready")}
             row["recovery_s"] = min(done) - r["ready"] if done else None
@@ -379,7 +432,13 @@ class Soak:
         timed_out = {k for s in stats for k in s["timed_out_store_keys"]}
         return {
             "config": {k: v for k, v in vars(self.args).items() if k not in ("out", "json")},
-            "duration_s": self.args.duration_s,
+            "planned_duration_s": self.args.duration_s,
+            "duration_s": self.schedule.duration_s,  # of the load: with --min-restarts, maybe extended
+            "extension_s": self.schedule.extension_s,
+            "clients_start_s": self.clients_start_s,  # before the load's clock started
+            "min_restarts": {"required": self.args.min_restarts, "done": self.restarts_done(),
+                             "max_duration_s": self.args.max_duration_s,
+                             "bound_reached": self.schedule.bound_reached},
             "ops": dict(ops),
             "errors": dict(errors),
             "wrong_chunks": sum(s["wrong_chunks"] for s in stats),
@@ -409,6 +468,7 @@ class Soak:
                                      "opened": dict(self.idle.opened),
                                      "attach_closed_by_daemon": self.idle.closed_by_daemon,
                                      "served_meanwhile": dict(self.idle.served),
+                                     "rounds_put_off": self.idle.probe_late,
                                      "registration_s_max": max(self.idle.registration_s, default=None),
                                      "failures": self.idle.failures},
             },
@@ -422,177 +482,6 @@ class Soak:
             "timeline": [asdict(s) for s in self.samples],
             "client_kill_times_s": self.client_kills,
         }
-
-
-def warm_checks_of(f: dict) -> dict[str, bool]:
-    """With --warm-restart: every restart's adopted chunks checked, none wrong, none lost."""
-    if f["warm_restart"] is None:
-        return {}
-    checks = f["warm_restart"]["checks"]
-    restarts = [r for r in f["restarts"] if r["signal"] != "SIGSTOP"]
-    verified = sum(c["chunks_verified"] for c in checks)
-    wrong = sum(c["wrong_bytes"] for c in checks)
-    lost = sum(c["lost_chunks"] for c in checks)
-    failed = [line for c in checks for line in c["failed"]]
-    return {
-        f"every restart's adopted chunks read back ({len(checks)} checks of {len(restarts)} restarts, "
-        f"{verified} chunks verified, {len(failed)} reads not completed)":
-            len(checks) == len(restarts) and verified > 0 and not failed,
-        f"0 wrong bytes in adopted chunks ({wrong})": wrong == 0,
-        f"0 acknowledged chunks lost by a restart ({lost})": lost == 0,
-    }
-
-
-def checks_of(f: dict) -> dict[str, bool]:
-    start, end = f["resources"]["start"], f["resources"]["end"]
-    recovered = [r["recovery_s"] for r in f["restarts"]]
-    rss_growth = (end["rss_mib"] or 1e9) - (start["rss_mib"] or 0)
-    fd_growth = (end["fds"] or 10**9) - (start["fds"] or 0)
-    flood, shrink, idle = (f["attacks"][k] for k in ("cancel_flood", "shrinking_worker", "idle_connections"))
-    forbidden = sum(n for k, n in flood["answers"].items() if k.startswith("a client's"))
-    shrinks = shrink["outcomes"]
-    return {
-        f"work was done ({f['ops'].get('STORE ok', 0)} stores, {f['ops'].get('RETRIEVE ok', 0)} retrieves, "
-        f"{f['ops'].get('chunks verified', 0)} chunks verified)":
-            f["ops"].get("STORE ok", 0) > 0 and f["ops"].get("chunks verified", 0) > 0,
-        f"0 wrong bytes served ({f['wrong_bytes']} in {f['wrong_chunks']} chunks)": f["wrong_bytes"] == 0,
-        f"0 requests without a reply ({f['unreplied']} client, {f['garbage']['unreplied']} malformed, "
-        f"{flood['unanswered']} CANCEL_TRANSFERS of the flood)":
-            f["unreplied"] == 0 and f["garbage"]["unreplied"] == 0 and flood["unanswered"] == 0,
-        f"CANCEL_TRANSFERS floods answered as bounded ({flood['floods']} floods; {forbidden} for a client's "
-        f"instance; {len(flood['failures'])} answers other than a count, OVERLOADED or FORBIDDEN)":
-            not flood["failures"],
-        f"every ftruncate of a registered cache refused ({shrinks.get(SHRINK_REFUSED, 0)} of "
-        f"{sum(n for k, n in shrinks.items() if k != SHRINK_NOT_TRIED)}; exit {shrink['exit_code']})":
-            set(shrinks) <= {SHRINK_REFUSED, SHRINK_NOT_TRIED} and shrink["exit_code"] == 0,
-        f"served while idle connections were held ({idle['served_meanwhile']} in {idle['rounds']} rounds)":
-            not idle["failures"] and idle["served_meanwhile"].get("STATUS failed", 0) == 0,
-        f"no timeout while the daemon was up ({f['timeouts_while_daemon_up']})":
-            f["timeouts_while_daemon_up"] == 0,
-        f"no client hung or crashed ({f['clients_hung']} hung, {f['clients_crashed']} crashed)":
-            f["clients_hung"] == 0 and f["clients_crashed"] == 0,
-        f"recovered after every restart ({sum(r is not None for r in recovered)} of {len(recovered)})":
-            all(r is not None for r in recovered),
-        f"no daemon traceback ({f['daemon_tracebacks']})": f["daemon_tracebacks"] == 0,
-        f"daemon RSS flat ({start['rss_mib']:.0f} -> {end['rss_mib'] or 0:.0f} MiB, "
-        f"tolerance +{RSS_TOLERANCE_MIB:.0f})": rss_growth <= RSS_TOLERANCE_MIB,
-        f"daemon fds flat ({start['fds']} -> {end['fds']}, tolerance +{FD_TOLERANCE})":
-            fd_growth <= FD_TOLERANCE,
-        f"no lease left ({start['leases']} -> {end['leases']})": end["leases"] == 0,
-        f"no registration left ({end['registered_instances']})": end["registered_instances"] == 0,
-        f"final daemon stopped cleanly by SIGTERM (exit {f['final_daemon_exit_code']})":
-            f["final_daemon_exit_code"] == 0,
-        **warm_checks_of(f),
-    }
-
-
-def print_report(f: dict) -> None:
-    print(f"\nsoak of {f['duration_s']:.0f} s, {f['clients_started']} client processes started, "
-          f"{f['clients_killed']} SIGKILLed")
-    print(f"\n{'operation':<28}{'count':>10}")
-    for name, count in sorted(f["ops"].items()):
-        print(f"{name:<28}{count:>10}")
-    if f["errors"]:
-        print(f"\n{'failed (typed) operation':<40}{'count':>8}")
-        for name, count in sorted(f["errors"].items()):
-            print(f"{name:<40}{count:>8}")
-    g = f["garbage"]
-    print(f"\nmalformed requests: {g['sent']} sent, {g['unreplied']} unanswered, replies {g['replies']}; "
-          f"{g['oversized_sent']} oversized (no reply expected)")
-    if g["unreplied_kinds"]:
-        print(f"   unanswered: {g['unreplied_kinds']}")
-    flood, shrink, idle = (f["attacks"][k] for k in ("cancel_flood", "shrinking_worker", "idle_connections"))
-    print(f"cancel floods: {flood['floods']} ({flood['ids_per_request']} request ids a CANCEL_TRANSFERS), "
-          f"answers {flood['answers']}")
-    print(f"shrinking worker: {shrink['outcomes']}")
-    reg_s = idle["registration_s_max"]
-    print(f"idle connections: {idle['rounds']} rounds of {idle['per_round']} ZeroMQ + {idle['per_round']} "
-          f"attach (opened {idle['opened']}, {idle['attach_closed_by_daemon']} attach closed by the daemon "
-          f"first); served meanwhile {idle['served_meanwhile']}"
-          + (f", registration within {reg_s:.2f} s" if reg_s is not None else ""))
-    for line in flood["failures"] + idle["failures"]:
-        print("  ", line)
-    # down: from the signal until the new daemon answered HELLO (stop: until the old one exited);
-    # recovery: from then until a client's first STORE + read-back of a prompt.
-    print(f"\n{'restart at s':>12}{'signal':>9}{'exit':>6}{'stop s':>8}{'down s':>8}{'recovery s':>12}")
-    for r in f["restarts"]:
-        rec = "NEVER" if r["recovery_s"] is None else f"{r['recovery_s']:.2f}"
-        print(f"{r['t']:>12.1f}{r['signal']:>9}{r['exit_code']!s:>6}{r['stop_s']:>8.2f}{r['down_s']:>8.2f}"
-              f"{rec:>12}")
-    if f["warm_restart"] is not None:
-        print_adoption_checks(f["warm_restart"]["checks"])
-    start, end = f["resources"]["start"], f["resources"]["end"]
-    print(f"\ndaemon at start (fresh) / at end (idle, uptime {end['daemon_uptime_s'] or 0:.0f} s): "
-          f"RSS {start['rss_mib']:.1f} / {end['rss_mib'] or 0:.1f} MiB, fds {start['fds']} / {end['fds']}, "
-          f"leases {start['leases']} / {end['leases']}")
-    if f["wrong_chunks"]:
-        print(f"\nwrong chunks served: {f['wrong_chunks']}, under {f['wrong_keys']} distinct keys, "
-              f"{f['wrong_keys_stored_by_a_timed_out_store']} of which a STORE that timed out had sent "
-              "(the daemon may have run it later, reading blocks the client had reused)")
-    for line in f["wrong_examples"] + f["other_reasons"]:
-        print("  ", line)
-
-
-def print_adoption_checks(checks: list[dict]) -> None:
-    """Each warm restart: what the new daemon adopted, and what reading it all back found."""
-    print(f"\n{'restart at s':>12}{'signal':>9}{'adopted':>9}{'unsealed':>9}{'dropped':>8}{'acked':>7}"
-          f"{'verified':>9}{'wrong B':>8}{'lost':>6}{'check s':>8}")
-    for c in checks:
-        print(f"{c['t']:>12.1f}{c['signal']:>9}{c['adopted_chunks']:>9}{c['adopted_unsealed']:>9}"
-              f"{c['dropped_chunks']:>8}{c['acked_prompts']:>7}{c['chunks_verified']:>9}{c['wrong_bytes']:>8}"
-              f"{c['lost_chunks']:>6}{c['check_s']:>8.2f}")
-        for line in c["failed"] + c["examples"]:
-            print("  ", line)
-
-
-RESTART_STYLES = {"SIGKILL": ("red", "-"), "SIGTERM": ("red", "--"), "SIGSTOP": ("purple", "-")}
-
-
-def plot(f: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    tl = f["timeline"]
-    t = [s["t"] for s in tl]
-    rate = [0.0] + [(b["ops"] - a["ops"]) / max(1e-9, b["t"] - a["t"]) for a, b in itertools.pairwise(tl)]
-    fig, axes = plt.subplots(4, 1, figsize=(8, 8), sharex=True)
-    series = (("operations/s (all clients)", rate), ("daemon RSS (MiB)", [s["rss_mib"] for s in tl]),
-              ("daemon open fds", [s["fds"] for s in tl]), ("leases", [s["leases"] for s in tl]))
-    for ax, (label, ys) in zip(axes, series, strict=True):
-        ax.plot(t, [float("nan") if y is None else y for y in ys], linewidth=1)
-        ax.set_ylabel(label, fontsize=8)
-        for r in f["restarts"]:
-            color, style = RESTART_STYLES[r["signal"]]
-            ax.axvline(r["t"], color=color, linewidth=0.8, linestyle=style)
-        for k in f["client_kill_times_s"]:
-            ax.axvline(k, color="gray", linewidth=0.6, linestyle=":")
-    axes[-1].set_xlabel("seconds (daemon: red SIGKILL, dashed red SIGTERM, purple freeze; "
-                        "gray: client SIGKILL)",
-                        fontsize=8)
-    axes[0].set_title("lmcache-mp chaos soak")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
-def write_report(args: argparse.Namespace, checks: dict[str, bool], figures: dict) -> None:
-    """The verdicts; the figures as JSON, always; the chart only where matplotlib is installed
-    (a machine without it still gets the figures, and the exit status of the checks)."""
-    print()
-    for name, ok in checks.items():
-        print(f"{'MET ' if ok else 'MISS'} {name}")
-    written = [args.out / "soak.json", *([args.json] if args.json else [])]
-    for path in written:
-        path.write_text(json.dumps(figures, indent=2))
-    try:
-        import matplotlib  # noqa: F401  (only the chart needs it)
-    except ImportError as err:
-        print(f"\nchart skipped: matplotlib cannot be imported ({err})")
-    else:
-        plot(figures, args.out / "soak.png")
-        written.append(args.out / "soak.png")
-    print(f"\nwrote {', '.join(map(str, written))}")
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -616,6 +505,16 @@ def main() -> int:
                         help="no daemon restart in this last fraction of the load: the last daemon serves "
                         "that long (client kills and malformed traffic go on) before its idle RSS and "
                         "descriptors are compared with a fresh daemon's")
+    parser.add_argument("--min-restarts", type=int, default=0,
+                        help="daemon restarts (SIGTERM or SIGKILL, freezes not counted) the run must make: "
+                        "while fewer have completed when the restart window would close, the window, the "
+                        "chaos end and the end move later together (a restart in progress holds them "
+                        "open), so that the last daemon still gets its window and --settle-s after the "
+                        "last restart; a run that reaches --max-duration-s first ends there and fails. "
+                        "0: a fixed schedule")
+    parser.add_argument("--max-duration-s", type=float, default=None,
+                        help="the load never runs past this, however many restarts are owed; "
+                        "default 3 x --duration-s")
     parser.add_argument("--freeze-s", type=float, default=None,
                         help="how long a freeze (SIGSTOP ... SIGCONT) of the daemon lasts; default "
                         "3 x --timeout-s + 1, so each client gives up on a few requests in a row and "
@@ -647,6 +546,13 @@ def main() -> int:
         args.l1_size_gb = 0.1 if args.warm_restart else 0.01
     if args.freeze_s is None:
         args.freeze_s = 3 * args.timeout_s + 1
+    if args.max_duration_s is None:
+        args.max_duration_s = 3 * args.duration_s
+    if args.max_duration_s < args.duration_s:
+        parser.error("--max-duration-s is shorter than --duration-s")
+    if args.min_restarts and args.settle_s < MIN_SETTLE_WITH_EXTENSIONS_S:
+        parser.error(f"--min-restarts needs --settle-s of {MIN_SETTLE_WITH_EXTENSIONS_S} s at least: "
+                     "the clients read a moved end once a second")
     args.out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="lmc-soak-", dir="/tmp"))
     soak = Soak(args, tmp)

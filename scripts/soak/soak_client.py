@@ -37,6 +37,7 @@ POISON = -7.0  # what a block holds before a RETRIEVE: a block the daemon did no
 PR_SET_PDEATHSIG = 1
 RESTORE_FRACTION = 0.2
 FAILED_ROUND_PAUSE_S = 0.05
+END_TIME_REREAD_S = 1.0  # how often a client reads the soak's end time again (it may move later)
 MAX_KEYS_KEPT = 2000  # per client, of the chunk-key lists in its stats
 
 
@@ -71,6 +72,24 @@ def chunk_keys(hashes: list[bytes]) -> list[bytes]:
 # ---- a client process -----------------------------------------------------------------------
 
 
+class SharedEndTime:
+    """The soak's end time, set once the clients serve and moved later by an extended run: read from
+    `path` at most once every END_TIME_REREAD_S; `initial` until the file exists."""
+
+    def __init__(self, path: str, initial: float):
+        self.path = path
+        self.value = initial
+        self.next_read = 0.0
+
+    def __call__(self) -> float:
+        now = time.monotonic()
+        if self.path and now >= self.next_read:
+            self.next_read = now + END_TIME_REREAD_S
+            with contextlib.suppress(OSError, ValueError):  # not written yet: the initial end holds
+                self.value = float(Path(self.path).read_text())
+        return self.value
+
+
 @dataclass
 class ClientConfig:
     index: int
@@ -79,7 +98,7 @@ class ClientConfig:
     prompt_seed: int
     num_prompts: int
     num_prefixes: int
-    end_time: float  # time.time() at which the client stops its load and shuts down
+    end_time: float  # time.time() at which the client stops its load, until end_time_path says otherwise
     timeout_s: float
     grace_s: float
     freeze_s: float
@@ -90,6 +109,9 @@ class ClientConfig:
     # Where each acknowledged STORE is written down ("TIME PROMPT": the whole prompt is in the
     # daemon from then on), for the warm-restart checks; "": nowhere
     acked_path: str = ""
+    # Where the soak writes the end time once it knows it (its clock starts when the clients serve)
+    # and each time it moves it later (--min-restarts); "": nowhere
+    end_time_path: str = ""
 
 
 @dataclass
@@ -153,6 +175,7 @@ class SoakClient:
         self.acked = open(cfg.acked_path, "a", buffering=1) if cfg.acked_path else None  # noqa: SIM115
         self.seq = 0
         self.next_snapshot = 0.0
+        self.end_time = SharedEndTime(cfg.end_time_path, cfg.end_time)
         self.scheduler = self._connect(LMCacheMPSchedulerAdapter)
         self.new_worker()
 
@@ -175,7 +198,7 @@ class SoakClient:
                     raise
 
     def run(self) -> None:
-        while time.time() < self.cfg.end_time:
+        while time.time() < self.end_time():
             errors = self.stats.errors.total()
             self.one_round(self.rng.randrange(len(self.prompts)))
             if self.stats.errors.total() > errors:
@@ -366,7 +389,7 @@ class ShrinkingWorker(SoakClient):
             self.new_worker()
         self.try_to_shrink()
         super().one_round(prompt)
-        time.sleep(max(0.0, min(self.cfg.shrink_every_s, self.cfg.end_time - time.time())))
+        time.sleep(max(0.0, min(self.cfg.shrink_every_s, self.end_time() - time.time())))
 
     def try_to_shrink(self) -> None:
         storage = next(iter(self.caches.values())).untyped_storage()
