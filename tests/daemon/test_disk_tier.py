@@ -554,7 +554,7 @@ def test_open_tier_from_url(tmp_path: Path) -> None:
     ("disk:///abs/path?size_gb=lots", "positive"),
     ("disk:///abs/path?size_gb=1&size_gb=2", "exactly one"),
     ("disk:///abs/path?size_gb=1&sync=1", "unknown parameters"),
-    ("s3://bucket/x", r"supported schemes are disk://"),
+    ("ftp://bucket/x", r"supported schemes are disk://"),
     ("/just/a/path", r"supported schemes are disk://"),
 ])
 def test_bad_urls_are_refused(url: str, message: str) -> None:

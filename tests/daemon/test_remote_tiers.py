@@ -14,15 +14,11 @@ import pytest
 import redis
 import torch
 
-from lmcache_mp.chunks import ChunkKey, TierStats
 from lmcache_mp.protocol import ChunkOutcome
 from lmcache_mp.storage.chunk_format import header_size_of
-from lmcache_mp.storage.tiers.open import open_tier
-from lmcache_mp.storage.tiers.remote import NetworkTier
 from lmcache_mp.storage.tiers.v1 import _key_string
-from lmcache_mp.testing.blocks import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes
+from lmcache_mp.testing.blocks import CHUNK, LAYERS, SHAPE, block_hashes
 from lmcache_mp.testing.kv_worker import make_caches, pages
-from lmcache_mp.testing.launcher import DaemonProcess
 from lmcache_mp.testing.probes import scrape
 from lmcache_mp.testing.servers import (
     RedisServer,
@@ -34,28 +30,20 @@ from lmcache_mp.testing.servers import (
     redis_url,
     start_v1_server,
 )
-from tests.support.helpers import count_lookup, fmt, needs_redis, run_worker, status, store
+from tests.support.helpers import count_lookup, fmt, needs_redis, status, store
+from tests.support.tier_helpers import (
+    beside,
+    chunks,
+    empties,
+    retrieve_into,
+    round_trip,
+    tier_daemon_args,
+    wait_shared,
+    wait_until,
+)
 
 pytestmark = needs_redis
-WAIT_S = 20.0
 PASSWORD = "s3cret-pw"
-
-
-def chunks(n: int, nbytes: int = 64 << 10, seed: int = 0) -> tuple[list[ChunkKey], list[torch.Tensor]]:
-    gen = torch.Generator().manual_seed(seed)
-    keys = [ChunkKey(bytes([seed, i]) * 16, fmt()) for i in range(n)]
-    return keys, [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen) for _ in keys]
-
-
-def empties(n: int, nbytes: int = 64 << 10) -> list[torch.Tensor]:
-    return [torch.empty(nbytes, dtype=torch.uint8) for _ in range(n)]
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
 
 
 @contextmanager
@@ -82,33 +70,11 @@ SERVERS = [pytest.param(redis_url, id="redis"), pytest.param(redis_cluster_url, 
            pytest.param(v1, id="v1")]
 
 
-@pytest.fixture
-def tier_at() -> Iterator[Callable[[str], NetworkTier]]:
-    opened: list[NetworkTier] = []
-
-    def open_(url: str) -> NetworkTier:
-        tier = open_tier(url)
-        assert isinstance(tier, NetworkTier)
-        opened.append(tier)
-        return tier
-
-    yield open_
-    for tier in opened:
-        tier.close()
-
-
 @pytest.mark.parametrize("server", SERVERS)
 def test_round_trip_is_byte_exact_and_pipelined(server: Server, tmp_path: Path, tier_at) -> None:
     with server(tmp_path) as url:
         tier = tier_at(url)
-        keys, data = chunks(20)
-        absent = ChunkKey(b"\xff" * 32, fmt())
-        assert tier.batched_put(list(zip(keys, data, strict=True))) == 20
-        assert tier.batched_contains([*keys, absent]) == [True] * 20 + [False]
-        got = tier.batched_get([*keys, absent], empties(21))
-        assert all(torch.equal(g, d) for g, d in zip(got, data, strict=False)) and got[-1] is None
-        other_rank = ChunkKey(keys[0].chunk_hash, fmt(model="other"))  # same hash, another format
-        assert tier.batched_contains([other_rank]) == [False]
+        round_trip(tier)
         s = tier.stats()
         assert (s.up, s.hits_total, s.misses_total, s.writes_total, s.errors_total) == (1, 20, 1, 20, 0)
         assert s.read_bytes_total == s.written_bytes_total == 20 * (64 << 10)
@@ -247,31 +213,6 @@ def test_a_tier_url_never_shows_its_password(tmp_path: Path, tier_at) -> None:
 # ---- daemons sharing one store ----------------------------------------------------------------------
 
 
-def _wait_shared(url: str, chunks_written: int) -> TierStats:
-    def written() -> bool:
-        (t,) = status(url).tiers
-        return t.write_queue_chunks == 0 and t.writes_total == chunks_written
-    wait_until(written)
-    return status(url).tiers[0]
-
-
-def _daemon_args(tier_url: str) -> tuple[str, ...]:
-    return ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05", "--l2", tier_url)
-
-
-def _beside(daemon: DaemonProcess, name: str) -> str:
-    """A socket URL next to `daemon`'s, for a second daemon in the same directory."""
-    return daemon.url.replace("daemon.sock", f"{name}.sock")
-
-
-def _retrieve(daemon: DaemonProcess, hashes: list[bytes], out: Path) -> dict:
-    run_worker({"url": daemon.url, "layout": "CPU_ATTN", "shape": SHAPE, "dtype": "bfloat16",
-                "num_layers": LAYERS, "block_size": BLOCK, "action": "retrieve", "model": "m",
-                "block_ids": list(range(20, 20 + len(hashes))), "request_id": "reader", "out": str(out),
-                "block_hashes": [h.hex() for h in hashes]})
-    return torch.load(out)
-
-
 @pytest.mark.parametrize("server", SERVERS)
 def test_a_second_daemon_serves_what_only_the_first_stored(server: Server, tmp_path: Path, daemons,
                                                            worker_for) -> None:
@@ -279,14 +220,14 @@ def test_a_second_daemon_serves_what_only_the_first_stored(server: Server, tmp_p
     tokens = list(range(4 * CHUNK))
     hashes = block_hashes(tokens)
     with server(tmp_path) as url:
-        node_a = daemons(*_daemon_args(url))
+        node_a = daemons(*tier_daemon_args(url))
         writer = worker_for(node_a.url)
         assert store(writer.mq_client, writer.instance_id, hashes[1::2], "s", first_block=0) == \
             [ChunkOutcome.STORED] * 4
-        _wait_shared(node_a.url, 4)
-        node_b = daemons(*_daemon_args(url), url=_beside(node_a, "node-b"))  # another machine
+        wait_shared(node_a.url, 4)
+        node_b = daemons(*tier_daemon_args(url), url=beside(node_a, "node-b"))  # another machine
         assert status(node_b.url).objects == 0
-        got = _retrieve(node_b, hashes, tmp_path / "pages.pt")
+        got = retrieve_into(node_b, hashes, tmp_path / "pages.pt")
         assert got["hit"] == 4 * CHUNK and got["failed"] == []
         stored = pages(make_caches(SHAPE, torch.bfloat16, LAYERS, seed=1), "CPU_ATTN", SHAPE, list(range(8)))
         assert torch.equal(got["pages"].view(torch.uint8), stored.view(torch.uint8))
@@ -327,15 +268,15 @@ def test_a_dead_cluster_node_costs_only_its_own_chunks(tmp_path: Path, tier_at) 
 def test_a_killed_cluster_node_is_misses_not_errors(tmp_path: Path, daemons, worker_for) -> None:
     with redis_cluster(tmp_path / "cluster") as nodes:
         url = f"redis+cluster://{nodes[0].address}?timeout_s=0.5"
-        node_a = daemons(*_daemon_args(url))
+        node_a = daemons(*tier_daemon_args(url))
         writer = worker_for(node_a.url)
         hashes = block_hashes(list(range(6 * CHUNK)))[1::2]
         store(writer.mq_client, writer.instance_id, hashes, "s1")
-        _wait_shared(node_a.url, 6)
+        wait_shared(node_a.url, 6)
         holders = _holders(nodes, hashes)
         dead = holders[-1]  # a node that holds some chunk
         nodes[dead].kill()
-        node_b = daemons(*_daemon_args(url), url=_beside(node_a, "node-b"))
+        node_b = daemons(*tier_daemon_args(url), url=beside(node_a, "node-b"))
         reader = worker_for(node_b.url)
         started = time.monotonic()
         # The prefix ends at the first chunk the dead node held; the chunks before it are hits.
@@ -356,7 +297,7 @@ def test_a_killed_cluster_node_is_misses_not_errors(tmp_path: Path, daemons, wor
 def test_the_daemon_never_shows_a_tier_password(tmp_path: Path, daemons) -> None:
     port = free_port()
     with redis_server(tmp_path, "--requirepass", PASSWORD) as server:
-        daemon = daemons(*_daemon_args(f"redis://:{PASSWORD}@{server.address}/0"),
+        daemon = daemons(*tier_daemon_args(f"redis://:{PASSWORD}@{server.address}/0"),
                          "--metrics-port", str(port))
         (t,) = status(daemon.url).tiers
         assert PASSWORD not in t.name and t.name == f"redis://:***@{server.address}/0"

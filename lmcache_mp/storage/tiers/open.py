@@ -7,13 +7,19 @@ lists the forms and parameters). A tier's module is imported only when a URL nam
     redis://, rediss://, redis+cluster://, rediss+cluster://
                                                         Valkey/Redis (`tiers/redis.py`)
     lmcache://HOST:PORT                                 a v1 remote server (`tiers/v1.py`)
+    s3://BUCKET[/PREFIX]?endpoint_url=...               an S3-compatible bucket (`tiers/s3.py`,
+                                                        the [s3] extra)
+
+A tier whose client is an extra (boto3) imports it only when its URL is given; without the extra,
+the URL is one clear error at start.
 
 What logs, STATUS and /metrics show of a URL is `urls.redact_url`'s.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from urllib.parse import urlsplit
 
 from lmcache_mp.storage.tiers.base import StorageTier
@@ -35,10 +41,29 @@ def _v1_remote(url: str) -> StorageTier:
     return V1RemoteTier.from_url(url)
 
 
+def _s3(url: str) -> StorageTier:
+    with _extra("s3", url):
+        from lmcache_mp.storage.tiers.s3 import S3Tier
+    return S3Tier.from_url(url)
+
+
+@contextmanager
+def _extra(extra: str, url: str) -> Iterator[None]:
+    """Turn the import of a tier whose client is missing into one clear ValueError."""
+    try:
+        yield
+    except ModuleNotFoundError as e:
+        if e.name is not None and e.name.startswith("lmcache_mp"):
+            raise
+        raise ValueError(f"{redact_url(url)!r} needs the [{extra}] extra ({e.name} is not installed): "
+                         f"pip install 'lmcache-mp[{extra}]'") from None
+
+
 _OPENERS: dict[str, Callable[[str], StorageTier]] = {
     "disk": _disk,
     "redis": _redis, "rediss": _redis, "redis+cluster": _redis, "rediss+cluster": _redis,
     "lmcache": _v1_remote,
+    "s3": _s3,
 }
 
 

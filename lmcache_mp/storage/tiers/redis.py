@@ -49,7 +49,6 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from lmcache_mp.chunks import ChunkKey
-from lmcache_mp.storage.chunk_format import CorruptChunk, header_size
 from lmcache_mp.storage.tiers.remote import RETRY_FIRST_S, Backoff, Fetched, NetworkTier
 from lmcache_mp.storage.tiers.urls import redact_url
 
@@ -116,7 +115,8 @@ class RedisTier(NetworkTier):
 
     def _fetch_many(self, keys: list[ChunkKey], outs: list) -> list[Fetched | None]:
         blobs = self._pipelined("get", [(self._name_of(k),) for k in keys])
-        return [None if blob is None or isinstance(blob, ResponseError) else _split(blob) for blob in blobs]
+        return [None if blob is None or isinstance(blob, ResponseError) else Fetched.from_blob(blob)
+                for blob in blobs]
 
     def _store_many(self, items: Iterable[tuple[ChunkKey, bytes, memoryview]]) -> list[bool]:
         # One value per chunk: header and payload, sent from where they lie (`_GatherPacker`) to
@@ -298,17 +298,6 @@ def _encode(arg: object) -> bytes:
     if isinstance(arg, int):
         return b"%d" % arg
     raise TypeError(f"cannot send {type(arg).__name__} to Redis")
-
-
-def _split(blob: bytes) -> Fetched:
-    """A stored value as header and payload; a value too damaged to split is all header (the
-    verification that follows rejects it)."""
-    view = memoryview(blob)
-    try:
-        size = header_size(view)
-    except CorruptChunk:
-        return Fetched(view, view[:0])
-    return Fetched(view[:size], view[size:])
 
 
 def _cluster_connector(netloc: str, tls: bool, params: dict[str, str], options: dict,

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from lmcache_mp.chunks import ChunkKey, TierStats
-from lmcache_mp.storage.chunk_format import CorruptChunk, as_buffer, encode_header, verify
+from lmcache_mp.storage.chunk_format import CorruptChunk, as_buffer, encode_header, header_size, verify
 from lmcache_mp.storage.tiers.base import StorageTier
 
 logger = logging.getLogger(__name__)
@@ -96,6 +96,17 @@ class Fetched:
     header: bytes | memoryview
     payload: memoryview | torch.Tensor
     verified: bool = False  # the tier checked it against its key already, as it landed
+
+    @classmethod
+    def from_blob(cls, blob: bytes) -> Fetched:
+        """A stored value received whole, as header and payload; a value too damaged to split is
+        all header (the verification that follows rejects it)."""
+        view = memoryview(blob)
+        try:
+            size = header_size(view)
+        except CorruptChunk:
+            return cls(view, view[:0])
+        return cls(view[:size], view[size:])
 
 
 class NetworkTier(StorageTier):
@@ -278,7 +289,7 @@ class NetworkTier(StorageTier):
             self._failures = 0
         return result
 
-    def _went_down(self, op: str, error: BaseException) -> None:
+    def _went_down(self, op: str, error: BaseException, level: int = logging.WARNING) -> None:
         with self._lock:
             self._counts["errors"] += 1
             self._failures += 1
@@ -288,8 +299,8 @@ class NetworkTier(StorageTier):
             delay = backoff_delay(self._failures)
             self._prober = threading.Thread(target=self._probe, args=(delay,), daemon=True,
                                             name=f"lmcache-mp-probe-{self.name}")
-        logger.warning("%s: %s failed (%s: %s); until it answers again, reads are misses and writes "
-                       "are skipped; retrying in %.1f s", self.name, op, type(error).__name__, error, delay)
+        logger.log(level, "%s: %s failed (%s: %s); until it answers again, reads are misses and writes "
+                   "are skipped; retrying in %.1f s", self.name, op, type(error).__name__, error, delay)
         self._prober.start()
 
     def _probe(self, delay: float) -> None:

@@ -1,15 +1,17 @@
 """Tier URLs made safe to print.
 
-`redact_url` is what logs, STATUS and /metrics show of a URL: the same URL with any password
-(in the user-info part or a `password` query parameter) replaced by `***`. A leaf: the tiers'
-modules and the opener (`tiers.py`) import it, and it imports none of them.
+`redact_url` is what logs, STATUS and /metrics show of a URL: the same URL with any password (in
+the user-info part, or a `password` or secret key query parameter) replaced by `***`. A leaf: the
+tiers' modules and the opener (`tiers.py`) import it, and it imports none of them.
 """
 
 from __future__ import annotations
 
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-_SECRET_PARAMS = frozenset({"password"})
+# Secrets a URL should never carry (an S3 URL refuses them) and must never show when it does.
+_SECRET_PARAMS = frozenset({"password", "aws_secret_access_key", "secret_access_key", "secret_key",
+                            "aws_session_token", "session_token"})
 _MASK = "***"
 
 

