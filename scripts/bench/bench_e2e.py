@@ -6,7 +6,8 @@
 Workload: a random-weight Llama big enough that prefill dominates (8 layers,
 hidden 1024, 4 KV heads of 64, bf16, ~96 M parameters), 8 prompts of 2,049 tokens, one at a
 time, VLLM_CPU_NUM_OF_RESERVED_CPU=1 for every engine. The daemon runs with a disk tier
-(`--l2 disk://TMP/disk?size_gb=4`). Each engine is a fresh process:
+(`--l2 disk://TMP/disk?size_gb=4`). Each engine is a fresh process that first prefills one short
+prompt, untimed (a chunk's worth of tokens less 56: nothing stored or loaded; harness/ttft.py says why):
   baseline  no connector: full prefill; then the same prompts again, served by vLLM's own
             prefix cache -- the floor for any external cache;
   engine 1  with the connector, against a cold daemon (it stores; the daemon writes the
@@ -27,55 +28,22 @@ AVX2-only VM, where the bf16 full prefill takes ~43 s instead of ~1.5 s.
 
 from __future__ import annotations
 
-import json
-import random
-import statistics
 import tempfile
-import time
 from pathlib import Path
-from typing import Any
 
 import msgspec
-from harness import figure, finish
-from harness.engines import CHUNK, build_model, engine_args, llm_args, run_child
+from harness import figure, finish, ttft
+from harness.engines import CHUNK, build_model, engine_args, llm_args
 
 from lmcache_mp.testing.launcher import daemon_status, start_daemon
 
-PROMPTS, PROMPT_TOKENS, MAX_TOKENS = 8, 2049, 4
 # Engine 2's runs: its row name -> lmcache.mp.load_mode.
 WARM = {"engine 2 (warm daemon)": "auto", "engine 2, async loads": "async", "engine 2, sync loads": "sync"}
-MODEL_FLAGS = ["--hidden", "1024", "--intermediate", "3072", "--layers", "8", "--heads", "16",
-               "--kv-heads", "4", "--head-dim", "64", "--max-pos", "4096"]
-
-
-def run_engine(spec: dict[str, Any]) -> None:
-    """Child process: one engine, prompts one at a time, one RESULT line per pass."""
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    llm = LLM(**llm_args(spec["model"], "bfloat16", spec["url"], spec["load_mode"]))
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    for pass_no in range(spec["passes"]):
-        rows = []
-        for prompt in spec["prompts"]:
-            start = time.perf_counter()
-            out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
-            wall = time.perf_counter() - start
-            ttft = getattr(out.metrics, "first_token_latency", 0.0) or wall
-            rows.append({"ttft_s": ttft, "num_cached_tokens": out.num_cached_tokens,
-                         "token_ids": list(out.outputs[0].token_ids)})
-        print("RESULT " + json.dumps({"pass": pass_no, "rows": rows}), flush=True)
 
 
 def engine(model: Path, prompts: list[list[int]], url: str | None, passes: int, log: Path,
            load_mode: str = "auto") -> list[list[dict]]:
-    spec = {"model": str(model), "prompts": prompts, "url": url, "passes": passes, "load_mode": load_mode}
-    results = run_child(__file__, spec, log)
-    return [r["rows"] for r in sorted(results, key=lambda r: r["pass"])]
-
-
-def median_ms(rows: list[dict]) -> float:
-    return statistics.median(r["ttft_s"] for r in rows) * 1e3
+    return ttft.timed_passes(__file__, llm_args(str(model), "bfloat16", url, load_mode), prompts, passes, log)
 
 
 def plot(series: dict[str, list[float]], path: Path) -> None:
@@ -93,15 +61,14 @@ def plot(series: dict[str, list[float]], path: Path) -> None:
 
 
 def main() -> int:
-    args = engine_args(__doc__, None, {}, run_engine)
+    args = engine_args(__doc__, None, {}, ttft.run_passes)
     if args is None:  # it ran as an engine's child
         return 0
     tmp = Path(tempfile.mkdtemp(prefix="lmc-e2e-", dir="/tmp"))
     model = tmp / "model"
     print("building the random-weight model...", flush=True)
-    build_model(model, "bfloat16", MODEL_FLAGS)
-    rng = random.Random(0)
-    prompts = [[rng.randrange(3, 1000) for _ in range(PROMPT_TOKENS)] for _ in range(PROMPTS)]
+    build_model(model, "bfloat16", ttft.MODEL_FLAGS)
+    prompts = ttft.random_prompts(ttft.PROMPTS, ttft.PROMPT_TOKENS)
     print("baseline engine (no connector, then vLLM's own prefix hits)...", flush=True)
     full, floor = engine(model, prompts, None, 2, args.out / "e2e-baseline.log")
     daemon_args = ("--chunk-size", str(CHUNK), "--l1-size-gb", "1",
@@ -127,10 +94,10 @@ def main() -> int:
         (after_engine3,) = daemon_status(daemon.url).tiers
     finally:
         daemon.stop(timeout=60)
-    expected_hit = (PROMPT_TOKENS - 1) // CHUNK * CHUNK
+    expected_hit = (ttft.PROMPT_TOKENS - 1) // CHUNK * CHUNK
     rows = {"no connector": full, "engine 1 (cold daemon)": cold,
             "vLLM prefix hit (floor)": floor, **warm, "engine 3 (from disk)": from_disk}
-    medians = {name: median_ms(r) for name, r in rows.items()}
+    medians = {name: ttft.median_ms(r) for name, r in rows.items()}
     print(f"\n{'setup':<26}{'TTFT median ms':>16}{'cached tokens':>16}")
     for name, r in rows.items():
         cached = sorted({x["num_cached_tokens"] for x in r})
@@ -150,7 +117,7 @@ def main() -> int:
     default_above = medians["engine 2 (warm daemon)"] - medians["vLLM prefix hit (floor)"]
     checks[f"engine 2, default load mode: TTFT within 5 ms of the floor ({default_above:+.1f} ms)"] = \
         default_above <= 5
-    chunks = PROMPTS * expected_hit // CHUNK
+    chunks = ttft.PROMPTS * expected_hit // CHUNK
     checks.update({
         f"daemon stopped cleanly by SIGTERM (exit {stop_code})": stop_code == 0,
         f"the restarted daemon found every chunk on disk ({after_restart.objects} of {chunks} objects; "

@@ -52,26 +52,31 @@ def llm_args(model: str, dtype: str, url: str | None, load_mode: str = "auto") -
 
 def run_child(script: str, spec: dict[str, Any], log: Path, env: dict[str, str] | None = None,
               timeout_s: float = 900) -> list[dict[str, Any]]:
-    """Run `script --engine SPEC` with ENGINE_ENV (plus `env`), its stderr to `log`; return the
-    payloads of its `RESULT <json>` lines, in order."""
+    """Run `script --engine SPEC` with ENGINE_ENV (plus `env`), its stderr to `log`, then the rest of
+    its stdout (vLLM logs there); return the payloads of its `RESULT <json>` lines, in order."""
     with open(log, "w") as f:
         out = subprocess.run([sys.executable, script, "--engine", json.dumps(spec)],
                              env={**os.environ, **ENGINE_ENV, **(env or {})}, text=True,
                              stdout=subprocess.PIPE, stderr=f, timeout=timeout_s)
+    lines = out.stdout.splitlines()
+    with open(log, "a") as f:
+        f.write("\n--- stdout ---\n")
+        f.writelines(f"{line}\n" for line in lines if not line.startswith("RESULT "))
     if out.returncode:
         raise RuntimeError(f"engine failed ({out.returncode}); see {log}")
-    return [json.loads(line[7:]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    return [json.loads(line[7:]) for line in lines if line.startswith("RESULT ")]
 
 
-def engine_args(doc: str, quick: str | None, options: dict[str, int],
+def engine_args(doc: str, quick: str | None, options: dict[str, int | str],
                 run_engine: Callable[[dict[str, Any]], None]) -> argparse.Namespace | None:
     """The command line of a benchmark that runs engines as children of its own script: the
-    harness's (`doc`, --out, --quick where `quick` says what it runs), integer `options` with their
-    defaults, and the internal --engine SPEC. As such a child, run `run_engine(SPEC)` and return
-    None; else make --out and return the options."""
+    harness's (`doc`, --out, --quick where `quick` says what it runs), `options` (integers or
+    strings, typed by their defaults, which --help shows), and the internal --engine SPEC. As such
+    a child, run `run_engine(SPEC)` and return None; else make --out and return the options."""
     command = parser(doc, quick)
     for name, default in options.items():
-        command.add_argument(f"--{name}", type=int, default=default)
+        command.add_argument(f"--{name}", type=type(default), default=default,
+                             help=f"(default: {default})")
     command.add_argument("--engine", help=argparse.SUPPRESS)  # internal: run one engine
     args = command.parse_args()
     if args.engine:
