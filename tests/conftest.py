@@ -24,11 +24,15 @@ def no_pool_file_left() -> Iterator[None]:
 
 
 @pytest.fixture
-def short_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # Unix socket paths are limited to ~107 bytes; pytest's tmp_path can be longer.
+def short_tmp() -> Iterator[Path]:
+    """A directory of this test's own under /tmp, removed after it: Unix socket paths are limited
+    to ~107 bytes, and pytest's tmp_path can be longer."""
+    import shutil
     import tempfile
 
-    return Path(tempfile.mkdtemp(prefix="lmc-", dir="/tmp"))
+    path = Path(tempfile.mkdtemp(prefix="lmc-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

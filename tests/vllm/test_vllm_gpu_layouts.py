@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
+import shutil
 import signal
 import tempfile
 from collections.abc import Iterator
@@ -91,7 +92,9 @@ def url() -> Iterator[str]:
     daemon = start_daemon(tmp, *DAEMON_ARGS, "--l2", f"disk://{tmp}/disk?size_gb=0.1")
     yield daemon.url
     daemon.stop(signal.SIGTERM)
-    assert "Traceback" not in daemon.log(), daemon.log()
+    log = daemon.log()
+    shutil.rmtree(tmp, ignore_errors=True)
+    assert "Traceback" not in log, log
 
 
 @pytest.fixture
