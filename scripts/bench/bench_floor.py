@@ -116,6 +116,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--connector-extra", action="append", default=[], metavar="KEY=VALUE",
                    help="into kv_connector_extra_config, e.g. lmcache.mp.load_mode=async; repeatable")
     p.add_argument("--seed", type=int, default=0, help="data set i uses SEED + 1 + i; the warm-up SEED")
+    p.add_argument("--daemon-cpus", default="",
+                   help="run the daemon on these CPUs only (taskset's list, e.g. 1: the CPU vLLM reserves "
+                        "with VLLM_CPU_NUM_OF_RESERVED_CPU=1 on 2 cores, away from its compute thread); "
+                        "default: anywhere")
     p.add_argument("--steps", action="store_true",
                    help="log vLLM's engine steps on every server (--enable-logging-iteration-details) and "
                    "report them: steps by kind, their time, the time outside them")
@@ -277,8 +281,9 @@ def run(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
         tokenizer = get_tokenizer(model)
         sets, warmup = make_datasets(args, tokenizer)
         first = {key: first_of_prefix(requests, tokenizer, args.prefix_len) for key, requests in sets.items()}
+        pinned = ["taskset", "-c", args.daemon_cpus] if args.daemon_cpus else []
         daemon = start_daemon(Path(tmp), "--chunk-size", str(CHUNK), "--l1-size-gb", str(plan.pool_gb),
-                              ready_timeout=300)
+                              ready_timeout=300, command_prefix=pinned)
         servers: list[ApiServer] = []
         try:
             start_all(servers, model, args, plan, daemon.url)
