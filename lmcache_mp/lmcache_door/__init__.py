@@ -9,7 +9,7 @@ connector (`LMCacheMPConnector` with the `lmcache` package installed), so that a
   the engine's LOOKUP, STORE, RETRIEVE and sessions; `keys.py`, LMCache's keys in the engine's terms;
   `liveness.py`, its registrations and when their workers are gone.
 - `engine_driven.py`, `staging.py`: LMCache's `engine_driven` mode, its worker writing chunks into a
-  staging segment of its registration's own (never pickle, never the pool).
+  staging segment of its registration's own (never serialized Python objects, never the pool).
 
 Importing the package loads no torch: the door answers PING and GET_CHUNK_SIZE while the engine is
 still being built.

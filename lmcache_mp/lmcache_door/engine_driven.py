@@ -125,7 +125,8 @@ class EngineDriven:
         if data:  # refused first, whoever sends it: never looked into
             staging = self._own_staging(instance_id)
             if staging is not None:
-                staging.release(transfer)  # its worker fell back to pickle: the slots it was given are free
+                # Its worker sent the bytes inline instead: the slots it was given are free again.
+                staging.release(transfer)
             raise Refusal(f"a commit_store carrying {len(data)} bytes (pickled tensors, which this daemon "
                           "never loads): its worker writes into the staging segment its registration names")
         staging = self._staging(instance_id)

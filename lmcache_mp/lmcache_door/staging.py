@@ -1,5 +1,5 @@
 """Staging segments: where a worker in LMCache's `engine_driven` mode writes the chunks it stores and
-reads those it loads, without pickle.
+reads those it loads: raw bytes, never a serialized Python object.
 
 In that mode the worker copies its KV itself, chunk by chunk in LMCache's own chunk layout
 (`[2, layers, tokens, hidden]`, or `[layers, tokens, hidden]` for one plane), into buffers the
