@@ -37,8 +37,8 @@ def halves(daemon: DaemonProcess) -> Iterator[tuple[SchedulerSide, Worker]]:
     scheduler.shutdown()
 
 
-def with_params(request_id: str, params: dict[str, object]) -> object:
-    req = request(request_id, TOKENS)
+def with_params(request_id: str, params: dict[str, object], tokens: list[int] = TOKENS) -> object:
+    req = request(request_id, tokens)
     req.kv_transfer_params = params
     return req
 
@@ -108,24 +108,28 @@ def test_max_load_tokens_caps_the_load_at_whole_chunks(
 @pytest.mark.daemon_args(*DAEMON_ARGS)
 def test_max_offload_tokens_caps_the_stores(halves: tuple[SchedulerSide, Worker],
                                             daemon: DaemonProcess) -> None:
-    """Stores cover at most the request's first `max_offload_tokens` tokens, in whole chunks."""
+    """Stores cover at most the request's first `max_offload_tokens` tokens, in whole chunks. Each
+    case has a prompt of its own, so the daemon's objects add up case by case."""
     scheduler, worker = halves
-    for name, params, chunks in (("ours", {"lmcache.mp.max_offload_tokens": 2 * CHUNK + 7}, 2),
-                                 ("native", {"max_offload_tokens": CHUNK}, 1),
-                                 ("zero", {"lmcache.mp.max_offload_tokens": 0}, 0)):
-        req = with_params(name, params)
+    stored = 0
+    cases = (("ours", {"lmcache.mp.max_offload_tokens": 2 * CHUNK + 7}, 2),
+             ("native", {"max_offload_tokens": CHUNK}, 1),
+             ("zero", {"lmcache.mp.max_offload_tokens": 0}, 0))
+    for seed, (name, params, chunks) in enumerate(cases):
+        tokens = [random.Random(100 + seed).randrange(1000) for _ in range(len(TOKENS))]
+        req = with_params(name, params, tokens)
         assert match(scheduler, req) == (0, False)
         meta = scheduler.build_connector_meta(step({name: TABLE}, new=((req, 0, req.num_prompt_tokens),)))
         if not chunks:
             assert meta.stores == {} and scheduler.request_finished(req) is False
             continue
-        assert meta.stores[name].block_hashes == block_hashes(TOKENS)[:chunks * CHUNK // BLOCK], name
+        assert meta.stores[name].block_hashes == block_hashes(tokens)[:chunks * CHUNK // BLOCK], name
         worker.run(meta)
         assert scheduler.request_finished(req) is True
         worker.collect({name})
         worker.wait_reported("sent", name)
-        assert status(daemon.url).objects == chunks, name
-        scheduler.reset_cache()  # the next case starts from an empty daemon
+        stored += chunks
+        assert status(daemon.url).objects == stored, name
 
 
 def test_docs_vllm_page_lists_every_request_key() -> None:

@@ -27,8 +27,10 @@ from typing import Any
 import pytest
 
 from lmcache_mp.testing.launcher import start_daemon
+from scripts.bench.harness.api_server import ApiServer, start_server
 from tests.support.helpers import status
 from tests.support.shm_leftovers import ShmWatch
+from tests.support.vllm_engine_run import kv_transfer_config
 
 REPO = Path(__file__).resolve().parents[2]
 BLOCK, CHUNK = 32, 64
@@ -212,6 +214,16 @@ def tracebacks(log: str) -> list[str]:
 def run_engine(spec: dict[str, Any], log_path: Path, env: dict[str, str] = ENV,
                timeout_s: float = ENGINE_TIMEOUT_S) -> list[list[dict[str, Any]]]:
     return VllmEngine(spec, log_path, env, timeout_s).outputs()
+
+
+def start_api_server(model: Path, connector: dict[str, Any], log_path: Path, *args: str) -> ApiServer:
+    """vLLM's OpenAI API server (served as "bench") on the tiny model, with the connector and its
+    `connector` extra config: these tests' engine settings, and `args`. Still starting: the harness's
+    `wait_healthy` waits for it (a test may start an engine meanwhile)."""
+    return start_server("connector", str(model), [
+        "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager", "--block-size", str(BLOCK),
+        "--num-gpu-blocks-override", "1024", "--enable-prompt-tokens-details",
+        "--kv-transfer-config", json.dumps(kv_transfer_config(connector)), *args], ENV, log_path)
 
 
 def make_tiny_llama(out: Path) -> Path:

@@ -21,16 +21,13 @@ from typing import Any
 import pytest
 
 from lmcache_mp.testing.launcher import start_daemon
-from scripts.bench.harness.api_server import ApiServer, start_server, stop_servers
+from scripts.bench.harness.api_server import ApiServer, stop_servers, wait_healthy
 from tests.support.helpers import status, wait_for_status
-from tests.support.vllm_engine_run import kv_transfer_config
 
 # The engine runner, the prompts, and the module-scoped fixtures `daemon` and `work_dir`.
 from tests.support.vllm_engines import (
-    BLOCK,
     CHUNK,
     ENGINE_TIMEOUT_S,
-    ENV,
     HEAD_CHUNKS,
     HEADS,
     HITS,
@@ -47,6 +44,7 @@ from tests.support.vllm_engines import (
     held_engine,
     make_tiny_llama,
     run_engine,
+    start_api_server,
     tokens,
     work_dir_fixture,  # noqa: F401
 )
@@ -250,23 +248,6 @@ def test_engine_keeps_serving_while_the_daemon_restarts(engine1: list[list[int]]
     assert tokens(back) == tokens(again) == tokens(warm) == [baseline[PROMPTS.index(p)] for p in HEADS]
 
 
-def start_api_server(model: Path, daemon: DaemonUnderTest, log_path: Path) -> ApiServer:
-    """vLLM's OpenAI API server with the connector on `daemon` (served as "bench")."""
-    kv_config = kv_transfer_config({"lmcache.mp.url": daemon.url})
-    return start_server("connector", str(model), [
-        "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager", "--block-size", str(BLOCK),
-        "--num-gpu-blocks-override", "1024", "--disable-hybrid-kv-cache-manager",
-        "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(kv_config)], ENV, log_path)
-
-
-def wait_healthy(server: ApiServer) -> None:
-    deadline = time.monotonic() + ENGINE_TIMEOUT_S
-    while not server.healthy():
-        assert server.proc.poll() is None, server.log.read_text(errors="replace")[-6000:]
-        assert time.monotonic() < deadline, "server not healthy in time"
-        time.sleep(1)
-
-
 REST = [PROMPTS[1], PROMPTS[2], PROMPTS[4]]
 
 
@@ -287,13 +268,14 @@ def after_restart(engine1: list[list[int]], tiny_model: Path, work_dir: Path,
     assert daemon.objects() > 0
     daemon.kill()
     daemon.start()
-    server = start_api_server(tiny_model, daemon, work_dir / "server.log")
+    server = start_api_server(tiny_model, {"lmcache.mp.url": daemon.url}, work_dir / "server.log",
+                              "--disable-hybrid-kv-cache-manager")
     try:
         barrier = work_dir / "barrier-after-restart"
         spec = engine_spec(tiny_model, daemon, [HEADS, REST], prefix_caching=False, barrier_dir=str(barrier))
         engine = held_engine(spec, work_dir / "engine-after-restart.log", barrier)
         try:
-            wait_healthy(server)
+            wait_healthy([server], ENGINE_TIMEOUT_S)
             engine.wait_held()
             engine.go()
             heads = engine.round(0)

@@ -19,21 +19,20 @@ from typing import Any
 
 import pytest
 
-from scripts.bench.harness.api_server import ApiServer, start_server, stop_servers
+from scripts.bench.harness.api_server import ApiServer, stop_servers, wait_healthy
 from tests.support.helpers import wait_for_status
-from tests.support.vllm_engine_run import kv_transfer_config
 
 # The prompts and engine helpers, and the module-scoped fixtures `daemon` and `work_dir`.
 from tests.support.vllm_engines import (
     BLOCK,
     CHUNK,
     ENGINE_TIMEOUT_S,
-    ENV,
     MAX_TOKENS,
     PROMPTS,
     DaemonUnderTest,
     daemon_fixture,  # noqa: F401
     make_tiny_llama,
+    start_api_server,
     work_dir_fixture,  # noqa: F401
 )
 
@@ -113,18 +112,10 @@ class Run:
 def run(work_dir: Path, daemon: DaemonUnderTest) -> Iterator[Run]:
     model = make_tiny_llama(work_dir / "tiny-llama-f32")
     # Tails off: the first request's tail (its last, partly filled block) would be a fourth store.
-    kv_config = kv_transfer_config({"lmcache.mp.url": daemon.url, "lmcache.mp.tails": False})
-    server = start_server("connector", str(model), [
-        "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager", "--block-size", str(BLOCK),
-        "--num-gpu-blocks-override", "1024", "--no-enable-prefix-caching",
-        "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(kv_config)],
-        ENV, work_dir / "server.log")
+    server = start_api_server(model, {"lmcache.mp.url": daemon.url, "lmcache.mp.tails": False},
+                              work_dir / "server.log", "--no-enable-prefix-caching")
     try:
-        deadline = time.monotonic() + ENGINE_TIMEOUT_S
-        while not server.healthy():
-            assert server.proc.poll() is None, server.log.read_text(errors="replace")[-6000:]
-            assert time.monotonic() < deadline, "server not healthy in time"
-            time.sleep(1)
+        wait_healthy([server], ENGINE_TIMEOUT_S)
         before = read_metrics(server)
         first = complete(server, PROMPT)
         wait_for_status(daemon.url, lambda r: r.objects >= TOKENS // CHUNK, "the first request's chunks")
