@@ -176,11 +176,13 @@ def _may_run_in_process(spec: dict[str, Any]) -> bool:
     then starts in ~15 s instead of ~45 s here, and with one rank the connector's two halves share a
     process either way. But an in-process EngineCore steps only inside `generate`: what goes out in
     the steps after a round (a finished request's tail store; the stores a reset waits for) would
-    wait for the next round. Those engines, and TP ones, keep vLLM's default layout, as do the
+    wait for the next round. Those engines, TP ones and those whose spec says `engine_core_process`
+    (a test that waits for the engine to act between rounds) keep vLLM's default layout, as do the
     API-server tests."""
     connector = spec.get("connector")
     tails = connector is not None and connector.get("lmcache.mp.tails", True)
-    return spec.get("tensor_parallel_size", 1) == 1 and not spec.get("resets") and not tails
+    return (spec.get("tensor_parallel_size", 1) == 1 and not spec.get("resets") and not tails
+            and not spec.get("engine_core_process"))
 
 
 def held_engine(spec: dict[str, Any], log_path: Path, hold_dir: Path, env: dict[str, str] = ENV,
