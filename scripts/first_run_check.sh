@@ -15,9 +15,13 @@ pip_quiet=(--disable-pip-version-check -q)
 
 work="$(mktemp -d /tmp/lmc-first-run.XXXXXX)"
 daemon_pid=""
+# The daemon keeps its pool in the default directory, as a user's would: made here, it goes after.
+pool_dir="/dev/shm/lmcache-mp-$(id -u)"
+[ -e "$pool_dir" ] && pool_dir_made="" || pool_dir_made=1
 cleanup() {
   [ -z "$daemon_pid" ] || kill -KILL "$daemon_pid" 2>/dev/null || true
   rm -rf "$work"
+  [ -z "$pool_dir_made" ] || rmdir "$pool_dir" 2>/dev/null || true
 }
 trap cleanup EXIT
 step() { echo "first run: $*" >&2; }

@@ -145,6 +145,9 @@ def discard_pools() -> None:
     for daemon in _started:
         if daemon.proc.poll() is not None:
             daemon.discard_pool()
+    if _started and all(daemon.proc.poll() is not None for daemon in _started):
+        with contextlib.suppress(OSError):  # kept while it holds a pool file (anyone's)
+            launched_pool_directory().rmdir()
 
 
 atexit.register(discard_pools)

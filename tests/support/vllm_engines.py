@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 from lmcache_mp.testing.launcher import start_daemon
+from lmcache_mp.testing.vllm_env import engine_env
 from scripts.bench.harness.api_server import ApiServer, start_server
 from tests.support.helpers import status
 from tests.support.shm_leftovers import ShmWatch
@@ -36,9 +37,7 @@ REPO = Path(__file__).resolve().parents[2]
 BLOCK, CHUNK = 32, 64
 MAX_TOKENS = 16
 ENGINE_TIMEOUT_S = 240.0
-ENV = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_HOST_IP="127.0.0.1", DO_NOT_TRACK="1",
-           VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-           VLLM_CPU_NUM_OF_RESERVED_CPU="1", PYTHONPATH=str(REPO))
+ENV = dict(os.environ, **engine_env())
 
 _rng = random.Random(4)
 

@@ -17,14 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from harness import REPO, parser
+from lmcache_mp.testing.vllm_env import engine_env
 
 CHUNK, BLOCK = 256, 128
 ENGINE_TIMEOUT_S = 1800  # an engine start or one request on a loaded 2-core machine takes minutes at worst
-# One reserved core for every engine, with or without the connector: vLLM otherwise reserves one
-# more core when a connector is configured and the two runs differ in speed and in tokens.
-ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", "DO_NOT_TRACK": "1",
-              "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-              "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "PYTHONPATH": str(REPO)}
+ENGINE_ENV = engine_env()  # `lmcache_mp.testing.vllm_env`: what every engine runs with
 
 
 def build_model(out: Path, dtype: str, flags: list[str]) -> None:
