@@ -12,13 +12,16 @@ Each registration gets a segment of its own, made by the daemon in /dev/shm (a r
 reaches the pool only through the daemon's copy, at commit, under the key of the transfer those
 slots were reserved for. The daemon never maps it (`segments.SegmentContext` copies with
 `preadv`/`pwritev`, so a worker that cuts it short fails its own copies, nothing more). The file is
-sparse: memory is spent only on the slots a worker writes. It is removed with the registration
+sparse: memory is spent only on the slots a worker writes, and a transfer gets the lowest free slots,
+so that what is spent is what the most transfers in flight at once needed, and the pages a load
+writes are ones its worker has mapped and touched before. It is removed with the registration
 (unregistered, its worker gone, the daemon stopped); a daemon killed outright leaves it, and the
 next daemon on the machine removes the segments of daemons no longer running (`remove_orphans`).
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 import os
 import re
@@ -57,7 +60,7 @@ class Staging:
     slots: int
     chunk_nbytes: int
     fd: int  # handed to the registration's copy context, which closes it
-    _free: list[int] = field(default_factory=list)
+    _free: list[int] = field(default_factory=list)  # a heap: the lowest first
     _held: dict[TransferKey, _Transfer] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -106,7 +109,7 @@ class Staging:
             if len(self._free) < count:
                 for key in [k for k, t in self._held.items() if now - t.since > ABANDONED_S]:
                     self._release_locked(key)
-            slots, self._free = self._free[:count], self._free[count:]
+            slots = [heapq.heappop(self._free) for _ in range(min(count, len(self._free)))]
             if slots:
                 self._held[transfer] = _Transfer(slots, now)
             return slots
@@ -130,7 +133,8 @@ class Staging:
         held = self._held.pop(transfer, None)
         if held is None:
             return None
-        self._free.extend(held.slots)
+        for slot in held.slots:
+            heapq.heappush(self._free, slot)
         return held.slots
 
     def slot_descriptors(self, slots: list[int]) -> list[dict[str, object]]:

@@ -6,6 +6,7 @@ its own registration's, never the pool, and never loads a pickle."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from tests.support.lmcache_peer import (
     LAYERS,
     MODEL,
     TIMEOUT_S,
+    TOKENS,
     WIDTH,
     door_fixture,  # noqa: F401 (a fixture)
     key,
@@ -55,13 +57,13 @@ class Worker:
     def layers(self) -> list[torch.Tensor]:
         return list(self.kv.values())
 
-    def store(self, request_id: str, blocks: list[int], end: int = 64) -> bool:
-        return self.context.submit_store(request_id, key(request_id, 0, 0, end), self.kv, [blocks], None,
-                                         BLOCKS_IN_CHUNK).result(TIMEOUT_S)
+    def store(self, request_id: str, blocks: list[int], end: int = 64, tokens: list[int] = TOKENS) -> bool:
+        return self.context.submit_store(request_id, key(request_id, 0, 0, end, tokens), self.kv, [blocks],
+                                         None, BLOCKS_IN_CHUNK).result(TIMEOUT_S)
 
-    def retrieve(self, request_id: str, blocks: list[int], skip: int = 0) -> bool:
-        return self.context.submit_retrieve(request_id, key(request_id, 0, 0, 64), self.kv, [blocks], None,
-                                            BLOCKS_IN_CHUNK, skip_first_n_tokens=skip).result(TIMEOUT_S)
+    def retrieve(self, request_id: str, blocks: list[int], skip: int = 0, tokens: list[int] = TOKENS) -> bool:
+        return self.context.submit_retrieve(request_id, key(request_id, 0, 0, 64, tokens), self.kv, [blocks],
+                                            None, BLOCKS_IN_CHUNK, skip_first_n_tokens=skip).result(TIMEOUT_S)
 
 
 def test_a_store_and_a_load_go_through_the_registration_s_own_staging_segment(
@@ -123,6 +125,33 @@ def test_a_load_finds_the_chunks_a_store_left_and_a_missing_chunk_fails_it_whole
         assert worker.retrieve("two", [8, 9, 10, 11]) is False
         assert all(bool((layer[8:12] == 3).all()) for layer in worker.layers)
         lmcache_client.end_session("two").result(TIMEOUT_S)
+    finally:
+        worker.context.unregister().result(TIMEOUT_S)
+        worker.context.close()
+
+
+def test_transfers_one_after_another_reuse_the_same_staging_slots(
+        door: tuple[DaemonProcess, str], lmcache_client: Any) -> None:
+    """The segment is sparse and a transfer gets the lowest free slots: transfers one at a time spend
+    the memory of one transfer's slots, however many there were, and reuse pages already touched."""
+    daemon, _ = door
+    worker = Worker(lmcache_client, 51)
+    staging = Path("/dev/shm") / worker.context.engine_driven_context._shm_name.lstrip("/")
+    chunk_bytes = int(re.search(r"engine_driven: chunks of (\d+) bytes", daemon.log()).group(1))
+    try:
+        for round_no in range(6):
+            for layer in worker.layers:
+                layer[0:4].copy_(torch.randn(4, HEADS, BLOCK, WIDTH))
+            tokens = list(range(100 * round_no, 100 * round_no + 64))
+            store, load = f"store-{round_no}", f"load-{round_no}"
+            assert worker.store(store, [0, 1, 2, 3], tokens=tokens) is True
+            lmcache_client.end_session(store).result(TIMEOUT_S)
+            assert lookup(lmcache_client, load, 64, tokens) == 2
+            assert worker.retrieve(load, [8, 9, 10, 11], tokens=tokens) is True
+            assert all(torch.equal(layer[8:12], layer[0:4]) for layer in worker.layers)
+            lmcache_client.end_session(load).result(TIMEOUT_S)
+        # 24 slots were prepared in all, two at a time: the file holds the two lowest, no more.
+        assert staging.stat().st_blocks * 512 <= 2 * chunk_bytes
     finally:
         worker.context.unregister().result(TIMEOUT_S)
         worker.context.close()
