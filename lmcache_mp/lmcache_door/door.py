@@ -12,8 +12,9 @@ operation its meaning in the engine's terms:
   (`segments.py`), as a registration of the engine's registry; dropped when its worker is gone
   (`liveness.py`).
 - the engine-driven mode's operations: `engine_driven.py`.
-Chunks are keyed by our own token-mode chain of the key's tokens (`keys.py`) and the registration's
-format, whose layout name is the door's own: they are not shared with our connector's.
+Chunks are keyed by our own token-mode chain of the key's tokens (in the chain of its `cache_salt`
+where it has one: `keys.py`) and the registration's format, whose layout name is the door's own: they
+are not shared with our connector's.
 
 Every request gets a reply its client reads (`wire.failure_frames`): a result, or a failure or a miss;
 the first of each kind of refusal is logged, an ERROR naming the lmcache version this daemon speaks when
@@ -38,7 +39,7 @@ from lmcache_mp.config import ServerConfig
 from lmcache_mp.engine.dispatch import ARRIVAL, PEER, ReplyThen
 from lmcache_mp.lmcache_door import wire
 from lmcache_mp.lmcache_door.engine_driven import EngineDriven
-from lmcache_mp.lmcache_door.keys import Refusal, engine_key
+from lmcache_mp.lmcache_door.keys import Refusal, engine_keys
 from lmcache_mp.lmcache_door.liveness import Registration, Registrations
 from lmcache_mp.lmcache_door.staging import remove_orphans
 from lmcache_mp.mq.server import MessageQueueServer
@@ -290,7 +291,8 @@ class LMCacheDoor:
         try:
             if engine is None:
                 raise Refusal("the daemon's engine is still starting: a miss")
-            result = engine.lookup([engine_key(key, lookup=True)])
+            keys = engine_keys(key, self._config.chunk_size, lookup=True)
+            result = engine.lookup(keys) if keys else 0
         except Exception as err:
             self._prefetches.put(key.request_id, 0)  # queried next: a miss
             self._note("lookup", _describe(err), unknown=False)
@@ -308,7 +310,9 @@ class LMCacheDoor:
         del tp_size
         engine = self._engine
         if engine is not None:
-            engine.release_leases([engine_key(key, lookup=False)])
+            keys = engine_keys(key, self._config.chunk_size, lookup=False)
+            if keys:
+                engine.release_leases(keys)
 
     def _op_end_session(self, request_id: str) -> None:
         self._prefetches.drop(request_id)
@@ -390,7 +394,9 @@ class LMCacheDoor:
         engine = self._require_engine()
         self._registrations.touch(instance_id)
         del event_handle  # a CPU registration's (a constant): the reply itself says the copies are done
-        engine.store([engine_key(key, lookup=False)], instance_id, _one_group(block_ids), b"")
+        keys = engine_keys(key, self._config.chunk_size, lookup=False)
+        if keys:
+            engine.store(keys, instance_id, _one_group(block_ids), b"")
         return b"", True
 
     def _op_retrieve(self, key: wire.Key, instance_id: int, block_ids: list[list[int]], event_handle: bytes,
@@ -402,7 +408,10 @@ class LMCacheDoor:
         block_size = engine.registry.instance(instance_id).context.geometry.block_size
         skipped = min(max(skip_first_n_tokens, 0) // block_size, len(blocks))
         blocks[:skipped] = [-1] * skipped  # blocks vLLM already holds (its own prefix hit): left alone
-        result = engine.retrieve([engine_key(key, lookup=False)], instance_id, blocks, b"")
+        keys = engine_keys(key, self._config.chunk_size, lookup=False)
+        if not keys:
+            raise Refusal("a retrieve of no whole chunk")
+        result = engine.retrieve(keys, instance_id, blocks, b"")
         if not result.ok:
             raise Refusal(f"the retrieve loaded nothing: {result.reason}")
         return b"", True

@@ -24,7 +24,7 @@ import msgspec
 from lmcache_mp.config import ServerConfig
 from lmcache_mp.engine.dispatch import PEER
 from lmcache_mp.lmcache_door import wire
-from lmcache_mp.lmcache_door.keys import Refusal, engine_key
+from lmcache_mp.lmcache_door.keys import Refusal, engine_keys
 from lmcache_mp.lmcache_door.liveness import Registrations
 from lmcache_mp.lmcache_door.staging import Staging, TransferKey
 from lmcache_mp.protocol import LMCACHE_DOOR, KVCacheRegistration
@@ -135,7 +135,7 @@ class EngineDriven:
             raise Refusal("a commit_store without its prepare_store (or after its slots were taken back)")
         try:
             stored = msgspec.structs.replace(key, end=key.start + len(slots) * self._chunk_size)
-            self._engine().store([engine_key(stored, lookup=False)], instance_id, slots, b"")
+            self._engine().store(engine_keys(stored, self._chunk_size, lookup=False), instance_id, slots, b"")
         finally:
             staging.release(transfer, slots)
         return True
@@ -149,7 +149,8 @@ class EngineDriven:
             if len(slots) < chunks:
                 raise Refusal(f"a load of {chunks} chunks, {len(slots)} of instance {instance_id}'s "
                               f"{staging.slots} staging slots free")
-            result = self._engine().retrieve([engine_key(key, lookup=False)], instance_id, slots, b"")
+            keys = engine_keys(key, self._chunk_size, lookup=False)
+            result = self._engine().retrieve(keys, instance_id, slots, b"")
             if not result.ok:
                 raise Refusal(f"the retrieve loaded nothing: {result.reason}")
         except BaseException:

@@ -100,6 +100,29 @@ def test_a_store_through_a_shared_memory_segment_is_a_hit_with_its_bytes(
     assert report.registered_instances == [41]
 
 
+def test_a_salted_store_is_a_hit_for_its_salt_only(
+        door: tuple[DaemonProcess, str], lmcache_client: Any, caches: Caches) -> None:
+    """vLLM's `cache_salt` (per-user isolation) travels in LMCache's keys: the same tokens under
+    another salt, or none, are other chunks."""
+    caches.register(lmcache_client, 44)
+    for layer in caches.layers:
+        layer[:4].copy_(torch.randn(4, HEADS, BLOCK, WIDTH))
+    stored = lmcache_client.store(key("a", 0, 0, 64, salt="tenant-a"), 44, [[0, 1, 2, 3]], b"stub_ipc_handle")
+    assert stored.result(TIMEOUT_S) == (b"", True)
+    lmcache_client.end_session("a").result(TIMEOUT_S)
+
+    assert lookup(lmcache_client, "plain", 64) == 0
+    assert lookup(lmcache_client, "b", 64, salt="tenant-b") == 0
+    assert lookup(lmcache_client, "a-again", 64, salt="tenant-a") == 2
+    loaded = lmcache_client.retrieve(key("a-again", 0, 0, 64, salt="tenant-a"), 44, [[8, 9, 10, 11]],
+                                     b"stub_ipc_handle", 0)
+    assert loaded.result(TIMEOUT_S) == (b"", True)
+    assert all(torch.equal(layer[8:12], layer[0:4]) for layer in caches.layers)
+    for request_id in ("plain", "b", "a-again"):
+        lmcache_client.end_session(request_id).result(TIMEOUT_S)
+    wait_for_status(door[0].url, lambda r: r.leases == 0 and r.objects == 2, "two chunks, no lease")
+
+
 def test_every_request_is_answered_and_the_daemon_serves_on(door: tuple[DaemonProcess, str],
                                                             lmcache_client: Any) -> None:
     daemon, url = door

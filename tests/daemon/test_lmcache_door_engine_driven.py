@@ -57,13 +57,16 @@ class Worker:
     def layers(self) -> list[torch.Tensor]:
         return list(self.kv.values())
 
-    def store(self, request_id: str, blocks: list[int], end: int = 64, tokens: list[int] = TOKENS) -> bool:
-        return self.context.submit_store(request_id, key(request_id, 0, 0, end, tokens), self.kv, [blocks],
-                                         None, BLOCKS_IN_CHUNK).result(TIMEOUT_S)
+    def store(self, request_id: str, blocks: list[int], end: int = 64, tokens: list[int] = TOKENS,
+              salt: str = "") -> bool:
+        return self.context.submit_store(request_id, key(request_id, 0, 0, end, tokens, salt), self.kv,
+                                         [blocks], None, BLOCKS_IN_CHUNK).result(TIMEOUT_S)
 
-    def retrieve(self, request_id: str, blocks: list[int], skip: int = 0, tokens: list[int] = TOKENS) -> bool:
-        return self.context.submit_retrieve(request_id, key(request_id, 0, 0, 64, tokens), self.kv, [blocks],
-                                            None, BLOCKS_IN_CHUNK, skip_first_n_tokens=skip).result(TIMEOUT_S)
+    def retrieve(self, request_id: str, blocks: list[int], skip: int = 0, tokens: list[int] = TOKENS,
+                 salt: str = "") -> bool:
+        return self.context.submit_retrieve(request_id, key(request_id, 0, 0, 64, tokens, salt), self.kv,
+                                            [blocks], None, BLOCKS_IN_CHUNK,
+                                            skip_first_n_tokens=skip).result(TIMEOUT_S)
 
 
 def test_a_store_and_a_load_go_through_the_registration_s_own_staging_segment(
@@ -125,6 +128,25 @@ def test_a_load_finds_the_chunks_a_store_left_and_a_missing_chunk_fails_it_whole
         assert worker.retrieve("two", [8, 9, 10, 11]) is False
         assert all(bool((layer[8:12] == 3).all()) for layer in worker.layers)
         lmcache_client.end_session("two").result(TIMEOUT_S)
+    finally:
+        worker.context.unregister().result(TIMEOUT_S)
+        worker.context.close()
+
+
+def test_a_salted_store_loads_for_its_salt_only(door: tuple[DaemonProcess, str], lmcache_client: Any) -> None:
+    worker = Worker(lmcache_client, 52)
+    try:
+        for layer in worker.layers:
+            layer[0:4].copy_(torch.randn(4, HEADS, BLOCK, WIDTH))
+        assert worker.store("salted", [0, 1, 2, 3], salt="tenant-a") is True
+        lmcache_client.end_session("salted").result(TIMEOUT_S)
+        assert lookup(lmcache_client, "plain", 64) == 0
+        assert lookup(lmcache_client, "other", 64, salt="tenant-b") == 0
+        assert lookup(lmcache_client, "same", 64, salt="tenant-a") == 2
+        assert worker.retrieve("same", [8, 9, 10, 11], salt="tenant-a") is True
+        assert all(torch.equal(layer[8:12], layer[0:4]) for layer in worker.layers)
+        for request_id in ("plain", "other", "same"):
+            lmcache_client.end_session(request_id).result(TIMEOUT_S)
     finally:
         worker.context.unregister().result(TIMEOUT_S)
         worker.context.close()

@@ -65,13 +65,13 @@ class Caches:
 
 
 def key(request_id: str, worker: int | None, start: int, end: int,
-        tokens: list[int] = TOKENS) -> IPCCacheServerKey:
-    return IPCCacheServerKey.from_token_ids(MODEL, 1, worker, tokens, start, end, request_id)
+        tokens: list[int] = TOKENS, salt: str = "") -> IPCCacheServerKey:
+    return IPCCacheServerKey.from_token_ids(MODEL, 1, worker, tokens, start, end, request_id, salt)
 
 
-def lookup(client: Any, request_id: str, end: int, tokens: list[int] = TOKENS) -> int:
+def lookup(client: Any, request_id: str, end: int, tokens: list[int] = TOKENS, salt: str = "") -> int:
     """LMCache's scheduler's lookup: LOOKUP, then its prefetch status until it is known."""
-    assert client.lookup(key(request_id, None, 0, end, tokens), 1).result(TIMEOUT_S) is None
+    assert client.lookup(key(request_id, None, 0, end, tokens, salt), 1).result(TIMEOUT_S) is None
     count = client.wait_prefetch_status(request_id, 10.0).result(TIMEOUT_S)
     assert count is not None
     return count

@@ -12,8 +12,9 @@ import msgspec
 import pytest
 import torch
 
+from lmcache_mp.engine.hashing import chunk_hashes
 from lmcache_mp.lmcache_door import wire
-from lmcache_mp.lmcache_door.keys import engine_key
+from lmcache_mp.lmcache_door.keys import engine_keys
 from tests.support.helpers import LMCACHE_MISSING
 
 pytest.importorskip("lmcache", reason=LMCACHE_MISSING)  # tests/unit/test_lmcache_peer.py fails
@@ -110,7 +111,7 @@ def test_a_key_of_lmcache_0_5_7_carries_its_tokens_as_bytes() -> None:
     request = wire.decode_request(frames)
 
     assert request.args[0].tokens() == tuple(TOKENS)
-    ours = engine_key(request.args[0], lookup=False)
+    [ours] = engine_keys(request.args[0], 32, lookup=False)
     assert ours.token_ids == tuple(TOKENS[:64]) and (ours.start, ours.end) == (0, 64)
 
 
@@ -187,10 +188,21 @@ def test_descriptors_this_version_does_not_know_are_refused() -> None:
         wire.decode_descriptors(msgspec.msgpack.encode([msgspec.msgpack.Ext(2, b"\x90")]))
 
 
-def test_keys_the_door_does_not_serve_are_misses() -> None:
-    decoded = wire.decode_request(client_frames("lookup", key(None, salt="tenant-a"), 1)).args[0]
-    with pytest.raises(ValueError, match="cache_salt"):
-        engine_key(decoded, lookup=True)
+def test_a_salted_key_names_chunks_of_its_salt_s_own_chain() -> None:
+    def engine_side(salt: str, start: int = 0, lookup: bool = True) -> list[bytes | tuple[int, ...]]:
+        decoded = wire.decode_request(client_frames("lookup", key(None, start, 64, salt), 1)).args[0]
+        return [k.chunk_hash or k.token_ids for k in engine_keys(decoded, 32, lookup=lookup)]
+
+    plain, tenant_a, tenant_b = engine_side(""), engine_side("tenant-a"), engine_side("tenant-b")
+    assert plain == [tuple(TOKENS[:64])]  # token mode: the engine hashes its own chain
+    assert len(tenant_a) == len(tenant_b) == 2 and not set(tenant_a) & set(tenant_b)
+    assert not set(tenant_a) & set(chunk_hashes(TOKENS, 32, 2))  # nor the unsalted chain's chunks
+    assert engine_side("tenant-a") == tenant_a  # the same salt, the same chunks
+    assert engine_side("tenant-a", start=32, lookup=False) == tenant_a[1:]
+
+
+def test_a_key_of_a_later_version_s_fields_is_refused() -> None:
+    decoded = wire.decode_request(client_frames("lookup", key(None), 1)).args[0]
     with pytest.raises(msgspec.ValidationError):  # a field a later version may key chunks by
         msgspec.msgpack.decode(msgspec.msgpack.encode({**msgspec.structs.asdict(decoded), "extra": 1}),
                                type=wire.Key)
