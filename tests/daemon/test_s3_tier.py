@@ -16,19 +16,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmcache_mp.chunks import ChunkKey
 from lmcache_mp.protocol import ChunkOutcome
 from lmcache_mp.storage.tiers.remote import NetworkTier
-from lmcache_mp.testing.blocks import CHUNK, LAYERS, SHAPE, block_hashes
-from lmcache_mp.testing.kv_worker import make_caches, pages
+from lmcache_mp.testing.blocks import CHUNK, block_hashes
 from lmcache_mp.testing.probes import scrape
 from lmcache_mp.testing.servers import WEED, S3Server, free_port
 from tests.support.helpers import count_lookup, fmt, status, store
 from tests.support.tier_helpers import (
     beside,
+    check_restart_survival,
+    check_two_daemons_share,
     chunks,
+    drop_and_clear,
     empties,
-    retrieve_into,
     round_trip,
     tier_daemon_args,
     wait_shared,
@@ -86,17 +86,8 @@ def test_round_trip_is_byte_exact_and_objects_are_listed_by_model(server: S3Serv
     assert s.read_bytes_total == s.written_bytes_total == 20 * (64 << 10)
     assert s.name == server.url("team-a")  # the URL as given: it holds no secret
 
-    # RESET_MODEL takes one model's objects, not a model whose name extends it; CLEAR_TIERS takes
-    # the namespace's, not a neighbour's.
-    other = [ChunkKey(k.chunk_hash, fmt(model="m/x")) for k in keys[:3]]
-    assert tier.batched_put(list(zip(other, data[:3], strict=True))) == 3
-    neighbour = tier_at(server.url("team-b"))
-    assert neighbour.batched_put(list(zip(keys[:2], data[:2], strict=True))) == 2
-    assert tier.drop_models({"m"}) == 20
-    assert tier.batched_contains([*keys[:2], *other]) == [False, False, True, True, True]
-    assert tier.clear() == 3
+    drop_and_clear(tier, tier_at(server.url("team-b")), keys, data)
     assert stored_names(server, "team-a/") == []
-    assert neighbour.batched_contains(keys[:2]) == [True, True]
 
 
 def test_a_hung_server_times_out_into_misses(server: S3Server, tier_at) -> None:
@@ -138,46 +129,13 @@ def test_throttled_writes_are_retried_and_requests_in_flight_are_bounded(server:
 # ---- daemons ------------------------------------------------------------------------------------------
 
 
-def _stored_pages() -> torch.Tensor:
-    caches = make_caches(SHAPE, torch.bfloat16, LAYERS, seed=1)  # `worker_for`'s
-    return pages(caches, "CPU_ATTN", SHAPE, list(range(8))).view(torch.uint8)
-
-
 def test_chunks_survive_a_daemon_restart_with_an_empty_pool(server: S3Server, daemons, worker_for,
                                                             short_tmp: Path) -> None:
-    hashes = block_hashes(list(range(4 * CHUNK)))
-    url = server.url("restart")
-    first = daemons(*tier_daemon_args(url), env=server.env())
-    writer = worker_for(first.url)
-    assert store(writer.mq_client, writer.instance_id, hashes[1::2], "s") == [ChunkOutcome.STORED] * 4
-    wait_shared(first.url, 4)
-    assert first.stop() == 0
-    second = daemons(*tier_daemon_args(url), "--fresh-pool", env=server.env())
-    assert status(second.url).objects == 0
-    got = retrieve_into(second, hashes, short_tmp / "pages.pt")
-    assert got["hit"] == 4 * CHUNK and got["failed"] == []
-    assert torch.equal(got["pages"].view(torch.uint8), _stored_pages())
-    (t,) = status(second.url).tiers
-    assert (t.promotions_total, t.hits_total, t.up, t.corrupt_total) == (4, 4, 1, 0)
-    assert second.stop() == 0 and "Traceback" not in second.log()
+    check_restart_survival(daemons, worker_for, server.url("restart"), server.env(), short_tmp / "pages.pt")
 
 
 def test_two_daemons_share_one_bucket(server: S3Server, daemons, worker_for) -> None:
-    url = server.url("fleet")
-    node_a = daemons(*tier_daemon_args(url), env=server.env())
-    node_b = daemons(*tier_daemon_args(url), url=beside(node_a, "node-b"), env=server.env())
-    from_a = block_hashes(list(range(4 * CHUNK)))[1::2]
-    from_b = block_hashes(list(range(5000, 5000 + 4 * CHUNK)))[1::2]
-    writer_a, writer_b = worker_for(node_a.url), worker_for(node_b.url)
-    assert store(writer_a.mq_client, writer_a.instance_id, from_a, "a") == [ChunkOutcome.STORED] * 4
-    assert store(writer_b.mq_client, writer_b.instance_id, from_b, "b") == [ChunkOutcome.STORED] * 4
-    wait_shared(node_a.url, 4)
-    wait_shared(node_b.url, 4)
-    assert count_lookup(writer_b.mq_client, from_a) == 4  # what only the other node stored
-    assert count_lookup(writer_a.mq_client, from_b) == 4
-    for node in (node_a, node_b):
-        (t,) = status(node.url).tiers
-        assert (t.promotions_total, t.hits_total, t.errors_total) == (4, 4, 0)
+    check_two_daemons_share(daemons, worker_for, server.url("fleet"), server.env())
     assert len(stored_names(server, "fleet/m/")) == 8
 
 

@@ -1,5 +1,6 @@
-"""What the tier tests share: chunks of random bytes and their keys, a tier's round trip, daemons
-beside each other on one store, and a worker's retrieve of a daemon's chunks."""
+"""What the tier tests share: chunks of random bytes and their keys, a tier's round trip and its
+namespaces, daemons beside each other on one store (restart survival, a fleet of two), and a
+worker's retrieve of a daemon's chunks."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from pathlib import Path
 import torch
 
 from lmcache_mp.chunks import ChunkKey, TierStats
+from lmcache_mp.protocol import ChunkOutcome
 from lmcache_mp.storage.tiers.remote import NetworkTier
-from lmcache_mp.testing.blocks import BLOCK, CHUNK, LAYERS, SHAPE
+from lmcache_mp.testing.blocks import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes
+from lmcache_mp.testing.kv_worker import make_caches, pages
 from lmcache_mp.testing.launcher import DaemonProcess
-from tests.support.helpers import fmt, run_worker, status
+from tests.support.helpers import count_lookup, fmt, run_worker, status, store
 
 WAIT_S = 20.0
 
@@ -48,6 +51,19 @@ def round_trip(tier: NetworkTier, n: int = 20) -> tuple[list[ChunkKey], list[tor
     return keys, data
 
 
+def drop_and_clear(tier: NetworkTier, neighbour: NetworkTier, keys: list[ChunkKey],
+                   data: list[torch.Tensor]) -> None:
+    """With `keys` (model "m") stored by `tier`: RESET_MODEL takes that model's chunks, not those of
+    a model whose name extends it; CLEAR_TIERS takes the namespace's, not `neighbour`'s."""
+    other = [ChunkKey(k.chunk_hash, fmt(model="m/x")) for k in keys[:3]]
+    assert tier.batched_put(list(zip(other, data[:3], strict=True))) == 3
+    assert neighbour.batched_put(list(zip(keys[:2], data[:2], strict=True))) == 2
+    assert tier.drop_models({"m"}) == len(keys)
+    assert tier.batched_contains([*keys[:2], *other]) == [False, False, True, True, True]
+    assert tier.clear() == 3
+    assert neighbour.batched_contains(keys[:2]) == [True, True]
+
+
 # ---- daemons sharing one store ----------------------------------------------------------------------
 
 
@@ -74,3 +90,47 @@ def retrieve_into(daemon: DaemonProcess, hashes: list[bytes], out: Path) -> dict
                 "block_ids": list(range(20, 20 + len(hashes))), "request_id": "reader", "out": str(out),
                 "block_hashes": [h.hex() for h in hashes]})
     return torch.load(out)
+
+
+def stored_pages() -> torch.Tensor:
+    """The bytes `worker_for`'s worker stores for blocks 0..7."""
+    caches = make_caches(SHAPE, torch.bfloat16, LAYERS, seed=1)
+    return pages(caches, "CPU_ATTN", SHAPE, list(range(8))).view(torch.uint8)
+
+
+def check_restart_survival(daemons: Callable, worker_for: Callable, url: str, env: dict[str, str],
+                           out: Path) -> None:
+    """Chunks one daemon stored through the tier at `url` are read, byte for byte, by the next
+    daemon started with an empty pool."""
+    hashes = block_hashes(list(range(4 * CHUNK)))
+    first = daemons(*tier_daemon_args(url), env=env)
+    writer = worker_for(first.url)
+    assert store(writer.mq_client, writer.instance_id, hashes[1::2], "s") == [ChunkOutcome.STORED] * 4
+    wait_shared(first.url, 4)
+    assert first.stop() == 0
+    second = daemons(*tier_daemon_args(url), "--fresh-pool", env=env)
+    assert status(second.url).objects == 0
+    got = retrieve_into(second, hashes, out)
+    assert got["hit"] == 4 * CHUNK and got["failed"] == []
+    assert torch.equal(got["pages"].view(torch.uint8), stored_pages())
+    (t,) = status(second.url).tiers
+    assert (t.promotions_total, t.hits_total, t.up, t.corrupt_total) == (4, 4, 1, 0)
+    assert second.stop() == 0 and "Traceback" not in second.log()
+
+
+def check_two_daemons_share(daemons: Callable, worker_for: Callable, url: str, env: dict[str, str]) -> None:
+    """Two daemons on one store: each finds what only the other stored."""
+    node_a = daemons(*tier_daemon_args(url), env=env)
+    node_b = daemons(*tier_daemon_args(url), url=beside(node_a, "node-b"), env=env)
+    from_a = block_hashes(list(range(4 * CHUNK)))[1::2]
+    from_b = block_hashes(list(range(5000, 5000 + 4 * CHUNK)))[1::2]
+    writer_a, writer_b = worker_for(node_a.url), worker_for(node_b.url)
+    assert store(writer_a.mq_client, writer_a.instance_id, from_a, "a") == [ChunkOutcome.STORED] * 4
+    assert store(writer_b.mq_client, writer_b.instance_id, from_b, "b") == [ChunkOutcome.STORED] * 4
+    wait_shared(node_a.url, 4)
+    wait_shared(node_b.url, 4)
+    assert count_lookup(writer_b.mq_client, from_a) == 4  # what only the other node stored
+    assert count_lookup(writer_a.mq_client, from_b) == 4
+    for node in (node_a, node_b):
+        (t,) = status(node.url).tiers
+        assert (t.promotions_total, t.hits_total, t.errors_total) == (4, 4, 0)

@@ -57,6 +57,7 @@ import operator
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterable
+from typing import TYPE_CHECKING
 
 from lmcache_mp.kv_events.log import EventLog
 from lmcache_mp.kv_events.resync import Pass
@@ -68,6 +69,9 @@ from lmcache_mp.storage.pool.objects import ObjectState, PoolObject, PoolStats, 
 from lmcache_mp.storage.pool.records import PoolRecords
 from lmcache_mp.storage.pool.restart import PoolRestart
 from lmcache_mp.storage.pool.slabs import ALIGN, SizeClass, Slab, SlabAllocator, default_slab_bytes
+
+if TYPE_CHECKING:  # the memory is a tensor; the pool itself computes no tensors
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +133,11 @@ class MemoryPool(PoolRestart, PoolDrop):
             self._memory.prepare(self._piece_boundary, self._take_prepared)
 
     # ---- public API ----------------------------------------------------------------------------
+
+    @property
+    def memory(self) -> torch.Tensor:
+        """All of the pool's memory, one flat uint8 tensor (a tier registers it for DMA)."""
+        return self._buffer
 
     @property
     def slab_bytes(self) -> int | None:

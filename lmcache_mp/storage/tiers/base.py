@@ -2,7 +2,7 @@
 
 The daemon keeps KV in tiers. L1 is the CPU memory pool (`pool.py`), which the daemon copies
 into and out of workers' caches. Below it, zero or more *lower tiers* (`--l2 URL`, in order:
-a local disk directory, Valkey/Redis, a v1 remote server) keep chunks across
+a local disk directory, Valkey/Redis, a v1 remote server, S3, Mooncake Store) keep chunks across
 daemon restarts, beyond the pool's size, and across machines. The storage manager
 (`manager.py`) moves chunks between L1 and the tiers: write-behind after a STORE, read-through
 (promotion into L1) during a LOOKUP. Tiers never see the wire protocol or a worker's cache.
@@ -27,6 +27,8 @@ straight into pool memory):
     announce(resync)                           tell `events` every chunk it holds, in the pass's
                                                slices (a tier with an index; a network tier holds
                                                no list and tells none)
+    share_memory(memory)                       the pool's memory, for a tier that registers it
+                                               with a transfer engine (Mooncake); others ignore it
     stats() -> TierStats                       counters for STATUS and /metrics
     close()                                    release files, connections and locks
 
@@ -130,6 +132,11 @@ class StorageTier(ABC):
         """Tell `events` that every chunk the tier holds is stored (a resync), in `resync.slices`
         (a snapshot of its keys, the lock held for one slice at a time). A tier with no list of its
         chunks tells nothing: its stream carries the writes and removals it makes."""
+
+    def share_memory(self, memory: torch.Tensor) -> None:  # noqa: B027 (a default, not an abstract method)
+        """The pool's whole memory (a flat uint8 tensor), given once after the pool is made: a tier
+        whose client moves bytes by DMA registers it, so that writes go straight from pool slots.
+        Must not raise for a failing network; the others ignore it."""
 
     @abstractmethod
     def stats(self) -> TierStats:

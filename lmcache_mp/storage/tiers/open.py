@@ -9,8 +9,10 @@ lists the forms and parameters). A tier's module is imported only when a URL nam
     lmcache://HOST:PORT                                 a v1 remote server (`tiers/v1.py`)
     s3://BUCKET[/PREFIX]?endpoint_url=...               an S3-compatible bucket (`tiers/s3.py`,
                                                         the [s3] extra)
+    mooncake://MASTER_HOST:PORT[/PREFIX]?protocol=tcp   a Mooncake Store cluster (`tiers/mooncake.py`,
+                                                        the [mooncake] extra)
 
-A tier whose client is an extra (boto3) imports it only when its URL is given; without the extra,
+A tier whose client is an extra (boto3, mooncake) imports it only when its URL is given; without the extra,
 the URL is one clear error at start.
 
 What logs, STATUS and /metrics show of a URL is `urls.redact_url`'s.
@@ -47,6 +49,12 @@ def _s3(url: str) -> StorageTier:
     return S3Tier.from_url(url)
 
 
+def _mooncake(url: str) -> StorageTier:
+    with _extra("mooncake", url):
+        from lmcache_mp.storage.tiers.mooncake import MooncakeTier
+    return MooncakeTier.from_url(url)
+
+
 @contextmanager
 def _extra(extra: str, url: str) -> Iterator[None]:
     """Turn the import of a tier whose client is missing into one clear ValueError."""
@@ -57,6 +65,8 @@ def _extra(extra: str, url: str) -> Iterator[None]:
             raise
         raise ValueError(f"{redact_url(url)!r} needs the [{extra}] extra ({e.name} is not installed): "
                          f"pip install 'lmcache-mp[{extra}]'") from None
+    except ImportError as e:  # installed, but a system library it loads is not (libibverbs1)
+        raise ValueError(f"{redact_url(url)!r}: the [{extra}] extra's client does not load ({e})") from None
 
 
 _OPENERS: dict[str, Callable[[str], StorageTier]] = {
@@ -64,6 +74,7 @@ _OPENERS: dict[str, Callable[[str], StorageTier]] = {
     "redis": _redis, "rediss": _redis, "redis+cluster": _redis, "rediss+cluster": _redis,
     "lmcache": _v1_remote,
     "s3": _s3,
+    "mooncake": _mooncake,
 }
 
 
