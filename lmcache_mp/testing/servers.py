@@ -331,14 +331,17 @@ class S3Server:
                 "AWS_SHARED_CREDENTIALS_FILE": str(self.workdir / "no-aws-credentials"),
                 "AWS_EC2_METADATA_DISABLED": "true"}
 
-    def client(self, timeout_s: float = 5.0):  # -> botocore's S3 client (boto3 is an extra)
+    def client(self, timeout_s: float = 5.0, attempts: int = 1, connections: int = 10):
+        """botocore's S3 client of this server (boto3 is an extra): `attempts` per request (its
+        standard retry mode), `connections` in its pool."""
         import boto3
         from botocore.config import Config
 
         return boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
                             aws_access_key_id=S3_ACCESS_KEY, aws_secret_access_key=S3_SECRET_KEY,
                             config=Config(connect_timeout=timeout_s, read_timeout=timeout_s,
-                                          retries={"mode": "standard", "max_attempts": 1}))
+                                          max_pool_connections=connections,
+                                          retries={"mode": "standard", "max_attempts": attempts}))
 
 
 @contextmanager

@@ -32,13 +32,12 @@ import hashlib
 import json
 import multiprocessing as mp
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import zmq
-from harness import figure, finish, parse, parser
+from harness import figure, finish, parse, parser, scratch
 
 from lmcache_mp.custom_types import IPCCacheEngineKey
 from lmcache_mp.mq.client import MessageQueueClient
@@ -458,16 +457,16 @@ def main() -> int:
                               "default: %(default)s")
     args = parse(command)
     parts = set(args.parts.split(","))
-    tmp = Path(tempfile.mkdtemp(prefix="lmc-bench-", dir="/tmp"))
     results: dict[str, Any] = {"hit path": {}, "tcp misses": [], "throughput": {}}
-    if "hits" in parts:
-        results["hit path"] = hit_path(tmp, args.samples)
-    if "misses" in parts:
-        results.update(misses_and_throughput(tmp, args.samples, args.seconds))
-    if "profile" in parts:
-        results["profile"] = profile(tmp, args.samples // 4)
-    if "floor" in parts:
-        results["floor"] = floor(tmp, args.samples // 2)
+    with scratch("lmc-bench-") as tmp:
+        if "hits" in parts:
+            results["hit path"] = hit_path(tmp, args.samples)
+        if "misses" in parts:
+            results.update(misses_and_throughput(tmp, args.samples, args.seconds))
+        if "profile" in parts:
+            results["profile"] = profile(tmp, args.samples // 4)
+        if "floor" in parts:
+            results["floor"] = floor(tmp, args.samples // 2)
     print_tables(results)
     checks = {}
     for world, rows in results["hit path"].items():

@@ -32,13 +32,12 @@ from __future__ import annotations
 import hashlib
 import math
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from harness import figure, finish, parse, parser
+from harness import figure, finish, parse, parser, scratch
 
 from lmcache_mp.protocol import RequestType
 from lmcache_mp.testing.launcher import start_daemon
@@ -244,8 +243,8 @@ def main() -> int:
     command.add_argument("--geometry", nargs="+", choices=sorted(GEOMETRIES), default=list(GEOMETRIES),
                          help="KV geometries to measure (default: all)")
     args = parse(command)
-    tmp = Path(tempfile.mkdtemp(prefix="lmc-bench-", dir="/tmp"))
-    results = {name: run(GEOMETRIES[name], tmp, args.iterations) for name in args.geometry}
+    with scratch("lmc-bench-") as tmp:
+        results = {name: run(GEOMETRIES[name], tmp, args.iterations) for name in args.geometry}
     checks, figures = {}, {}
     for name, rows in results.items():
         ratios = {"STORE / gather": rows["STORE, 1 thread"] / rows["baseline gather"],

@@ -33,13 +33,12 @@ import resource
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from harness import available_gib, figure, finish, memset_s, parser
+from harness import available_gib, figure, finish, memset_s, parser, scratch
 
 from lmcache_mp.testing.launcher import start_daemon
 from lmcache_mp.transfer.shm_move import AllocateInSharedMemory
@@ -231,12 +230,12 @@ def main() -> int:
     sizes, repeats = ([1.0], 1) if args.quick else (args.sizes_gb, args.repeats)
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}", flush=True)
-    daemon = start_daemon(Path(tempfile.mkdtemp(prefix="lmc-bench-", dir="/tmp")), "--l1-size-gb", "0.1",
-                          "--chunk-size", str(CHUNK))
-    try:
-        results = measure(daemon.url, sizes, repeats)
-    finally:
-        daemon.stop()
+    with scratch("lmc-bench-") as tmp:
+        daemon = start_daemon(tmp, "--l1-size-gb", "0.1", "--chunk-size", str(CHUNK))
+        try:
+            results = measure(daemon.url, sizes, repeats)
+        finally:
+            daemon.stop()
     print_table(results)
     checks = {f"{path} at {size} GiB: {row[path]['register_s'] / row['gib']:.2f} s/GiB "
               f"(target <= {TARGET_S_PER_GIB})": row[path]["register_s"] / row["gib"] <= TARGET_S_PER_GIB

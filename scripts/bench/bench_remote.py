@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Network-tier benchmark: the Redis tier and the v1 remote tier against same-run raw baselines.
+"""Network-tier benchmark: the Redis, v1 remote, S3 and Mooncake Store tiers against same-run raw
+baselines.
 
     .venv/bin/python scripts/bench/bench_remote.py [--out bench-out] [--quick]
 
@@ -31,161 +32,61 @@ tier's reads are byte-exact (once per size, into zeroed outs), as are the raw GE
 tier >= 70% of the raw baseline, for GET and for SET, each size; a MET/MISS line each.
 
 Rounds: at least 9 per size, and enough that each side moves 1 GiB per direction (128 rounds
-of 16 x 512 KiB). Prints a table, writes remote.json and remote.png to --out. About 1.5 minutes
-on 2 cores; --quick is a smoke run with smaller batches and sizes (about 10 s).
+of 16 x 512 KiB). Parts c (S3) and d (Mooncake Store): `remote_stores.py`, sizes up to 8 MiB.
+`--parts` picks the parts (default: all four). Prints a table, writes remote.json and remote.png
+to --out. Parts a and b take about 1.5 minutes on 2 cores; --quick is a smoke run with smaller
+batches and sizes.
 """
 
 from __future__ import annotations
 
-import hashlib
 import multiprocessing
 import os
 import platform
 import shutil
 import socket
-import statistics
 import struct
 import tempfile
 import time
-from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 import redis
 import torch
 from harness import figure, finish, parse, parser
+from harness.tier_timing import (
+    DIRECTIONS,
+    FULL,
+    QUICK,
+    TARGET,
+    TIMEOUT_S,
+    GiB,
+    MiB,
+    Op,
+    Step,
+    alternate,
+    check_exact,
+    chunk_keys,
+    label,
+    make_chunks,
+    make_outs,
+    rounds_for,
+    summarize,
+    tier_get,
+    tier_set,
+    verify_tier,
+)
+from remote_stores import bench_mooncake, bench_s3, plan_for
 
-from lmcache_mp.chunks import ChunkFormat, ChunkKey
 from lmcache_mp.storage.chunk_format import as_buffer
-from lmcache_mp.storage.tiers.base import StorageTier
 from lmcache_mp.storage.tiers.open import open_tier
 from lmcache_mp.storage.tiers.redis import RedisTier
 from lmcache_mp.storage.tiers.v1 import V1RemoteTier
 from lmcache_mp.testing.servers import redis_server, start_v1_server
 from lmcache_mp.v1remote.protocol import recv_exact_into
 
-KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-# The layout of bench_data_plane.py: 32 layers x 8 KV heads x 128 x (K, V) x bf16 per token.
-LAYERS, KV_HEADS, HEAD = 32, 8, 128
-TOKEN_BYTES = LAYERS * KV_HEADS * 2 * HEAD * 2  # 128 KiB: a 256-token chunk is 32 MiB
-FULL = [(512 * KiB, 16), (2 * MiB, 16), (8 * MiB, 16), (32 * MiB, 8)]  # (chunk bytes, batch)
-QUICK = [(512 * KiB, 4), (8 * MiB, 4)]
-Step = tuple[int, int, int]  # chunk bytes, batch, rounds
-TARGET = 0.70
-TIMEOUT_S = 30  # the tiers' per-operation timeout: a slow batch must not take a tier down
-DIRECTIONS = ("SET", "GET")
-SIDES = ("raw", "tier")
 # One raw-peer request: op (b"S" receive a payload, b"G" send one, b"Y" acknowledge), slot, length.
 RAW_HEADER = struct.Struct("<cxxxIQ")
-
-
-# ---- data ----------------------------------------------------------------------------------------
-
-def chunk_format(size: int) -> ChunkFormat:
-    """The real layout with `size // TOKEN_BYTES` tokens per chunk (a page of 16 tokens)."""
-    return ChunkFormat("bench-remote", 1, 0, "CPU_ATTN", "bfloat16", LAYERS, (KV_HEADS, 16, 2 * HEAD),
-                       size // TOKEN_BYTES)
-
-
-def make_chunks(size: int, batch: int, seed: int) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen) for _ in range(batch)]
-
-
-def make_outs(size: int, batch: int) -> list[torch.Tensor]:
-    """Destination buffers, touched once (like the pool's slots, which are touched at start)."""
-    return [torch.zeros(size, dtype=torch.uint8) for _ in range(batch)]
-
-
-def chunk_keys(part: str, size: int, batch: int) -> list[ChunkKey]:
-    fmt = chunk_format(size)
-    return [ChunkKey(hashlib.sha256(f"{part}-{size}-{i}".encode()).digest(), fmt) for i in range(batch)]
-
-
-def check_exact(outs: list[torch.Tensor], chunks: list[torch.Tensor], what: str) -> None:
-    for i, (out, chunk) in enumerate(zip(outs, chunks, strict=True)):
-        assert torch.equal(out, chunk), f"{what}: chunk {i} read back differs from what was written"
-
-
-# ---- the tier's side (the same for both tiers) ------------------------------------------------
-
-def tier_set(tier: StorageTier, keys: list[ChunkKey], chunks: list[torch.Tensor],
-             sync: Callable[[], None] | None = None) -> float:
-    """Seconds for one `batched_put` (and `sync`, when given); asserts every chunk was written."""
-    before = tier.stats().writes_total
-    t = time.perf_counter()
-    stored = tier.batched_put(list(zip(keys, chunks, strict=True)))
-    if sync is not None:
-        sync()
-    elapsed = time.perf_counter() - t
-    grew = tier.stats().writes_total - before
-    assert stored == len(keys) and grew == len(keys), f"stored {stored}, writes_total grew by {grew}"
-    return elapsed
-
-
-def tier_get(tier: StorageTier, keys: list[ChunkKey], outs: list[torch.Tensor]) -> float:
-    """Seconds for one `batched_get` into `outs`; asserts it was len(keys) hits, in place."""
-    before = tier.stats()
-    t = time.perf_counter()
-    got = tier.batched_get(keys, outs)
-    elapsed = time.perf_counter() - t
-    after = tier.stats()
-    hits, misses = after.hits_total - before.hits_total, after.misses_total - before.misses_total
-    assert hits == len(keys) and misses == 0 and after.corrupt_total == before.corrupt_total, \
-        f"{hits} hits, {misses} misses, {after.corrupt_total - before.corrupt_total} corrupt"
-    assert all(g is not None and g.data_ptr() == o.data_ptr() for g, o in zip(got, outs, strict=True)), \
-        "a chunk was not read into its destination buffer"
-    return elapsed
-
-
-def verify_tier(tier: StorageTier, keys: list[ChunkKey], chunks: list[torch.Tensor],
-                outs: list[torch.Tensor]) -> None:
-    for out in outs:
-        out.zero_()
-    tier_get(tier, keys, outs)
-    check_exact(outs, chunks, tier.name)
-
-
-# ---- alternation ---------------------------------------------------------------------------------
-
-Op = Callable[[], float]  # one batch; returns its seconds
-
-
-def alternate(ops: dict[str, dict[str, Op]], rounds: int, nbytes: int,
-              verify: Callable[[], None]) -> dict[str, dict[str, list[float]]]:
-    """GB/s samples [direction][side]: one untimed warm-up round, then `verify()`, then `rounds`
-    rounds of SET then GET, each direction alternating raw and tier, who goes first swapping."""
-    samples: dict[str, dict[str, list[float]]] = {d: {s: [] for s in SIDES} for d in DIRECTIONS}
-    for r in range(-1, rounds):
-        order = SIDES if r % 2 == 0 else SIDES[::-1]
-        for direction in DIRECTIONS:
-            for side in order:
-                seconds = ops[side][direction]()
-                if r >= 0:
-                    samples[direction][side].append(nbytes / seconds / 1e9)
-        if r == -1:
-            verify()
-    return samples
-
-
-def rounds_for(size: int, batch: int, rounds: int, min_bytes: int) -> int:
-    """At least `rounds`, and enough that each side moves `min_bytes` per direction (a batch of
-    16 x 512 KiB takes a few ms: one scheduler hiccup would swing a short series)."""
-    return max(rounds, -(-min_bytes // (size * batch)))
-
-
-def summarize(samples: dict[str, dict[str, list[float]]]) -> dict:
-    """Per direction: median GB/s of each side, their ratio (the verdict's), and the ratios of
-    the rounds (raw and tier of one round ran back to back, so they saw the same machine)."""
-    out = {}
-    for direction, by_side in samples.items():
-        raw, tier = statistics.median(by_side["raw"]), statistics.median(by_side["tier"])
-        paired = [t / r for t, r in zip(by_side["tier"], by_side["raw"], strict=True)]
-        out[direction] = {"raw_gbps": raw, "tier_gbps": tier, "ratio": tier / raw,
-                          "round_ratio_median": statistics.median(paired), "round_ratio_min": min(paired),
-                          "round_ratio_max": max(paired), "raw_samples": by_side["raw"],
-                          "tier_samples": by_side["tier"]}
-    return out
 
 
 # ---- a. Redis ------------------------------------------------------------------------------------
@@ -385,10 +286,6 @@ def bench_v1(tmp: Path, plan: list[Step]) -> dict:
 
 # ---- report ----------------------------------------------------------------------------------------
 
-def label(size: int) -> str:
-    return f"{size // MiB} MiB" if size >= MiB else f"{size // KiB} KiB"
-
-
 def report(name: str, part: dict, checks: dict[str, bool]) -> None:
     print(f"\n{name} ({part['server']}): GB/s of payload, median of the rounds; tier/raw of those "
           "medians, and of each round: median (min-max)")
@@ -405,8 +302,12 @@ def report(name: str, part: dict, checks: dict[str, bool]) -> None:
                    f"of raw {r['raw_gbps']:.2f} GB/s (target >= {TARGET:.0%})"] = r["ratio"] >= TARGET
 
 
+PARTS = {"a": "redis", "b": "v1", "c": "s3", "d": "mooncake"}
+TITLES = {"redis": "Redis", "v1": "v1 server", "s3": "S3", "mooncake": "Mooncake"}
+
+
 def plot(result: dict, path: Path) -> None:
-    panels = [(part, direction) for part in ("redis", "v1") if part in result for direction in DIRECTIONS]
+    panels = [(part, direction) for part in PARTS.values() if part in result for direction in DIRECTIONS]
     columns = max(1, len(panels))
     with figure(path, 1, columns, figsize=(3.4 * columns, 3.6), squeeze=False) as axes:
         for ax, (part, direction) in zip(axes[0], panels, strict=False):
@@ -420,13 +321,14 @@ def plot(result: dict, path: Path) -> None:
                 ax.annotate(f"{t / r:.0%}", (x + 0.2, t), ha="center", va="bottom", fontsize=7)
             ax.set_xticks(list(xs), [label(s) for s in sizes], fontsize=7)
             ax.set_ylabel("GB/s")
-            ax.set_title(f"{'Redis' if part == 'redis' else 'v1 server'} {direction}", fontsize=9)
+            ax.set_title(f"{TITLES[part]} {direction}", fontsize=9)
             ax.legend(fontsize=7)
 
 
 def main() -> int:
     command = parser(__doc__, "a smoke run with small sizes")
-    command.add_argument("--parts", default="ab", help="which measurements to run (default: ab)")
+    command.add_argument("--parts", default="abcd", help="which measurements to run: a Redis, b v1, "
+                         "c S3, d Mooncake Store (default: abcd)")
     args = parse(command)
     sizes, rounds, min_bytes = (QUICK, 3, 64 * MiB) if args.quick else (FULL, 9, 1 * GiB)
     plan = [(size, batch, rounds_for(size, batch, rounds, min_bytes)) for size, batch in sizes]
@@ -444,6 +346,14 @@ def main() -> int:
             print("\nb. v1 tier vs a raw socket transfer...", flush=True)
             result["v1"] = bench_v1(tmp, plan)
             report("v1", result["v1"], checks)
+        if "c" in args.parts:
+            print("\nc. S3 tier vs botocore's own PutObject / GetObject...", flush=True)
+            result["s3"] = bench_s3(plan_for(plan, args.quick))
+            report("s3", result["s3"], checks)
+        if "d" in args.parts:
+            print("\nd. Mooncake Store tier vs the client's zero-copy batch calls...", flush=True)
+            result["mooncake"] = bench_mooncake(plan_for(plan, args.quick))
+            report("mooncake", result["mooncake"], checks)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     result["seconds"] = time.monotonic() - started

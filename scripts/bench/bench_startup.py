@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -27,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness import available_gib, memset_s
+from harness import available_gib, memset_s, scratch
 
 from lmcache_mp.mq.client import MessageQueueClient
 from lmcache_mp.protocol import PHASE_SERVING, PHASE_STARTING, RequestType
@@ -100,12 +101,23 @@ def _answer(client: MessageQueueClient, request_type: RequestType, payload: list
 
 
 def measure(size_gb: float) -> Start:
-    tmp = Path(tempfile.mkdtemp(prefix="lmc-bench-", dir="/tmp"))
+    """One start, its pool file (kept by a stopped daemon, by design) in a directory of its own on
+    /dev/shm, removed with the run's directory after it."""
+    pools = Path(tempfile.mkdtemp(prefix="lmc-pools-", dir="/dev/shm"))
+    try:
+        with scratch("lmc-bench-") as tmp:
+            return _measure(tmp, pools / "pool", size_gb)
+    finally:
+        shutil.rmtree(pools, ignore_errors=True)
+
+
+def _measure(tmp: Path, pool_file: Path, size_gb: float) -> Start:
     sock = tmp / "daemon.sock"
     started = time.monotonic()
     with open(tmp / "daemon.log", "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "lmcache_mp.cli", "serve", "--listen", f"ipc://{sock}",
-                                 "--l1-size-gb", str(size_gb)], stdout=log, stderr=subprocess.STDOUT,
+                                 "--l1-size-gb", str(size_gb), "--pool-file", str(pool_file)],
+                                stdout=log, stderr=subprocess.STDOUT,
                                 env=dict(os.environ, LMCACHE_MP_RUNTIME_DIR=str(tmp)))
     try:
         # Connect once the socket exists: a client connecting earlier retries only every 100 ms.

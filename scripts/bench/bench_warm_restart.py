@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import signal
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 from bench_data_plane import CHUNK, CHUNKS_PER_REQUEST, DEFAULT, DTYPE, hashes_for, make_kv
-from harness import available_gib, figure, finish, parser
+from harness import available_gib, figure, finish, parser, scratch
 
 from lmcache_mp.mq.client import MessageQueueClient
 from lmcache_mp.protocol import PHASE_SERVING, RequestType, StatusReport
@@ -209,13 +208,13 @@ def main() -> int:
         command.error(f"--sizes-gb {too_small}: a pool must hold two requests of {request_gib:g} GiB "
                       f"at {FILL_SHARE:.0%} full (at least {2 * request_gib / FILL_SHARE:.2f} GiB)")
     args.out.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="lmc-warm-", dir="/tmp"))
     figures, checks = {}, {}
     for size in args.sizes_gb:
         if size + SPARE_GIB > available_gib():
             print(f"{size:g} GiB: skipped, {available_gib():.1f} GiB available")
             continue
-        row = figures[f"{size:g} GiB"] = run(size, tmp)
+        with scratch("lmc-warm-") as tmp:
+            row = figures[f"{size:g} GiB"] = run(size, tmp)
         first_hit = row["warm first_hit_s"]
         checks[f"{size:g} GiB: first adopted hit {first_hit:.2f} s after start, "
                f"{first_hit - row['empty serving_s']:+.2f} s from an empty start's serving "

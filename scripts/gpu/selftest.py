@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -265,6 +266,14 @@ def main() -> int:
         return 0
     print(f"{device.description()}; {'quick' if args.quick else 'full'} geometry {geo}", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="lmc-gpu-", dir="/tmp"))  # short: Unix socket paths are limited
+    try:
+        return run_selftest(args, device, geo, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run_selftest(args: argparse.Namespace, device: Device, geo: Geometry, tmp: Path) -> int:
+    """The cases, the killed worker and the pinning timings against a daemon started in `tmp`."""
     metrics_port = free_port()
     daemon = start_daemon(tmp, "--l1-size-gb", str(pool_gb(geo, cases(args.quick))), "--chunk-size",
                           str(geo.chunk_size), "--metrics-port", str(metrics_port), ready_timeout=300,
@@ -280,7 +289,7 @@ def main() -> int:
     if not kill["ok"]:
         failures.append(f"worker killed mid-STORE: {kill}")
     if "Traceback" in daemon.log():
-        failures.append(f"the daemon logged a traceback (see {daemon.log_path})")
+        failures.append(f"the daemon logged a traceback:\n{daemon.log()[-4000:]}")
     pins = pin_timings(device, [int(s) for s in args.pin_gib.split(",") if s.strip()])
     print_table(reports, kill, pins)
     figures = {"device": device.name, "device_description": device.description(), "quick": args.quick,

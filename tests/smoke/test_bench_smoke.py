@@ -27,8 +27,8 @@ def _data_plane(figures: dict[str, Any]) -> None:
 
 
 def _remote(figures: dict[str, Any]) -> None:
-    assert len(figures["checks"]) == 8, figures["checks"]  # SET and GET, 2 sizes, redis and v1
-    assert figures["v1"]["sizes"] and figures["redis"]["sizes"], figures
+    assert len(figures["checks"]) == 16, figures["checks"]  # SET and GET, 2 sizes, 4 tiers
+    assert all(figures[part]["sizes"] for part in ("redis", "v1", "s3", "mooncake")), figures
 
 
 def _register(figures: dict[str, Any]) -> None:

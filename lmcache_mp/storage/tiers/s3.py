@@ -10,7 +10,8 @@
     timeout_s=T        connect and read timeout of one request (default 2)
     max_in_flight=N    requests at once (default 16): a LOOKUP's reads and a write-behind batch's
                        writes go out in parallel, never more than N
-    retries=N          retries of a throttled request (503 SlowDown, 429) with jittered exponential
+    retries=N          retries of a throttled request (503 SlowDown, 429), or of one the server
+                       failed (500 InternalError), with jittered exponential
                        backoff (default 4); a timed-out request is retried once
 
 Credentials come from boto3's standard chain only (the environment, the AWS config and credentials
@@ -66,8 +67,11 @@ BACKOFF_FIRST_S = 0.05
 BACKOFF_MAX_S = 1.0
 DELETE_BATCH = 1000  # the most keys one DeleteObjects takes
 _THROTTLED_STATUS = frozenset({429, 503})
+# Throttled, or failed by the server itself, which asks to be asked again (S3's InternalError:
+# "please try again"; SeaweedFS answers it while it grows a volume).
 _THROTTLED_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
-                              "TooManyRequestsException", "RequestThrottled"})
+                              "TooManyRequestsException", "RequestThrottled", "InternalError",
+                              "ServiceUnavailable"})
 _REFUSED_CODES = frozenset({"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken",
                             "InvalidToken", "403"})
 _ABSENT_CODES = frozenset({"NoSuchKey", "404", "NotFound"})

@@ -16,6 +16,8 @@ import ctypes
 import json
 import math
 import mmap
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -87,6 +89,17 @@ def percentile(values: list[float], q: float) -> float:
     low = math.floor(pos)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+@contextmanager
+def scratch(prefix: str) -> Iterator[Path]:
+    """A directory of the run's own under /tmp (short: a Unix socket's path must stay under ~107
+    bytes), removed with all it holds when the block ends, however it ends."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def available_gib() -> float:
