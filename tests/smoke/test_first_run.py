@@ -26,7 +26,8 @@ OWN_PACKAGES = {"lmcache_mp", "vllm_adapter"}
 # The CUDA path needs nothing beyond torch's own `torch.cuda`. Nothing else may be missing
 # from the base profile. huggingface_hub: the connector's model identity finds a hub model's weight
 # files in its cache. boto3, botocore: the S3 tier's client, imported only when an s3:// URL is given.
-OPTIONAL_MODULES = {"vllm": "vllm", "huggingface_hub": "vllm", "boto3": "s3", "botocore": "s3"}
+OPTIONAL_MODULES = {"vllm": "vllm", "huggingface_hub": "vllm", "boto3": "s3", "botocore": "s3",
+                    "mooncake": "mooncake"}
 
 
 def _normalise(name: str) -> str:
