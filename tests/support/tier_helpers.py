@@ -4,9 +4,12 @@ worker's retrieve of a daemon's chunks."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -15,10 +18,11 @@ from lmcache_mp.protocol import ChunkOutcome
 from lmcache_mp.storage.tiers.remote import NetworkTier
 from lmcache_mp.testing.blocks import BLOCK, CHUNK, LAYERS, SHAPE, block_hashes
 from lmcache_mp.testing.kv_worker import make_caches, pages
-from lmcache_mp.testing.launcher import DaemonProcess
+from lmcache_mp.testing.launcher import DaemonProcess, free_port
+from lmcache_mp.testing.probes import scrape
 from tests.support.helpers import count_lookup, fmt, run_worker, status, store
 
-WAIT_S = 20.0
+WAIT_S = 60.0  # a restarted server may take a while on a loaded machine; tiers' probes back off
 
 
 def chunks(n: int, nbytes: int = 64 << 10, seed: int = 0) -> tuple[list[ChunkKey], list[torch.Tensor]]:
@@ -134,3 +138,40 @@ def check_two_daemons_share(daemons: Callable, worker_for: Callable, url: str, e
     for node in (node_a, node_b):
         (t,) = status(node.url).tiers
         assert (t.promotions_total, t.hits_total, t.errors_total) == (4, 4, 0)
+
+
+def check_down_at_start(daemons: Callable[..., DaemonProcess], worker_for: Callable[[str], Any], url: str,
+                        said_in: str, env: dict[str, str] | None = None) -> tuple[str, str]:
+    """A daemon whose tier at `url` cannot be used at start: STATUS and /metrics show the tier down
+    under its URL, the daemon serves from its pool, its writes are skipped, and its log says why in
+    exactly one ERROR line holding `said_in`: that line and the whole log (the daemon is stopped)."""
+    port = free_port()
+    daemon = daemons(*tier_daemon_args(url), "--metrics-port", str(port), env=env)
+    (t,) = status(daemon.url).tiers
+    assert t.up == 0 and t.name == url
+    assert scrape(port)[f'lmcache_mp_tier_up{{tier="{url}"}}'] == 0
+    worker = worker_for(daemon.url)
+    hashes = block_hashes(list(range(4 * CHUNK)))[1::2]
+    assert store(worker.mq_client, worker.instance_id, hashes, "s") == [ChunkOutcome.STORED] * 4
+    assert count_lookup(worker.mq_client, hashes) == 4  # served from the pool
+    wait_until(lambda: status(daemon.url).tiers[0].unavailable_total >= 1)  # its writes skipped
+    assert daemon.stop() == 0
+    log = daemon.log()
+    said = [line for line in log.splitlines() if said_in in line]
+    assert len(said) == 1 and "ERROR" in said[0], log
+    assert "Traceback" not in log
+    return said[0], log
+
+
+def check_refused_at_start(tmp: Path, cases: list[tuple[str, tuple[str, ...], str]]) -> list[str]:
+    """`lmcache-mp serve --l2 URL` (run as `python FLAGS serve ...`) for each (URL, FLAGS, message):
+    exit 2 with the message and no traceback. Their standard errors."""
+    errors = []
+    for url, python_flags, message in cases:
+        command = [sys.executable, *python_flags, "serve", "--listen", f"ipc://{tmp / 'x.sock'}",
+                   "--l1-size-gb", "0.01", "--l2", url]
+        out = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and message in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr, out.stderr
+        errors.append(out.stderr)
+    return errors

@@ -58,7 +58,7 @@ from collections.abc import Callable, Iterable, Iterator, Set
 from dataclasses import dataclass
 from itertools import islice
 from typing import TypeVar
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import urlsplit
 
 import numpy as np
 import torch
@@ -71,7 +71,7 @@ from mooncake.store import MooncakeDistributedStore
 from lmcache_mp.chunks import ChunkKey
 from lmcache_mp.storage.tiers.calls import CallRunner
 from lmcache_mp.storage.tiers.remote import Fetched, NetworkTier
-from lmcache_mp.storage.tiers.urls import redact_url
+from lmcache_mp.storage.tiers.urls import query_params, redact_url
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -342,11 +342,7 @@ def parse_url(url: str) -> MooncakeSettings:
     if port is None:
         raise ValueError(f"{shown!r}: the master's port is missing or not a port (mooncake_master's "
                          "--rpc_port, 50051 by default)")
-    params = dict(parse_qsl(parts.query, keep_blank_values=True))
-    unknown = sorted(set(params) - _PARAMS)
-    if unknown:
-        raise ValueError(f"{shown!r}: unknown parameter(s) {', '.join(unknown)} "
-                         f"(a Mooncake URL takes {', '.join(sorted(_PARAMS))})")
+    params = query_params(url, _PARAMS, "a Mooncake URL")
     protocol = params.get("protocol", "tcp")
     if protocol not in ("tcp", "rdma"):
         raise ValueError(f"{shown!r}: protocol is tcp or rdma")

@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Iterable, Set
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import urlsplit
 
 import boto3
 from botocore.config import Config
@@ -54,7 +54,7 @@ from botocore.exceptions import (
 from lmcache_mp.chunks import ChunkKey
 from lmcache_mp.storage.chunk_format import as_buffer, header_size_of
 from lmcache_mp.storage.tiers.remote import Fetched, NetworkTier
-from lmcache_mp.storage.tiers.urls import redact_url
+from lmcache_mp.storage.tiers.urls import query_params, redact_url
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -111,11 +111,7 @@ class S3Tier(NetworkTier):
         if "@" in parts.netloc:
             raise ValueError(f"{shown!r}: an S3 URL carries no credentials; they come from the standard "
                              "chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ~/.aws, a role)")
-        params = dict(parse_qsl(parts.query, keep_blank_values=True))
-        unknown = sorted(set(params) - _PARAMS)
-        if unknown:
-            raise ValueError(f"{shown!r}: unknown parameter(s) {', '.join(unknown)} "
-                             f"(an S3 URL takes {', '.join(sorted(_PARAMS))})")
+        params = query_params(url, _PARAMS, "an S3 URL")
         try:
             timeout_s = float(params.get("timeout_s", DEFAULT_TIMEOUT_S))
             max_in_flight = int(params.get("max_in_flight", DEFAULT_MAX_IN_FLIGHT))
