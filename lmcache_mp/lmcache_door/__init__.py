@@ -10,6 +10,7 @@ connector (`LMCacheMPConnector` with the `lmcache` package installed), so that a
   `liveness.py`, its registrations and when their workers are gone.
 - `engine_driven.py`, `staging.py`: LMCache's `engine_driven` mode, its worker writing chunks into a
   staging segment of its registration's own (never serialized Python objects, never the pool).
+- `events.py`: LMCache's KV event stream, served from the engine's event log.
 
 Importing the package loads no torch: the door answers PING and GET_CHUNK_SIZE while the engine is
 still being built.

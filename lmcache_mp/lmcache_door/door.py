@@ -12,6 +12,8 @@ operation its meaning in the engine's terms:
   (`segments.py`), as a registration of the engine's registry; dropped when its worker is gone
   (`liveness.py`).
 - the engine-driven mode's operations: `engine_driven.py`.
+- subscribe_kv_events: a stream of the pool's stores and evictions, from the engine's event log, in
+  LMCache's names for the chunks (`events.py`).
 Chunks are keyed by our own token-mode chain of the key's tokens (in the chain of its `cache_salt`
 where it has one: `keys.py`) and the registration's format, whose layout name is the door's own: they
 are not shared with our connector's.
@@ -39,6 +41,7 @@ from lmcache_mp.config import ServerConfig
 from lmcache_mp.engine.dispatch import ARRIVAL, PEER, ReplyThen
 from lmcache_mp.lmcache_door import wire
 from lmcache_mp.lmcache_door.engine_driven import EngineDriven
+from lmcache_mp.lmcache_door.events import Bindings, EventStreams
 from lmcache_mp.lmcache_door.keys import Refusal, engine_keys
 from lmcache_mp.lmcache_door.liveness import Registration, Registrations
 from lmcache_mp.lmcache_door.staging import remove_orphans
@@ -65,6 +68,7 @@ INLINE_OPS = frozenset({"ping", "get_chunk_size", "get_experimental", "noop", "l
                         "query_prefetch_status", "free_lookup_locks", "end_session",
                         "report_block_allocation", "prepare_store", "commit_retrieve"})
 LOAD_OPS = frozenset({"retrieve", "prepare_retrieve"})
+STREAM_OPS = frozenset({"subscribe_kv_events"})  # answered by the event streams' thread
 
 
 class _Prefetches:
@@ -132,11 +136,13 @@ class LMCacheDoor:
         self._stopping = False
         self._prefetches = _Prefetches()
         self._registrations = Registrations()
-        engine_driven = EngineDriven(config, self._require_engine, self._registrations)
+        self._bindings = Bindings(config.chunk_size)
+        self._streams = EventStreams(lambda identity, frames: self._mq.send(identity, frames), self._bindings)
+        engine_driven = EngineDriven(config, self._require_engine, self._registrations, self._bindings.bind)
         self._handlers: dict[str, Callable[..., Any]] = {
             op: getattr(self, "_op_" + op) for op in wire.SERVED if hasattr(self, "_op_" + op)
         } | engine_driven.handlers()
-        assert set(self._handlers) == set(wire.SERVED), "every operation served has its handler"
+        assert set(self._handlers) | STREAM_OPS == set(wire.SERVED), "every operation served has its handler"
         self._logged: set[str] = set()
         self._mq = MessageQueueServer(config.lmcache_listen, self._on_request, on_tick=self._tick)
         self.endpoints = self._mq.endpoints
@@ -152,6 +158,7 @@ class LMCacheDoor:
         if orphans:
             logger.info("lmcache door: removed %d staging segments of daemons no longer running: %s",
                         len(orphans), " ".join(orphans))
+        self._streams.start()
         self._mq.start()
         logger.info("lmcache door: serving LMCache's own connector, %s, on %s", wire.SPOKEN,
                     " ".join(self.endpoints))
@@ -159,6 +166,7 @@ class LMCacheDoor:
     def serve(self, engine: Engine) -> None:
         """The engine is built: requests that wait for it go on."""
         self._engine = engine
+        self._streams.serve(engine.events)
         self._engine_ready.set()
 
     def stop(self) -> None:
@@ -167,6 +175,7 @@ class LMCacheDoor:
         self._engine_ready.set()  # requests waiting for the engine are answered (failed) now
         for pool in (self._work, self._loads):
             pool.shutdown(wait=False, cancel_futures=True)
+        self._streams.stop()
         self._mq.stop()
         for pool in (self._work, self._loads):
             pool.shutdown(wait=True)
@@ -180,6 +189,9 @@ class LMCacheDoor:
     # ---- dispatch -----------------------------------------------------------------------------------
 
     def _on_request(self, identity: bytes, frames: list[bytes]) -> None:
+        if len(frames) >= 2 and frames[1] == b"":  # a stream's control frame: no reply, in LMCache's wire
+            self._control(identity, frames)
+            return
         try:
             request = wire.decode_request(frames)
         except wire.WireError as err:
@@ -189,6 +201,10 @@ class LMCacheDoor:
             return
         if request.op in INLINE_OPS:
             self._run(identity, request)
+            return
+        if request.op in STREAM_OPS:
+            self._count(request.op, ok=True)
+            self._streams.subscribe(identity, request)
             return
         with self._lock:
             refusal = ("the daemon is stopping" if self._stopping
@@ -207,6 +223,16 @@ class LMCacheDoor:
             self._fail(identity, request, "the daemon is stopping")
             return
         queued.add_done_callback(lambda done: done.cancelled() and self._cancelled(identity, request))
+
+    def _control(self, identity: bytes, frames: list[bytes]) -> None:
+        """A stream's ack or cancel, which LMCache's wire never answers; anything else with an empty op
+        frame is answered as a request that names no operation."""
+        if len(frames) == 3 and self._streams.control(identity, frames[0], frames[2]):
+            return
+        message = "an empty op frame that is no ack or cancel of an open KV event stream"
+        self._note("request", message, unknown=True)
+        self._count(UNKNOWN_OP, ok=False)
+        self._mq.send(identity, wire.failure_frames(frames[0], frames[1], None, message))
 
     def _cancelled(self, identity: bytes, request: wire.Request) -> None:
         self._unqueue()
@@ -280,7 +306,7 @@ class LMCacheDoor:
         return self._config.chunk_size
 
     def _op_get_experimental(self) -> list[str]:
-        return []  # no experimental transfers, no KV event stream (yet)
+        return [wire.KV_EVENT_CAPABILITY]
 
     def _op_noop(self) -> str:
         return "OK"
@@ -388,6 +414,7 @@ class LMCacheDoor:
     def _op_unregister_kv_cache(self, instance_id: int) -> None:
         self._require_engine().unregister(instance_id)  # refused (FORBIDDEN) from another connection
         self._registrations.forget(instance_id)
+        self._streams.drop(instance_id)
 
     def _op_store(self, key: wire.Key, instance_id: int, block_ids: list[list[int]],
                   event_handle: bytes) -> tuple[bytes, bool]:
@@ -396,6 +423,7 @@ class LMCacheDoor:
         del event_handle  # a CPU registration's (a constant): the reply itself says the copies are done
         keys = engine_keys(key, self._config.chunk_size, lookup=False)
         if keys:
+            self._bindings.bind(key)  # before its chunks' records can be read
             engine.store(keys, instance_id, _one_group(block_ids), b"")
         return b"", True
 
@@ -437,6 +465,7 @@ class LMCacheDoor:
         finally:
             PEER.reset(token)
             registration.release()
+            self._streams.drop(instance_id)
         logger.info("lmcache door: dropped instance %d: its worker is gone", instance_id)
 
 

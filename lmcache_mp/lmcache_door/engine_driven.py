@@ -40,10 +40,13 @@ LAYOUT = "LMCACHE_ENGINE_DRIVEN"  # the chunks' layout name: LMCache's chunk lay
 class EngineDriven:
     """The engine-driven operations (module docstring), beside the door's own."""
 
-    def __init__(self, config: ServerConfig, engine: Callable[[], Engine], registrations: Registrations):
+    def __init__(self, config: ServerConfig, engine: Callable[[], Engine], registrations: Registrations,
+                 before_store: Callable[[wire.Key], None]):
+        """`before_store(key)`: told of each key about to be stored (the KV events' names of its chunks)."""
         self._chunk_size = config.chunk_size
         self._engine = engine
         self._registrations = registrations
+        self._before_store = before_store
 
     def handlers(self) -> dict[str, Callable[..., Any]]:
         return {"register_kv_cache_engine_driven_context": self.register,
@@ -135,6 +138,7 @@ class EngineDriven:
             raise Refusal("a commit_store without its prepare_store (or after its slots were taken back)")
         try:
             stored = msgspec.structs.replace(key, end=key.start + len(slots) * self._chunk_size)
+            self._before_store(stored)
             self._engine().store(engine_keys(stored, self._chunk_size, lookup=False), instance_id, slots, b"")
         finally:
             staging.release(transfer, slots)

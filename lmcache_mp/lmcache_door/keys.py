@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import struct
+
+import blake3
+
 from lmcache_mp.custom_types import IPCCacheEngineKey
 from lmcache_mp.engine.hashing import chunk_hashes
 from lmcache_mp.lmcache_door import wire
@@ -31,3 +35,20 @@ def engine_keys(key: wire.Key, chunk_size: int, *, lookup: bool) -> list[IPCCach
     chain = chunk_hashes(tokens, chunk_size, end // chunk_size, salt=key.cache_salt.encode())
     return [IPCCacheEngineKey(key.model_name, key.world_size, worker, chunk_hash=chunk_hash,
                               request_id=key.request_id) for chunk_hash in chain[start // chunk_size:]]
+
+
+# LMCache's chunk hash (its server's and its connector's default, `blake3`): a chain from the hash
+# of one zero token behind an 8-byte zero prefix, each link BLAKE3(previous digest, the chunk's
+# tokens as big-endian uint32). The KV events of the door name chunks by it, as `lmcache server`'s do.
+_LMCACHE_ROOT = blake3.blake3(bytes(12)).digest()
+
+
+def lmcache_chunk_hashes(tokens: tuple[int, ...], chunk_size: int, num_chunks: int) -> list[bytes]:
+    """LMCache's hashes of the first `num_chunks` full chunks of `tokens`."""
+    out: list[bytes] = []
+    prev = _LMCACHE_ROOT
+    for i in range(num_chunks):
+        chunk = tokens[i * chunk_size:(i + 1) * chunk_size]
+        prev = blake3.blake3(prev + struct.pack(f">{len(chunk)}I", *chunk)).digest()
+        out.append(prev)
+    return out

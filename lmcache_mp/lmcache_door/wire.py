@@ -42,6 +42,9 @@ LEGACY_OPERATIONS: dict[int, str] = {
 }
 # Operations 0.5.6 knows beyond the table, by name; known, like the table's, but not all served.
 NAMED_OPERATIONS = frozenset({"subscribe_kv_events", "server_module_call", "cb_reorder_plan"})
+# What get_experimental names for the KV event stream (subscribe_kv_events): LMCache's connector
+# subscribes only to a server that advertises it.
+KV_EVENT_CAPABILITY = "kv_event_stream"
 KNOWN_OPERATIONS = frozenset(LEGACY_OPERATIONS.values()) | NAMED_OPERATIONS
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
@@ -231,6 +234,36 @@ class EngineDrivenRegistration(msgspec.Struct, forbid_unknown_fields=True, froze
     num_physical_slots: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] | None = None
 
 
+# ---- the KV event stream's batches (LMCache's dataclasses: maps by field name) -------------------------
+
+
+class KVEventRecord(msgspec.Struct):
+    """One change of the CPU cache: a chunk stored (with its tokens and its parent's hash) or removed."""
+
+    seq: int
+    kind: Literal["stored", "removed"]
+    medium: str
+    model_name: str
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
+    token_ids: list[int]
+
+
+class KVEventBatch(msgspec.Struct):
+    """One batch of a subscription: `lost` (or a new `incarnation`) tells the connector to withdraw
+    what it announced before; `enabled=False` ends its subscription (it reports its own stores then)."""
+
+    enabled: bool
+    incarnation: int
+    next_cursor: int
+    lost: bool
+    events: list[KVEventRecord]
+
+
+MAX_EVENTS_PER_BATCH = 1024  # LMCache's own bound on a subscription's batch
+STREAM_REFUSED = KVEventBatch(enabled=False, incarnation=0, next_cursor=0, lost=False, events=[])
+
+
 # ---- the operations served, and what their client reads as failure -----------------------------------
 
 
@@ -281,6 +314,10 @@ SERVED: dict[str, OpSpec] = {
     "commit_store": OpSpec((Key, int, bytes), False, KEYED),
     "prepare_retrieve": OpSpec((Key, int), PREPARE_RETRIEVE_FAILED, KEYED),
     "commit_retrieve": OpSpec((Key, int), False, KEYED),
+    # A stream: batches follow, one per credit (`events.py`); refused, it ends at once.
+    "subscribe_kv_events": OpSpec((int, Annotated[str, msgspec.Meta(max_length=MAX_MODEL_NAME_CHARS)],
+                                   NonNegative, Annotated[int, msgspec.Meta(ge=1, le=MAX_EVENTS_PER_BATCH)]),
+                                  STREAM_REFUSED),
 }
 
 _uid = msgspec.msgpack.Decoder(int)

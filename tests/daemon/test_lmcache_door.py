@@ -53,7 +53,7 @@ def test_the_connector_s_first_requests_are_answered(lmcache_client: Any) -> Non
     assert lmcache_client.get_chunk_size().result(TIMEOUT_S) == CHUNK
     assert lmcache_client.ping(None).result(TIMEOUT_S) is True
     assert lmcache_client.ping(123).result(TIMEOUT_S) is True
-    assert lmcache_client.get_experimental().result(TIMEOUT_S) == []
+    assert lmcache_client.get_experimental().result(TIMEOUT_S) == ["kv_event_stream"]
     assert lmcache_client.noop().result(TIMEOUT_S) == "OK"
     assert lmcache_client.query_prefetch_status("never-looked-up").result(TIMEOUT_S) == 0
     assert lmcache_client.end_session("never-looked-up").result(TIMEOUT_S) is None
