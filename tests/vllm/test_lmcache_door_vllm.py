@@ -2,20 +2,27 @@
 0.32 resolves to lmcache's `lmcache_mp_connector` when the lmcache package is installed) against our
 daemon's lmcache door: in its `lmcache_driven` mode on CPU (caches in POSIX shared memory), and as
 vLLM's `--kv-offloading-backend lmcache` sets it up, with nothing else set (its default on CPU:
-`engine_driven`, through a staging segment of the daemon's)."""
+`engine_driven`, through a staging segment of the daemon's). With vLLM's KV events on, the door's event
+stream reaches vLLM's: the chunks engine 1 stored, in LMCache's own names, on engine 2's stream."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
+import zmq
 
 from lmcache_mp.testing.launcher import DaemonProcess, free_port, start_daemon
 from tests.support.helpers import LMCACHE_MISSING, status
 from tests.support.vllm_engines import (
     CHUNK,
     ENGINE_TIMEOUT_S,
+    ENV,
     PROMPTS,
     cached,
     engine_spec,
@@ -27,6 +34,9 @@ from tests.support.vllm_engines import (
 )
 
 pytest.importorskip("lmcache", reason=LMCACHE_MISSING)  # tests/unit/test_lmcache_peer.py fails
+
+from lmcache.v1.multiprocess.token_hasher import TokenHasher
+from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3 * ENGINE_TIMEOUT_S + 60)]  # up to 3 engines each
 
@@ -42,22 +52,59 @@ def baseline(model: Path, work_dir: Path) -> list[dict[str, Any]]:
     return run_engine(engine_spec(model, None, [PROMPTS]), work_dir / "baseline.log")[0]
 
 
+@contextmanager
+def _following(pub: str) -> Iterator[list[Any]]:
+    """A router's subscriber on an engine's KV event stream: every event published while the engine
+    runs, read on a thread (in order of arrival; a router would also replay what it missed)."""
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(pub)  # before the engine binds it: nothing it publishes is missed
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    events: list[Any] = []
+    stop = threading.Event()
+
+    def read() -> None:
+        while not stop.is_set():
+            if sub.poll(100):
+                events.extend(decoder.decode(sub.recv_multipart()[-1]).events)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        yield events
+    finally:
+        stop.set()
+        reader.join(10)
+        sub.close(linger=0)
+        context.term()
+
+
 def test_a_fresh_engine_hits_what_another_stored_through_lmcache_s_connector(
         work_dir: Path, model: Path, baseline: list[dict[str, Any]]) -> None:
     door = f"ipc://{work_dir / 'lmcache.sock'}"
     daemon = start_daemon(work_dir, "--lmcache-listen", door, "--chunk-size", str(CHUNK),
                           "--l1-size-gb", "0.05")
-    try:
-        spec = engine_spec(model, None, [PROMPTS])
+    env = dict(ENV, VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES="0")  # LMCache's names as they are: bytes
+
+    def spec_publishing_on(pub: str) -> dict[str, Any]:
+        spec = engine_spec(model, None, [PROMPTS], kv_events={"enable_kv_cache_events": True,
+                                                               "publisher": "zmq", "endpoint": pub})
         spec["connector"] = {"lmcache.mp.server_urls": door, "lmcache.mp.mp_transfer_mode": "lmcache_driven"}
         spec["kv_connector"] = "LMCacheMPConnector"
-        first = run_engine(spec, work_dir / "first.log")[0]
+        return spec
+
+    try:
+        pub1, pub2 = f"ipc://{work_dir / 'events-1'}", f"ipc://{work_dir / 'events-2'}"
+        first = run_engine(spec_publishing_on(pub1), work_dir / "first.log", env)[0]
         stored = status(daemon.url).objects
-        second = run_engine(spec, work_dir / "second.log")[0]
+        with _following(pub2) as events:
+            second = run_engine(spec_publishing_on(pub2), work_dir / "second.log", env)[0]
         for name in ("first", "second"):
             log = (work_dir / f"{name}.log").read_text(errors="replace")
             assert not tracebacks(log), log[-6000:]
             assert "lmcache_mp_connector" in log or "LMCache" in log, "not LMCache's own connector"
+            assert "does not advertise" not in log and "Disabling server KV event" not in log, log[-6000:]
     finally:
         daemon.stop()
     assert "Traceback" not in daemon.log(), daemon.log()
@@ -69,6 +116,14 @@ def test_a_fresh_engine_hits_what_another_stored_through_lmcache_s_connector(
     # chunks, of which vLLM counts all but the last token (it computes that one again).
     assert cached(second) == [3 * CHUNK, 3 * CHUNK, CHUNK, 0, 4 * CHUNK - 1]
     assert tokens(second) == tokens(baseline) == tokens(first)
+    # Engine 2's connector followed the door's event stream from its start: the chunks the pool holds,
+    # each named by LMCache's own hasher, with its tokens, on vLLM's KV event stream (medium CPU).
+    hasher = TokenHasher(chunk_size=CHUNK, hash_algorithm="blake3")
+    loaded = {h: tuple(p[i * CHUNK:(i + 1) * CHUNK]) for p, hit in zip(PROMPTS, cached(second), strict=True)
+              for i, h in enumerate(hasher.compute_chunk_hashes(p)[:-(-hit // CHUNK)])}
+    published = {h: tuple(e.token_ids) for e in events if isinstance(e, BlockStored) and e.medium == "CPU"
+                 for h in e.block_hashes}
+    assert loaded and all(published.get(h) == chunk for h, chunk in loaded.items()), (loaded, published)
 
 
 # Where vLLM's `--kv-offloading-backend lmcache` points LMCache's connector when nothing else is set.
