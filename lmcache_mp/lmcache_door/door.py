@@ -365,27 +365,33 @@ class LMCacheDoor:
         engine = self._require_engine()
         if self._registrations.refresh(instance_id, PEER.get()) is not None:
             return None  # its worker registers again after a heartbeat it missed: its caches are the same
-        context = self._open_caches(engine, descriptors, model_name, world_size, engine_type, hints, groups)
-        registration = KVCacheRegistration(model_name, world_size, 0, layout=context.geometry.layout.name,
-                                           block_size=context.geometry.block_size)
+        context = self._open_caches(engine, descriptors, model_name, engine_type, hints, groups)
+
+        geometry = context.geometry
+
+        def bind(rank: int) -> None:
+            registration = KVCacheRegistration(model_name, world_size, rank, layout=geometry.layout.name,
+                                               block_size=geometry.block_size)
+            reply = engine.registry.add(instance_id, registration, lambda: (context, None), door=LMCACHE_DOOR)
+            logger.info("lmcache door: registered instance %d (%s, rank %d of %d, %d layers, chunks of %d "
+                        "bytes)", instance_id, model_name, rank, world_size, reply.num_layers,
+                        reply.chunk_bytes)
+
         self._registrations.check_room()
-        reply = engine.registry.add(instance_id, registration, lambda: (context, None), door=LMCACHE_DOOR)
         segments = [(s.name, s.identity) for s in context.segments]
-        self._registrations.add(instance_id, PEER.get(), segments, None)
-        logger.info("lmcache door: registered instance %d (%s, %d layers, chunks of %d bytes)", instance_id,
-                    model_name, reply.num_layers, reply.chunk_bytes)
+        self._registrations.add(instance_id, PEER.get(), segments, None, bind, world_size)
+        if world_size > 1:
+            logger.info("lmcache door: instance %d of a %d-rank world of %s: its caches are registered once "
+                        "a transfer names its rank", instance_id, world_size, model_name)
         return None
 
-    def _open_caches(self, engine: Engine, descriptors: wire.Descriptors, model_name: str, world_size: int,
-                     engine_type: str, hints: wire.LayoutHints,
-                     groups: list[wire.EngineGroupInfo]) -> SegmentContext:
+    def _open_caches(self, engine: Engine, descriptors: wire.Descriptors, model_name: str, engine_type: str,
+                     hints: wire.LayoutHints, groups: list[wire.EngineGroupInfo]) -> SegmentContext:
         """The registration's copy context over its opened segments; Refusal for caches not served."""
         from lmcache_mp.lmcache_door.segments import SegmentContext, open_segments
 
         if engine_type != "vllm":
             raise Refusal(f"caches of engine {engine_type!r}: only vLLM's are served")
-        if world_size != 1:
-            raise Refusal(f"world size {world_size}: the lmcache door serves one-rank engines only, as yet")
         if len({group.engine_group_id for group in groups}) > 1:
             raise Refusal("several KV cache groups (a hybrid model): not served by the lmcache door yet")
         shm = [d for d in descriptors if isinstance(d, wire.CpuShmDescriptor)]
@@ -412,14 +418,14 @@ class LMCacheDoor:
         return {(st.st_dev, st.st_ino)} if st is not None else set()
 
     def _op_unregister_kv_cache(self, instance_id: int) -> None:
-        self._require_engine().unregister(instance_id)  # refused (FORBIDDEN) from another connection
-        self._registrations.forget(instance_id)
+        self._require_engine().unregister(instance_id)  # refused (FORBIDDEN) from another connection;
+        self._registrations.forget(instance_id)  # False for caches not bound to a rank yet
         self._streams.drop(instance_id)
 
     def _op_store(self, key: wire.Key, instance_id: int, block_ids: list[list[int]],
                   event_handle: bytes) -> tuple[bytes, bool]:
         engine = self._require_engine()
-        self._registrations.touch(instance_id)
+        self._transfer_of(instance_id, key)
         del event_handle  # a CPU registration's (a constant): the reply itself says the copies are done
         keys = engine_keys(key, self._config.chunk_size, lookup=False)
         if keys:
@@ -430,7 +436,7 @@ class LMCacheDoor:
     def _op_retrieve(self, key: wire.Key, instance_id: int, block_ids: list[list[int]], event_handle: bytes,
                      skip_first_n_tokens: int) -> tuple[bytes, bool]:
         engine = self._require_engine()
-        self._registrations.touch(instance_id)
+        self._transfer_of(instance_id, key)
         del event_handle
         blocks = _one_group(block_ids)
         block_size = engine.registry.instance(instance_id).context.geometry.block_size
@@ -443,6 +449,11 @@ class LMCacheDoor:
         if not result.ok:
             raise Refusal(f"the retrieve loaded nothing: {result.reason}")
         return b"", True
+
+    def _transfer_of(self, instance_id: int, key: wire.Key) -> None:
+        """A transfer of the instance: its worker is alive, and its rank is `key`'s (`liveness.py`)."""
+        self._registrations.touch(instance_id)
+        self._registrations.bind_rank(instance_id, PEER.get(), key.worker_id)
 
     def _op_clear(self, force: bool) -> None:
         del force  # chunks in use stay, as for CLEAR

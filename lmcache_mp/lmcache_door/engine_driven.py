@@ -68,11 +68,11 @@ class EngineDriven:
             raise Refusal(f"chunks of {chunk_nbytes} bytes: larger than the pool ({pool_bytes} bytes)")
         staging = Staging.create(shape, payload.dtype_str, pool_bytes)
         try:
-            self._add(engine, payload, staging)
+            self._registrations.add(payload.instance_id, PEER.get(), [], staging,
+                                    self._binder(engine, payload, staging), payload.world_size)
         except BaseException:
             staging.remove()
             raise
-        self._registrations.add(payload.instance_id, PEER.get(), [], staging)
         logger.info("lmcache door: registered instance %d (%s, engine_driven: chunks of %d bytes, %d "
                     "staging slots in %s)", payload.instance_id, payload.model_name, staging.chunk_nbytes,
                     staging.slots, staging.name)
@@ -80,9 +80,6 @@ class EngineDriven:
 
     def _chunk_shape(self, payload: wire.EngineDrivenRegistration) -> tuple[int, ...]:
         """The shape of the worker's chunks; Refusal for chunks this daemon does not serve."""
-        if payload.world_size != 1:
-            raise Refusal(f"world size {payload.world_size}: the lmcache door serves one-rank engines only, "
-                          "as yet")
         if payload.dtype_str not in wire.DTYPE_SIZES:
             raise Refusal(f"dtype {payload.dtype_str!r} is not one this daemon copies")
         tokens = payload.num_physical_slots or self._chunk_size
@@ -92,8 +89,10 @@ class EngineDriven:
         layers_and_tokens = (payload.num_layers, tokens, payload.hidden_dim_size)
         return layers_and_tokens if payload.use_mla else (2, *layers_and_tokens)
 
-    def _add(self, engine: Engine, payload: wire.EngineDrivenRegistration, staging: Staging) -> None:
-        """Register the staging segment with the engine, as a cache of `staging.slots` one-chunk blocks."""
+    def _binder(self, engine: Engine, payload: wire.EngineDrivenRegistration,
+                staging: Staging) -> Callable[[int], None]:
+        """What registers the staging segment with the engine as a rank's cache of `staging.slots`
+        one-chunk blocks (at once for one rank; at the first transfer naming its rank otherwise)."""
         from lmcache_mp.lmcache_door.segments import Segment, SegmentContext
 
         segment = Segment(staging.name, staging.fd, staging.nbytes, staging.identity)
@@ -103,9 +102,13 @@ class EngineDriven:
         except BaseException:
             os.close(staging.fd)
             raise
-        registration = KVCacheRegistration(payload.model_name, payload.world_size, 0, layout=LAYOUT,
-                                           block_size=self._chunk_size)
-        engine.registry.add(payload.instance_id, registration, lambda: (context, None), door=LMCACHE_DOOR)
+
+        def bind(rank: int) -> None:
+            registration = KVCacheRegistration(payload.model_name, payload.world_size, rank, layout=LAYOUT,
+                                               block_size=self._chunk_size)
+            engine.registry.add(payload.instance_id, registration, lambda: (context, None), door=LMCACHE_DOOR)
+
+        return bind
 
     def unregister(self, instance_id: int) -> None:
         self._engine().unregister(instance_id)  # refused (FORBIDDEN) from another connection
@@ -114,7 +117,7 @@ class EngineDriven:
     # ---- transfers ----------------------------------------------------------------------------------
 
     def prepare_store(self, key: wire.Key, instance_id: int) -> dict[str, Any]:
-        staging = self._staging(instance_id)
+        staging = self._staging(instance_id, key)
         chunks = self._chunks(key)
         slots = staging.reserve(_transfer("store", key), chunks) if chunks else []
         if chunks and not slots:
@@ -132,7 +135,7 @@ class EngineDriven:
                 staging.release(transfer)
             raise Refusal(f"a commit_store carrying {len(data)} bytes (pickled tensors, which this daemon "
                           "never loads): its worker writes into the staging segment its registration names")
-        staging = self._staging(instance_id)
+        staging = self._staging(instance_id, key)
         slots = staging.held(transfer)
         if slots is None:
             raise Refusal("a commit_store without its prepare_store (or after its slots were taken back)")
@@ -145,7 +148,7 @@ class EngineDriven:
         return True
 
     def prepare_retrieve(self, key: wire.Key, instance_id: int) -> dict[str, Any]:
-        staging = self._staging(instance_id)
+        staging = self._staging(instance_id, key)
         transfer = _transfer("retrieve", key)
         chunks = self._chunks(key)
         slots = staging.reserve(transfer, chunks)
@@ -163,14 +166,16 @@ class EngineDriven:
         return {"success": True, "data": b"", "context": {"slots": staging.slot_descriptors(slots)}}
 
     def commit_retrieve(self, key: wire.Key, instance_id: int) -> bool:
-        return self._staging(instance_id).release(_transfer("retrieve", key)) is not None
+        return self._staging(instance_id, key).release(_transfer("retrieve", key)) is not None
 
-    def _staging(self, instance_id: int) -> Staging:
-        """The staging segment of the request's own engine-driven registration; Refusal otherwise."""
+    def _staging(self, instance_id: int, key: wire.Key) -> Staging:
+        """The staging segment of the request's own engine-driven registration, bound to `key`'s rank
+        (`liveness.py`); Refusal otherwise."""
         staging = self._own_staging(instance_id)
         if staging is None:
             raise Refusal(f"no engine-driven registration of instance {instance_id} on this connection")
         self._registrations.touch(instance_id)
+        self._registrations.bind_rank(instance_id, PEER.get(), key.worker_id)
         return staging
 
     def _own_staging(self, instance_id: int) -> Staging | None:

@@ -1,4 +1,9 @@
-"""The registrations made through the lmcache door, and when their workers are gone.
+"""The registrations made through the lmcache door, their ranks, and when their workers are gone.
+
+LMCache's registration does not say which rank of its world a worker is; its keys do (`worker_id`).
+A one-rank worker's caches are registered with the engine at once; a worker of a larger world's
+when its first transfer names its rank (`bind_rank`): until every rank of a world is bound, a LOOKUP
+of that world finds nothing (a miss, never another rank's KV).
 
 LMCache's worker says it is alive by pinging with its instance id (its heartbeat, from its first
 transfer on) and re-registers after a heartbeat it missed; it has no connection of its own to watch,
@@ -16,7 +21,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from lmcache_mp.lmcache_door.staging import Staging
 
@@ -35,6 +41,15 @@ class Registration:
     staging: Staging | None  # the daemon's segment it writes into and reads from (engine_driven)
     last_seen: float
     pinged: bool = False
+    # Registers the caches with the engine as the given rank's; None once done (at once for one rank).
+    bind: Callable[[int], None] | None = None
+    world_size: int = 1
+    binding: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def bound(self) -> bool:
+        """Whether its caches are registered with the engine."""
+        return self.bind is None
 
     def release(self) -> None:
         """What the daemon made for it goes with it: its staging segment."""
@@ -66,21 +81,47 @@ class Registrations:
             if len(self._table) >= MAX_REGISTRATIONS:
                 raise ValueError(f"{len(self._table)} registrations through the lmcache door already")
 
-    def add(self, instance_id: int, owner: bytes, segments: list[SegmentId], staging: Staging | None) -> None:
-        now = time.monotonic()
+    def add(self, instance_id: int, owner: bytes, segments: list[SegmentId], staging: Staging | None,
+            bind: Callable[[int], None], world_size: int) -> None:
+        """A registration, bound to rank 0 at once if it is of a one-rank world (`bind(rank)`
+        registers its caches with the engine; ValueError if they are refused)."""
+        registration = Registration(owner, segments, staging, last_seen=time.monotonic(), bind=bind,
+                                    world_size=world_size)
+        if world_size == 1:
+            self._bind(registration, 0)
         with self._lock:
-            self._table[instance_id] = Registration(owner, segments, staging, last_seen=now)
+            self._table[instance_id] = registration
+
+    def bind_rank(self, instance_id: int, owner: bytes, rank: int | None) -> None:
+        """A transfer of `owner`'s names the instance's rank: bind it if it is not yet (ValueError for
+        a transfer that names none, or a rank outside its world)."""
+        with self._lock:
+            registration = self._table.get(instance_id)
+        if registration is None or registration.bound or registration.owner != owner:
+            return  # refused further on, as for any instance not registered on this connection
+        if rank is None or not 0 <= rank < registration.world_size:
+            raise ValueError(f"a transfer of instance {instance_id} (world size {registration.world_size}) "
+                             f"naming worker {rank}: its rank must be named, and within its world")
+        self._bind(registration, rank)
+
+    @staticmethod
+    def _bind(registration: Registration, rank: int) -> None:
+        with registration.binding:  # two first transfers at once: one binds
+            if registration.bind is not None:
+                registration.bind(rank)
+                registration.bind = None
 
     def get(self, instance_id: int) -> Registration | None:
         with self._lock:
             return self._table.get(instance_id)
 
-    def forget(self, instance_id: int) -> None:
-        """Its worker unregistered it."""
+    def forget(self, instance_id: int) -> Registration | None:
+        """Its worker unregistered it: what it was (released), or None."""
         with self._lock:
             registration = self._table.pop(instance_id, None)
         if registration is not None:
             registration.release()
+        return registration
 
     def touch(self, instance_id: int, *, ping: bool = False) -> None:
         with self._lock:

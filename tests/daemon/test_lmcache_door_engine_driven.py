@@ -37,6 +37,7 @@ from tests.support.lmcache_peer import (
     key,
     lmcache_client_fixture,  # noqa: F401 (a fixture)
     lookup,
+    request_client,
 )
 
 BLOCKS_IN_CHUNK = CHUNK // BLOCK
@@ -46,11 +47,12 @@ class Worker:
     """A CPU worker of vLLM 0.32 as LMCache's connector drives it in engine_driven mode: its per-layer
     caches `[blocks, heads, block tokens, 2 * head size]`, and LMCache's own transfer context."""
 
-    def __init__(self, client: Any, instance_id: int):
+    def __init__(self, client: Any, instance_id: int, world_size: int = 1, rank: int = 0):
         self.kv = {f"layers.{i}.attn": torch.zeros(BLOCKS, HEADS, BLOCK, WIDTH, dtype=torch.bfloat16)
                    for i in range(LAYERS)}
+        self.world_size, self.rank = world_size, rank
         self.context = EngineDrivenTransferContext(instance_id, client)
-        self.context.register(self.kv, MODEL, 1, BLOCKS_IN_CHUNK, TIMEOUT_S, layout_hints={},
+        self.context.register(self.kv, MODEL, world_size, BLOCKS_IN_CHUNK, TIMEOUT_S, layout_hints={},
                               engine_group_infos=[EngineGroupInfo(0, tuple(range(LAYERS)), BLOCK)])
 
     @property
@@ -59,14 +61,18 @@ class Worker:
 
     def store(self, request_id: str, blocks: list[int], end: int = 64, tokens: list[int] = TOKENS,
               salt: str = "") -> bool:
-        return self.context.submit_store(request_id, key(request_id, 0, 0, end, tokens, salt), self.kv,
+        return self.context.submit_store(request_id, self._key(request_id, end, tokens, salt), self.kv,
                                          [blocks], None, BLOCKS_IN_CHUNK).result(TIMEOUT_S)
 
     def retrieve(self, request_id: str, blocks: list[int], skip: int = 0, tokens: list[int] = TOKENS,
                  salt: str = "") -> bool:
-        return self.context.submit_retrieve(request_id, key(request_id, 0, 0, 64, tokens, salt), self.kv,
+        return self.context.submit_retrieve(request_id, self._key(request_id, 64, tokens, salt), self.kv,
                                             [blocks], None, BLOCKS_IN_CHUNK,
                                             skip_first_n_tokens=skip).result(TIMEOUT_S)
+
+
+    def _key(self, request_id: str, end: int, tokens: list[int], salt: str) -> Any:
+        return key(request_id, self.rank, 0, end, tokens, salt, self.world_size)
 
 
 def test_a_store_and_a_load_go_through_the_registration_s_own_staging_segment(
@@ -111,6 +117,33 @@ def test_a_store_and_a_load_go_through_the_registration_s_own_staging_segment(
     worker.context.close()
     assert not staging.exists()
     wait_for_status(daemon.url, lambda r: r.registered_instances == [], "the registration gone")
+
+
+def test_each_rank_of_a_two_rank_world_stores_and_loads_its_own_bytes(
+        door: tuple[DaemonProcess, str]) -> None:
+    """LMCache's registration names no rank: each worker's is bound by its first transfer's key."""
+    clients = [request_client(door[1]) for _ in range(2)]
+    workers = [Worker(client, 70 + rank, world_size=2, rank=rank) for rank, client in enumerate(clients)]
+    try:
+        for worker in workers:
+            generator = torch.Generator().manual_seed(20 + worker.rank)
+            for layer in worker.layers:
+                layer[0:4].copy_(torch.randn(4, HEADS, BLOCK, WIDTH, generator=generator))
+        assert workers[0].store("tp", [0, 1, 2, 3]) is True
+        assert lookup(clients[0], "half", 64, world_size=2) == 0  # rank 1 holds nothing yet
+        assert workers[1].store("tp", [0, 1, 2, 3]) is True
+        assert lookup(clients[0], "both", 64, world_size=2) == 2
+        for worker in workers:
+            assert worker.retrieve("both", [8, 9, 10, 11]) is True
+            assert all(torch.equal(layer[8:12], layer[0:4]) for layer in worker.layers)
+        assert not torch.equal(workers[0].layers[0][8:12], workers[1].layers[0][8:12])
+        instances = status(door[0].url).instances
+        assert sorted((i.instance_id, i.worker_id) for i in instances) == [(70, 0), (71, 1)]
+    finally:
+        for worker, client in zip(workers, clients, strict=True):
+            worker.context.unregister().result(TIMEOUT_S)
+            worker.context.close()
+            client.close()
 
 
 def test_a_load_finds_the_chunks_a_store_left_and_a_missing_chunk_fails_it_whole(

@@ -29,6 +29,15 @@ def _data_plane(figures: dict[str, Any]) -> None:
 def _remote(figures: dict[str, Any]) -> None:
     assert len(figures["checks"]) == 16, figures["checks"]  # SET and GET, 2 sizes, 4 tiers
     assert all(figures[part]["sizes"] for part in ("redis", "v1", "s3", "mooncake")), figures
+    # e. Read-through by a daemon: LOOKUPs promoted from every tier (the script asserts each pass
+    # promoted exactly its chunks), bytes verified, nothing corrupt.
+    promotion = figures["promotion"]
+    assert set(promotion["tiers"]) == {"disk", "redis", "s3", "mooncake"}, promotion
+    for name, tier in promotion["tiers"].items():
+        assert tier["verified_bytes"] == promotion["chunks"] * promotion["chunk_bytes"] > 0, (name, tier)
+        assert tier["lookup_32"]["n"] > 0 and tier["lookup_1"]["n"] > 0, (name, tier)
+        after = tier["tier_after"]
+        assert after["corrupt_total"] == 0 and after["promotions_total"] > 0, (name, after)
 
 
 def _register(figures: dict[str, Any]) -> None:

@@ -45,8 +45,8 @@ class Caches:
         self.name = self.wrappers[0].shm_name
         self.path = Path("/dev/shm") / self.name.lstrip("/")
 
-    def register(self, client: Any, instance_id: int) -> None:
-        client.register_kv_cache(instance_id, self.wrappers, MODEL, 1, EngineType.VLLM, {},
+    def register(self, client: Any, instance_id: int, world_size: int = 1) -> None:
+        client.register_kv_cache(instance_id, self.wrappers, MODEL, world_size, EngineType.VLLM, {},
                                  [EngineGroupInfo(0, tuple(range(LAYERS)), BLOCK)]).result(TIMEOUT_S)
 
     def fill(self, blocks: slice, seed: int) -> None:
@@ -65,13 +65,15 @@ class Caches:
 
 
 def key(request_id: str, worker: int | None, start: int, end: int,
-        tokens: list[int] = TOKENS, salt: str = "") -> IPCCacheServerKey:
-    return IPCCacheServerKey.from_token_ids(MODEL, 1, worker, tokens, start, end, request_id, salt)
+        tokens: list[int] = TOKENS, salt: str = "", world_size: int = 1) -> IPCCacheServerKey:
+    return IPCCacheServerKey.from_token_ids(MODEL, world_size, worker, tokens, start, end, request_id, salt)
 
 
-def lookup(client: Any, request_id: str, end: int, tokens: list[int] = TOKENS, salt: str = "") -> int:
+def lookup(client: Any, request_id: str, end: int, tokens: list[int] = TOKENS, salt: str = "",
+           world_size: int = 1) -> int:
     """LMCache's scheduler's lookup: LOOKUP, then its prefetch status until it is known."""
-    assert client.lookup(key(request_id, None, 0, end, tokens, salt), 1).result(TIMEOUT_S) is None
+    lookup_key = key(request_id, None, 0, end, tokens, salt, world_size)
+    assert client.lookup(lookup_key, world_size).result(TIMEOUT_S) is None
     count = client.wait_prefetch_status(request_id, 10.0).result(TIMEOUT_S)
     assert count is not None
     return count
