@@ -33,9 +33,11 @@ tier >= 70% of the raw baseline, for GET and for SET, each size; a MET/MISS line
 
 Rounds: at least 9 per size, and enough that each side moves 1 GiB per direction (128 rounds
 of 16 x 512 KiB). Parts c (S3) and d (Mooncake Store): `remote_stores.py`, sizes up to 8 MiB.
-`--parts` picks the parts (default: all four). Prints a table, writes remote.json and remote.png
-to --out. Parts a and b take about 1.5 minutes on 2 cores; --quick is a smoke run with smaller
-batches and sizes.
+Part e (`remote_promotion.py`): the daemon's read-through from each tier (disk, Redis, S3,
+Mooncake Store), the LOOKUP latency of a 32-chunk promotion and of one chunk; no target.
+`--parts` picks the parts (default: all five). Prints a table, writes remote.json and remote.png
+to --out. Parts a and b take about 1.5 minutes on 2 cores, e about 1.5; --quick is a smoke run
+with smaller batches and sizes.
 """
 
 from __future__ import annotations
@@ -43,17 +45,16 @@ from __future__ import annotations
 import multiprocessing
 import os
 import platform
-import shutil
 import socket
 import struct
-import tempfile
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 import redis
+import remote_promotion
 import torch
-from harness import figure, finish, parse, parser
+from harness import figure, finish, parse, parser, scratch
 from harness.tier_timing import (
     DIRECTIONS,
     FULL,
@@ -302,14 +303,17 @@ def report(name: str, part: dict, checks: dict[str, bool]) -> None:
                    f"of raw {r['raw_gbps']:.2f} GB/s (target >= {TARGET:.0%})"] = r["ratio"] >= TARGET
 
 
-PARTS = {"a": "redis", "b": "v1", "c": "s3", "d": "mooncake"}
+PARTS = {"a": "redis", "b": "v1", "c": "s3", "d": "mooncake"}  # e: remote_promotion.py
 TITLES = {"redis": "Redis", "v1": "v1 server", "s3": "S3", "mooncake": "Mooncake"}
 
 
 def plot(result: dict, path: Path) -> None:
     panels = [(part, direction) for part in PARTS.values() if part in result for direction in DIRECTIONS]
-    columns = max(1, len(panels))
+    promotion = 2 if "promotion" in result else 0
+    columns = max(1, len(panels) + promotion)
     with figure(path, 1, columns, figsize=(3.4 * columns, 3.6), squeeze=False) as axes:
+        if promotion:
+            remote_promotion.plot(result["promotion"], *axes[0][len(panels):])
         for ax, (part, direction) in zip(axes[0], panels, strict=False):
             sizes = result[part]["sizes"]
             xs = range(len(sizes))
@@ -327,17 +331,16 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> int:
     command = parser(__doc__, "a smoke run with small sizes")
-    command.add_argument("--parts", default="abcd", help="which measurements to run: a Redis, b v1, "
-                         "c S3, d Mooncake Store (default: abcd)")
+    command.add_argument("--parts", default="abcde", help="which measurements to run: a Redis, b v1, "
+                         "c S3, d Mooncake Store, e read-through by a daemon (default: abcde)")
     args = parse(command)
     sizes, rounds, min_bytes = (QUICK, 3, 64 * MiB) if args.quick else (FULL, 9, 1 * GiB)
     plan = [(size, batch, rounds_for(size, batch, rounds, min_bytes)) for size, batch in sizes]
-    tmp = Path(tempfile.mkdtemp(prefix="lmc-remote-", dir="/tmp"))
     started = time.monotonic()
     result: dict = {"target": TARGET, "python": platform.python_version(), "cpus": os.cpu_count(),
                     "redis-py": redis.__version__, "torch": torch.__version__}
     checks: dict[str, bool] = {}
-    try:
+    with scratch("lmc-remote-") as tmp:
         if "a" in args.parts:
             print("a. Redis tier vs raw pipelined redis-py...", flush=True)
             result["redis"] = bench_redis(tmp, plan)
@@ -354,8 +357,10 @@ def main() -> int:
             print("\nd. Mooncake Store tier vs the client's zero-copy batch calls...", flush=True)
             result["mooncake"] = bench_mooncake(plan_for(plan, args.quick))
             report("mooncake", result["mooncake"], checks)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if "e" in args.parts:
+            print("\ne. read-through by a daemon: LOOKUPs that promote chunks from each tier...", flush=True)
+            result["promotion"] = remote_promotion.bench_promotion(tmp, args.quick)
+            remote_promotion.report(result["promotion"], result)
     result["seconds"] = time.monotonic() - started
     result["checks"] = checks
     finish(args.out, "remote", checks, result, lambda path: plot(result, path),

@@ -45,7 +45,7 @@ from lmcache_mp.chunks import ChunkKey
 from lmcache_mp.storage.chunk_format import as_buffer
 from lmcache_mp.storage.tiers.base import StorageTier
 from lmcache_mp.storage.tiers.open import open_tier
-from lmcache_mp.testing.servers import MooncakeStore, s3_server
+from lmcache_mp.testing.servers import MOONCAKE_DEFAULT_LEASE_MS, MooncakeStore, s3_server
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # the raw Mooncake client's lines, as the tier's
 MAX_SIZE = 8 * MiB
@@ -122,7 +122,7 @@ def run_sizes(part: str, tier: StorageTier, plan: list[Step], **raw: Callable) -
 def bench_s3(plan: list[Step]) -> dict:
     # Deleted objects keep their space until SeaweedFS compacts its volumes: the run writes a few
     # GB, more than the test server's 8 volumes hold; as many as the disk holds, then.
-    with s3_server("bench-remote", "-volume.max=0") as server, _environment(server.env()):
+    with s3_server("bench-remote", "-volume.max=0") as server, environment(server.env()):
         client = server.client(timeout_s=60, attempts=5, connections=S3_IN_FLIGHT)  # retries as the tier
         pool = ThreadPoolExecutor(S3_IN_FLIGHT, thread_name_prefix="bench-s3-raw")
         tier = open_tier(server.url("bench", timeout_s="60"))
@@ -158,7 +158,7 @@ def bench_s3(plan: list[Step]) -> dict:
 
 
 @contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
+def environment(values: dict[str, str]) -> Iterator[None]:
     """The S3 tier takes its credentials from boto3's chain: this process's environment, here."""
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
@@ -176,10 +176,11 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
 
 def bench_mooncake(plan: list[Step]) -> dict:
     largest = max(size * batch for size, batch, _ in plan)
-    store = MooncakeStore(segment_mb=4 * largest // MiB + 256).start()
+    store = MooncakeStore(segment_mb=4 * largest // MiB + 256, lease_ms=MOONCAKE_DEFAULT_LEASE_MS)
     client = None
     tier = None
     try:
+        store.start()  # in the try: a start that fails leaves its processes running
         client = store.client()
         tier = open_tier(store.url("bench", local_buffer_mb=str(4 * largest // MiB + 64), timeout_s="60"))
         registered: dict[int, torch.Tensor] = {}  # held: a freed buffer's range could come back

@@ -59,16 +59,22 @@ class CallRunner:
 
     def _serve(self) -> None:
         while (item := self._queue.get()) is not _STOP:
-            future, call, args = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            with self._lock:
-                self._running += 1
-            try:
-                future.set_result(call(*args))
-            except BaseException as e:
-                future.set_exception(e)
-            finally:
-                with self._idle:
-                    self._running -= 1
-                    self._idle.notify_all()
+            self._run(*item)
+            # Nothing of a call may outlive it here while the thread waits for the next: a client's
+            # results can hold its memory (Mooncake's batch_get_buffer, pieces of its read buffer),
+            # and 8 idle threads each holding their last batch starved the next reads.
+            del item
+
+    def _run(self, future: Future, call: Callable[..., object], args: tuple[object, ...]) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        with self._lock:
+            self._running += 1
+        try:
+            future.set_result(call(*args))
+        except BaseException as e:
+            future.set_exception(e)
+        finally:
+            with self._idle:
+                self._running -= 1
+                self._idle.notify_all()

@@ -9,8 +9,8 @@
                            --enable_http_metadata_server; etcd://HOST:PORT also works)
     local_hostname=HOST    the address the cluster reaches this node at (default: the one this
                            host reaches the master from)
-    local_buffer_mb=N      the client's buffer that reads land in (default 256): one LOOKUP's
-                           promotion must fit in it, or its last chunks are misses
+    local_buffer_mb=N      the client's buffer that reads land in (default 1024): the LOOKUPs
+                           promoting at once must fit in it, or their last chunks are misses
     timeout_s=T            the longest one call may take (default 2)
     max_in_flight=N        chunks per call (default 32); the client moves a call's chunks at once
     register_pool=BOOL     register the whole pool with the transfer engine, so that writes go
@@ -78,7 +78,10 @@ R = TypeVar("R")
 
 DEFAULT_PREFIX = "lmcache-mp"
 DEFAULT_METADATA_PORT = 8080
-DEFAULT_LOCAL_BUFFER_MB = 256
+# One LOOKUP's promotion lands whole in the client's read buffer before it is copied out, and
+# several LOOKUPs promote at once: 256 MiB held 28 of 32 chunks of 8 MiB, and 7 of a request's 8
+# chunks of 32 MiB (an 8B model's), the rest misses.
+DEFAULT_LOCAL_BUFFER_MB = 1024
 DEFAULT_TIMEOUT_S = 2.0
 DEFAULT_MAX_IN_FLIGHT = 32
 SETUP_TIMEOUT_S = 10.0  # a setup registers with the master and the metadata service

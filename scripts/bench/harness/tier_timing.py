@@ -99,13 +99,14 @@ def verify_tier(tier: StorageTier, keys: list[ChunkKey], chunks: list[torch.Tens
 Op = Callable[[], float]  # one batch; returns its seconds
 
 
-def alternate(ops: dict[str, dict[str, Op]], rounds: int, nbytes: int,
-              verify: Callable[[], None]) -> dict[str, dict[str, list[float]]]:
+def alternate(ops: dict[str, dict[str, Op]], rounds: int, nbytes: int, verify: Callable[[], None],
+              sides: tuple[str, ...] = SIDES) -> dict[str, dict[str, list[float]]]:
     """GB/s samples [direction][side]: one untimed warm-up round, then `verify()`, then `rounds`
-    rounds of SET then GET, each direction alternating raw and tier, who goes first swapping."""
-    samples: dict[str, dict[str, list[float]]] = {d: {s: [] for s in SIDES} for d in DIRECTIONS}
+    rounds of SET then GET, each direction taking the sides in turn, who goes first rotating
+    (of two, raw and tier, swapping)."""
+    samples: dict[str, dict[str, list[float]]] = {d: {s: [] for s in sides} for d in DIRECTIONS}
     for r in range(-1, rounds):
-        order = SIDES if r % 2 == 0 else SIDES[::-1]
+        order = sides[r % len(sides):] + sides[:r % len(sides)]
         for direction in DIRECTIONS:
             for side in order:
                 seconds = ops[side][direction]()
