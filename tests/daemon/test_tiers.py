@@ -261,7 +261,10 @@ def test_an_unusable_tier_directory_is_a_clear_error_at_start(short_tmp: Path) -
         assert message in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
-@pytest.mark.daemon_args("--chunk-size", str(CHUNK), "--l1-size-gb", POOL_GB)
+# In anonymous memory: a pool file's sealer pins each new chunk while it checksums it, and one it
+# still holds when the last STOREs evict its parent stays, first in line for the next eviction
+# (tests/unit/test_pool_file.py), where this test counts what is resident.
+@pytest.mark.daemon_args("--chunk-size", str(CHUNK), "--l1-size-gb", POOL_GB, "--pool-file", "")
 def test_eviction_keeps_every_prefix_usable(daemon: DaemonProcess, worker_for) -> None:
     """Prompts of 4 chunks, each stored in two STOREs (chunked prefill), 24 chunks into a pool
     of 16: what stays of each prompt is a prefix, so every resident chunk can still be hit."""

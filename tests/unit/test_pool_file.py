@@ -410,3 +410,59 @@ def test_the_checksum_process_ends_with_the_daemon_however_it_dies(pool_path: Pa
             return True
 
     wait_for(gone, "the checksum process exited after the daemon was killed")
+
+
+def test_a_chunk_whose_prefix_went_while_it_was_sealed_is_evicted_first(pool_path: Path) -> None:
+    """The sealer pins one chunk while it checksums it, and a pin protects an object, not its
+    prefix: a STORE's evictions meanwhile may take its parent. Unpinned, it is a chunk no LOOKUP can
+    reach: it goes first, before any chunk that can still be hit (it used to come back as the most
+    recently used, and outlive them)."""
+    pool = open_pool(pool_path, fresh=True)
+    try:
+        first, second = store_chain(pool, 0, 2)
+        sealed = pool.take_unsealed()
+        assert sealed is first
+        pool.seal(first)
+        pool.sealed(first)
+        assert pool.take_unsealed() is second  # pinned by the sealer from here
+        others: list[PoolObject] = []
+        for i in range(100, 1000):  # single chunks, until one evicts the parent
+            others += store_chain(pool, i, 1)
+            if first.state is ObjectState.FREED:
+                break
+        assert first.state is ObjectState.FREED and all(o.state is ObjectState.READY for o in others)
+        pool.seal(second)
+        pool.sealed(second)
+        others += store_chain(pool, 1000, 1)  # one more eviction: the unreachable chunk's
+        assert second.state is ObjectState.FREED
+        assert all(o.state is ObjectState.READY for o in others)
+    finally:
+        pool.close()
+
+
+def test_a_chunk_sealed_under_eviction_comes_back_behind_its_prefix(pool_path: Path) -> None:
+    """The same, its parent kept meanwhile (a reader held it): the sealed chunk comes back as its
+    commit left it, its ancestors more recent, so evictions take it before its prefix."""
+    pool = open_pool(pool_path, fresh=True)
+    try:
+        first, second = store_chain(pool, 0, 2)
+        assert pool.take_unsealed() is first
+        pool.seal(first)
+        pool.sealed(first)
+        assert pool.take_unsealed() is second
+        reader = pool.pin([first.key])
+        assert reader == [first]
+        evictions = pool.stats().evictions
+        i = 100
+        while pool.stats().evictions == evictions:  # the sealer's pin settled: it left its LRU
+            store_chain(pool, i, 1)
+            i += 1
+        pool.unpin(reader)  # the parent is the most recent now
+        pool.seal(second)
+        pool.sealed(second)
+        while first.state is ObjectState.READY and second.state is ObjectState.READY:
+            store_chain(pool, i, 1)
+            i += 1
+        assert second.state is ObjectState.FREED and first.state is ObjectState.READY, "the tail goes first"
+    finally:
+        pool.close()

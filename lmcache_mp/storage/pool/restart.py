@@ -71,7 +71,7 @@ class PoolRestart:
     def sealed(self, obj: PoolObject) -> None:
         """`take_unsealed`'s object has its checksum written: unpinned, in place."""
         with self._lock:
-            self._unpin_in_place(obj)
+            self._unpin_in_place(obj, fresh=True)
 
     def seal(self, obj: PoolObject, pace: Callable[[], None] | None = None,
              hasher: ChecksumProcess | None = None) -> None:
@@ -117,13 +117,29 @@ class PoolRestart:
                 logger.warning("pool: adopted chunk %r failed its checksum: freed", obj.key)
                 self._remove_evictable(obj)
 
-    def _unpin_in_place(self, obj: PoolObject) -> None:
+    def _unpin_in_place(self, obj: PoolObject, *, fresh: bool = False) -> None:
         """Release a pin of `take_*` without making the object more recently used: it stays where
-        it was in its LRU, unless an eviction decision settled the pin meanwhile."""
+        it was in its LRU, unless an eviction decision settled the pin meanwhile (a slow checksum
+        while STOREs evict) and it left its LRU. It comes back then as the least recent if its
+        parent was evicted meanwhile (a pin protects an object, not its prefix: no LOOKUP reaches
+        it any more); else as the most recent, and a `fresh` one (just committed: sealed) with its
+        ancestors more recent still, as its commit left it (`chains.refresh`). As the most recent
+        alone, it outlived its prefix: a chunk kept that nothing could hit, in place of one that
+        could."""
         obj.pins -= 1
-        if obj.pins == 0:
-            self._num_pinned -= 1
-            self._make_evictable([obj])
+        if obj.pins:
+            return
+        self._num_pinned -= 1
+        settled = obj.held
+        self._make_evictable([obj])
+        if not settled or obj.state is not ObjectState.READY:
+            return
+        parent = obj.parent
+        if parent is not None and parent.state is ObjectState.FREED:
+            obj.parent = None
+            obj.slab.size_class.evictable.move_to_end(obj, last=False)
+        elif fresh:
+            refresh([obj])
 
     def _record_stats(self) -> dict[str, object]:
         records = self._records
