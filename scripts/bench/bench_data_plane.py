@@ -1,15 +1,18 @@
 #!/usr/bin/env python
 """Data-plane benchmark: STORE and RETRIEVE throughput through the real daemon.
 
-    .venv/bin/python scripts/bench/bench_data_plane.py [--out bench-out] [--geometry 32x8 80x2]
+    .venv/bin/python scripts/bench/bench_data_plane.py [--out bench-out] [--geometry 32x8 80x2 8x2]
 
 KV in vLLM's CPU layout (CPU_ATTN, [blocks, kv_heads, block_size, 2*head_size] per layer,
 all layers views of one allocation), head size 128, bf16, 256-token chunks, 8 chunks per
-request, in two geometries:
+request, in two geometries by default:
 - `32x8`: 32 layers, 8 KV heads, 128-token blocks (32 MiB per chunk, 2 blocks of 128 KiB pages);
 - `80x2`: 80 layers, 2 KV heads (a 70B-class model at TP=4), vLLM's GPU
   default of 16-token blocks (20 MiB per chunk, 16 pages of 16 KiB per layer): many small pages,
-  where one copy call per layer and chunk costs more than the bytes it moves.
+  where one copy call per layer and chunk costs more than the bytes it moves;
+and on request `8x2`: 8 layers, 2 KV heads, 128-token blocks, 8 KiB of KV a token as the serving
+benchmarks' model (`bench_floor.py`): 2 MiB chunks, 16 MiB a request, the size of a returning
+prefix's synchronous load there, where a request's fixed costs weigh most.
 "End to end" is the adapter's request -> daemon copy -> reply. Every round checks that what it
 timed is what users get: every chunk stored, every chunk found by LOOKUP, the RETRIEVE ok, and
 the retrieved blocks bit-exact against the stored ones (checked outside the timing).
@@ -63,7 +66,9 @@ class Geometry:
         return (self.kv_heads, self.block, 2 * HEAD)
 
 
-GEOMETRIES = {"32x8": Geometry(32, 8, 128, 48), "80x2": Geometry(80, 2, 16, 192)}
+GEOMETRIES = {"32x8": Geometry(32, 8, 128, 48), "80x2": Geometry(80, 2, 16, 192),
+              "8x2": Geometry(8, 2, 128, 48)}
+DEFAULT_GEOMETRIES = ["32x8", "80x2"]
 DEFAULT = GEOMETRIES["32x8"]
 # The default geometry's figures, by name (bench_tiers.py and bench_remote.py take the same worker).
 LAYERS, KV_HEADS, BLOCK, NUM_BLOCKS = DEFAULT.layers, DEFAULT.kv_heads, DEFAULT.block, DEFAULT.num_blocks
@@ -240,8 +245,8 @@ def run(g: Geometry, tmp: Path, iterations: int) -> dict[str, float]:
 def main() -> int:
     command = parser(__doc__)
     command.add_argument("--iterations", type=int, default=8, help="requests per direction")
-    command.add_argument("--geometry", nargs="+", choices=sorted(GEOMETRIES), default=list(GEOMETRIES),
-                         help="KV geometries to measure (default: all)")
+    command.add_argument("--geometry", nargs="+", choices=sorted(GEOMETRIES), default=DEFAULT_GEOMETRIES,
+                         help=f"KV geometries to measure (default: {' '.join(DEFAULT_GEOMETRIES)})")
     args = parse(command)
     with scratch("lmc-bench-") as tmp:
         results = {name: run(GEOMETRIES[name], tmp, args.iterations) for name in args.geometry}
