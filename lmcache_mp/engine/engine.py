@@ -334,6 +334,12 @@ class Engine:
         self.metrics.stored(outcomes, instance.context.chunk_nbytes)
         return StoreResult(b"", outcomes)
 
+    def held(self, keys: list[IPCCacheEngineKey], instance_id: int) -> list[bool]:
+        """Which chunks of a STORE's keys the pool holds already: a worker may skip copying them."""
+        instance = self.registry.instance(instance_id)
+        check_keys_for(instance.registration, keys)
+        return self.storage.holds(instance.fmt, self.keys.op_chunks(keys, lookup=False).hashes)
+
     def _begin(self, instance: Instance, pairs: set[Pair]) -> bool:
         """`fence.begin` for an operation on `instance`'s blocks, which must still be registered
         once let in: a dropped instance's cancels are forgotten (`TransferFence.forget_instance`),

@@ -5,8 +5,9 @@ out of a staging segment of its registration's own (`staging.py`), never pickled
   the engine as a cache of `slots` blocks of one chunk each (`segments.SegmentContext` over it), so
   that a chunk is stored and loaded by the engine's own STORE and RETRIEVE, and keyed by the format
   of LMCache's chunk layout (its own layout name: never mixed with any other registration's chunks).
-- prepare_store: slots for the key's chunks; commit_store: the engine's STORE from those slots (its
-  data must be empty: a pickled payload is refused, never loaded); the slots are free again after.
+- prepare_store: slots for the key's chunks but the leading ones the pool holds already (their
+  worker copies only the rest); commit_store: the engine's STORE from those slots (its data must be
+  empty: a pickled payload is refused, never loaded); the slots are free again after.
 - prepare_retrieve: slots for every chunk of the key, filled by the engine's RETRIEVE (all or none:
   its worker would load what it is given and report the rest loaded too); commit_retrieve frees them.
 """
@@ -119,12 +120,28 @@ class EngineDriven:
     def prepare_store(self, key: wire.Key, instance_id: int) -> dict[str, Any]:
         staging = self._staging(instance_id, key)
         chunks = self._chunks(key)
-        slots = staging.reserve(_transfer("store", key), chunks) if chunks else []
-        if chunks and not slots:
+        first = self._held_ahead(key, instance_id, chunks)
+        if first == chunks:  # every chunk held already (or none to store): its worker copies nothing
+            return {"context": {"slots": [], "chunk_indices": []}}
+        slots = staging.reserve(_transfer("store", key), chunks - first, first)
+        if not slots:
             raise Refusal(f"all {staging.slots} staging slots of instance {instance_id} are in use")
         # Fewer slots than chunks: the leading chunks are stored (a later chunk is no use without them).
         return {"context": {"slots": staging.slot_descriptors(slots),
-                            "chunk_indices": list(range(len(slots)))}}
+                            "chunk_indices": list(range(first, first + len(slots)))}}
+
+    def _held_ahead(self, key: wire.Key, instance_id: int, chunks: int) -> int:
+        """How many of the key's leading chunks the pool holds already: its worker need not copy
+        them (LMCache's server skips the chunks it holds too). A chunk held after a missing one is
+        copied again, so that what is stored stays one piece of its chain; one evicted before the
+        commit is a miss later, never wrong KV."""
+        if not chunks:
+            return 0
+        try:
+            held = self._engine().held(engine_keys(key, self._chunk_size, lookup=False), instance_id)
+        except Exception:  # the commit then refuses what is wrong with the key: copy them all
+            return 0
+        return next((i for i, present in enumerate(held[:chunks]) if not present), min(len(held), chunks))
 
     def commit_store(self, key: wire.Key, instance_id: int, data: bytes) -> bool:
         transfer = _transfer("store", key)
@@ -136,11 +153,13 @@ class EngineDriven:
             raise Refusal(f"a commit_store carrying {len(data)} bytes (pickled tensors, which this daemon "
                           "never loads): its worker writes into the staging segment its registration names")
         staging = self._staging(instance_id, key)
-        slots = staging.held(transfer)
-        if slots is None:
+        held = staging.held(transfer)
+        if held is None:
             raise Refusal("a commit_store without its prepare_store (or after its slots were taken back)")
+        first, slots = held
         try:
-            stored = msgspec.structs.replace(key, end=key.start + len(slots) * self._chunk_size)
+            start = key.start + first * self._chunk_size
+            stored = msgspec.structs.replace(key, start=start, end=start + len(slots) * self._chunk_size)
             self._before_store(stored)
             self._engine().store(engine_keys(stored, self._chunk_size, lookup=False), instance_id, slots, b"")
         finally:

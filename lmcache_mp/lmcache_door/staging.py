@@ -48,6 +48,7 @@ TransferKey = tuple[str, str, int, int]  # ("store" | "retrieve", request id, st
 class _Transfer:
     slots: list[int]
     since: float
+    first: int  # the index, in its key's range, of the chunk its first slot holds
 
 
 @dataclass
@@ -100,9 +101,10 @@ class Staging:
         return CpuShmDescriptor(version=1, shm_name=self.name, nbytes=self.nbytes,
                                 metadata=TensorMetadata(self.dtype, shape, stride, 0, "cpu"))
 
-    def reserve(self, transfer: TransferKey, count: int) -> list[int]:
-        """Up to `count` free slots for `transfer` (what it held before is released first); fewer
-        when fewer are free, after taking back those of transfers abandoned ABANDONED_S ago."""
+    def reserve(self, transfer: TransferKey, count: int, first: int = 0) -> list[int]:
+        """Up to `count` free slots for `transfer`, for its chunks from index `first` on (what it
+        held before is released first); fewer when fewer are free, after taking back those of
+        transfers abandoned ABANDONED_S ago."""
         now = time.monotonic()
         with self._lock:
             self._release_locked(transfer)
@@ -111,14 +113,15 @@ class Staging:
                     self._release_locked(key)
             slots = [heapq.heappop(self._free) for _ in range(min(count, len(self._free)))]
             if slots:
-                self._held[transfer] = _Transfer(slots, now)
+                self._held[transfer] = _Transfer(slots, now, first)
             return slots
 
-    def held(self, transfer: TransferKey) -> list[int] | None:
-        """The slots `transfer` holds (None if none), still held: copies from them are running."""
+    def held(self, transfer: TransferKey) -> tuple[int, list[int]] | None:
+        """The index of the first chunk `transfer`'s slots hold, and those slots (None if it holds
+        none), still held: copies from them are running."""
         with self._lock:
             held = self._held.get(transfer)
-            return held.slots if held is not None else None
+            return (held.first, held.slots) if held is not None else None
 
     def release(self, transfer: TransferKey, slots: list[int] | None = None) -> list[int] | None:
         """The slots `transfer` held (None if it holds none), free again; with `slots`, only if it

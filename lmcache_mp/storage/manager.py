@@ -214,6 +214,10 @@ class StorageManager:
 
     # ---- RETRIEVE, CLEAR, status, lifecycle ---------------------------------------------------
 
+    def holds(self, fmt: ChunkFormat, hashes: list[bytes]) -> list[bool]:
+        """Which of a rank's chunks the pool holds now (no tier is asked, nothing pinned)."""
+        return self.pool.holds(self._chain(fmt, hashes, None)[0])
+
     def pin(self, keys: list[Hashable]) -> list[PoolObject] | None:
         return self.pool.pin(keys)
 

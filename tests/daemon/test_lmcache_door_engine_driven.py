@@ -65,8 +65,8 @@ class Worker:
                                          [blocks], None, BLOCKS_IN_CHUNK).result(TIMEOUT_S)
 
     def retrieve(self, request_id: str, blocks: list[int], skip: int = 0, tokens: list[int] = TOKENS,
-                 salt: str = "") -> bool:
-        return self.context.submit_retrieve(request_id, self._key(request_id, 64, tokens, salt), self.kv,
+                 salt: str = "", end: int = 64) -> bool:
+        return self.context.submit_retrieve(request_id, self._key(request_id, end, tokens, salt), self.kv,
                                             [blocks], None, BLOCKS_IN_CHUNK,
                                             skip_first_n_tokens=skip).result(TIMEOUT_S)
 
@@ -207,6 +207,39 @@ def test_transfers_one_after_another_reuse_the_same_staging_slots(
             lmcache_client.end_session(load).result(TIMEOUT_S)
         # 24 slots were prepared in all, two at a time: the file holds the two lowest, no more.
         assert staging.stat().st_blocks * 512 <= 2 * chunk_bytes
+    finally:
+        worker.context.unregister().result(TIMEOUT_S)
+        worker.context.close()
+
+
+def test_a_store_of_chunks_held_already_hands_out_slots_for_the_rest_only(
+        door: tuple[DaemonProcess, str], lmcache_client: Any) -> None:
+    """As LMCache's server does: the prepare of a returning prompt's store names only the chunks the
+    pool lacks (its worker gathers those alone), and none once all are held (it commits nothing)."""
+    worker = Worker(lmcache_client, 52)
+    tokens = list(range(7000, 7096))  # 3 chunks of 32
+    try:
+        for layer in worker.layers:
+            layer[0:6].copy_(torch.randn(6, HEADS, BLOCK, WIDTH))
+        assert worker.store("first", [0, 1, 2, 3], end=64, tokens=tokens) is True
+        lmcache_client.end_session("first").result(TIMEOUT_S)
+
+        longer = key("longer", 0, 0, 96, tokens)
+        prepared = lmcache_client.prepare_store(longer, 52).result(TIMEOUT_S)
+        assert prepared.context["chunk_indices"] == [2]  # chunks 0 and 1 are held
+        assert len(prepared.context["slots"]) == 1
+        assert lmcache_client.commit_retrieve(longer, 52).result(TIMEOUT_S) is False  # not a load's
+        lmcache_client.end_session("longer").result(TIMEOUT_S)
+        # The worker's own store of the longer prompt: only its third chunk goes through a slot.
+        assert worker.store("longer", [0, 1, 2, 3, 4, 5], end=96, tokens=tokens) is True
+        lmcache_client.end_session("longer").result(TIMEOUT_S)
+        assert lookup(lmcache_client, "all", 96, tokens) == 3
+        assert worker.retrieve("all", [8, 9, 10, 11, 12, 13], tokens=tokens, end=96) is True
+        assert all(torch.equal(layer[8:14], layer[0:6]) for layer in worker.layers)
+        lmcache_client.end_session("all").result(TIMEOUT_S)
+
+        again = lmcache_client.prepare_store(key("again", 0, 0, 96, tokens), 52).result(TIMEOUT_S)
+        assert again.context == {"slots": [], "chunk_indices": []}  # everything held: nothing to copy
     finally:
         worker.context.unregister().result(TIMEOUT_S)
         worker.context.close()

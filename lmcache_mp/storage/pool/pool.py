@@ -264,6 +264,11 @@ class MemoryPool(PoolRestart, PoolDrop):
             self._pin_all([obj for objects in chunks for obj in objects])
             return chunks
 
+    def holds(self, keys: list[Hashable]) -> list[bool]:
+        """Whether each key's object is READY now (nothing pinned: it may go the next moment)."""
+        with self._lock:
+            return [key in self._readable for key in keys]
+
     def pin(self, keys: list[Hashable]) -> list[PoolObject] | None:
         """All or nothing: every key's object pinned, in order, or None (and nothing pinned)."""
         with self._lock:
