@@ -43,11 +43,10 @@ from lmcache_mp.lmcache_door import wire
 from lmcache_mp.lmcache_door.engine_driven import EngineDriven
 from lmcache_mp.lmcache_door.events import Bindings, EventStreams
 from lmcache_mp.lmcache_door.keys import Refusal, engine_keys
-from lmcache_mp.lmcache_door.liveness import Registration, Registrations
+from lmcache_mp.lmcache_door.liveness import Registration, Registrations, rank_binder
 from lmcache_mp.lmcache_door.staging import remove_orphans
 from lmcache_mp.mq.server import MessageQueueServer
 from lmcache_mp.observability.metrics import Metrics
-from lmcache_mp.protocol import LMCACHE_DOOR, KVCacheRegistration
 from lmcache_mp.sockets import ipc_path
 
 if TYPE_CHECKING:
@@ -366,17 +365,8 @@ class LMCacheDoor:
         if self._registrations.refresh(instance_id, PEER.get()) is not None:
             return None  # its worker registers again after a heartbeat it missed: its caches are the same
         context = self._open_caches(engine, descriptors, model_name, engine_type, hints, groups)
-
-        geometry = context.geometry
-
-        def bind(rank: int) -> None:
-            registration = KVCacheRegistration(model_name, world_size, rank, layout=geometry.layout.name,
-                                               block_size=geometry.block_size)
-            reply = engine.registry.add(instance_id, registration, lambda: (context, None), door=LMCACHE_DOOR)
-            logger.info("lmcache door: registered instance %d (%s, rank %d of %d, %d layers, chunks of %d "
-                        "bytes)", instance_id, model_name, rank, world_size, reply.num_layers,
-                        reply.chunk_bytes)
-
+        bind = rank_binder(engine, instance_id, model_name, world_size, context, context.geometry.layout.name,
+                           context.geometry.block_size)
         self._registrations.check_room()
         segments = [(s.name, s.identity) for s in context.segments]
         self._registrations.add(instance_id, PEER.get(), segments, None, bind, world_size)
@@ -418,14 +408,15 @@ class LMCacheDoor:
         return {(st.st_dev, st.st_ino)} if st is not None else set()
 
     def _op_unregister_kv_cache(self, instance_id: int) -> None:
-        self._require_engine().unregister(instance_id)  # refused (FORBIDDEN) from another connection;
-        self._registrations.forget(instance_id)  # False for caches not bound to a rank yet
+        # Refused (FORBIDDEN) from another connection; nothing to drop for caches not bound to a rank yet.
+        self._require_engine().unregister(instance_id)
+        self._registrations.forget(instance_id)
         self._streams.drop(instance_id)
 
     def _op_store(self, key: wire.Key, instance_id: int, block_ids: list[list[int]],
                   event_handle: bytes) -> tuple[bytes, bool]:
         engine = self._require_engine()
-        self._transfer_of(instance_id, key)
+        self._registrations.transferred(instance_id, PEER.get(), key.worker_id)
         del event_handle  # a CPU registration's (a constant): the reply itself says the copies are done
         keys = engine_keys(key, self._config.chunk_size, lookup=False)
         if keys:
@@ -436,7 +427,7 @@ class LMCacheDoor:
     def _op_retrieve(self, key: wire.Key, instance_id: int, block_ids: list[list[int]], event_handle: bytes,
                      skip_first_n_tokens: int) -> tuple[bytes, bool]:
         engine = self._require_engine()
-        self._transfer_of(instance_id, key)
+        self._registrations.transferred(instance_id, PEER.get(), key.worker_id)
         del event_handle
         blocks = _one_group(block_ids)
         block_size = engine.registry.instance(instance_id).context.geometry.block_size
@@ -449,11 +440,6 @@ class LMCacheDoor:
         if not result.ok:
             raise Refusal(f"the retrieve loaded nothing: {result.reason}")
         return b"", True
-
-    def _transfer_of(self, instance_id: int, key: wire.Key) -> None:
-        """A transfer of the instance: its worker is alive, and its rank is `key`'s (`liveness.py`)."""
-        self._registrations.touch(instance_id)
-        self._registrations.bind_rank(instance_id, PEER.get(), key.worker_id)
 
     def _op_clear(self, force: bool) -> None:
         del force  # chunks in use stay, as for CLEAR

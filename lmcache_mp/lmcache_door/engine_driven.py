@@ -26,9 +26,8 @@ from lmcache_mp.config import ServerConfig
 from lmcache_mp.engine.dispatch import PEER
 from lmcache_mp.lmcache_door import wire
 from lmcache_mp.lmcache_door.keys import Refusal, engine_keys
-from lmcache_mp.lmcache_door.liveness import Registrations
+from lmcache_mp.lmcache_door.liveness import Registrations, rank_binder
 from lmcache_mp.lmcache_door.staging import Staging, TransferKey
-from lmcache_mp.protocol import LMCACHE_DOOR, KVCacheRegistration
 
 if TYPE_CHECKING:
     from lmcache_mp.engine.engine import Engine
@@ -103,13 +102,8 @@ class EngineDriven:
         except BaseException:
             os.close(staging.fd)
             raise
-
-        def bind(rank: int) -> None:
-            registration = KVCacheRegistration(payload.model_name, payload.world_size, rank, layout=LAYOUT,
-                                               block_size=self._chunk_size)
-            engine.registry.add(payload.instance_id, registration, lambda: (context, None), door=LMCACHE_DOOR)
-
-        return bind
+        return rank_binder(engine, payload.instance_id, payload.model_name, payload.world_size, context,
+                           LAYOUT, self._chunk_size)
 
     def unregister(self, instance_id: int) -> None:
         self._engine().unregister(instance_id)  # refused (FORBIDDEN) from another connection
@@ -193,8 +187,7 @@ class EngineDriven:
         staging = self._own_staging(instance_id)
         if staging is None:
             raise Refusal(f"no engine-driven registration of instance {instance_id} on this connection")
-        self._registrations.touch(instance_id)
-        self._registrations.bind_rank(instance_id, PEER.get(), key.worker_id)
+        self._registrations.transferred(instance_id, PEER.get(), key.worker_id)
         return staging
 
     def _own_staging(self, instance_id: int) -> Staging | None:

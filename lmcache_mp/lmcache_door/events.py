@@ -108,10 +108,6 @@ class Bindings:
         with self._lock:
             return self._table.get(ours)
 
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._table)
-
 
 def _token_ids(packed: bytes) -> list[int]:
     tokens = array("I")
@@ -164,11 +160,6 @@ class EventStreams:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
-
-    @property
-    def open(self) -> int:
-        with self._lock:
-            return len(self._streams)
 
     # ---- the client's side ---------------------------------------------------------------------------
 
@@ -257,7 +248,6 @@ class EventStreams:
         got = log.read(stream.next_seq, READ_RECORDS)
         lost = got.missed
         events: list[wire.KVEventRecord] = []
-        seq = got.first_seq
         for seq, record in enumerate(got.records, start=got.first_seq):
             if record[0] == CLEARED:
                 lost = lost or seq > 0  # record 0 starts the log: nothing was announced before it

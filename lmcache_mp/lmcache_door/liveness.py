@@ -1,9 +1,9 @@
 """The registrations made through the lmcache door, their ranks, and when their workers are gone.
 
 LMCache's registration does not say which rank of its world a worker is; its keys do (`worker_id`).
-A one-rank worker's caches are registered with the engine at once; a worker of a larger world's
-when its first transfer names its rank (`bind_rank`): until every rank of a world is bound, a LOOKUP
-of that world finds nothing (a miss, never another rank's KV).
+A one-rank worker's caches are registered with the engine at once (`rank_binder`); a worker of a
+larger world's when its first transfer names its rank (`transferred`): until every rank of a world
+is bound, a LOOKUP of that world finds nothing (a miss, never another rank's KV).
 
 LMCache's worker says it is alive by pinging with its instance id (its heartbeat, from its first
 transfer on) and re-registers after a heartbeat it missed; it has no connection of its own to watch,
@@ -18,13 +18,22 @@ as our attach socket is for our connector. So a registration is dropped when its
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from lmcache_mp.lmcache_door.staging import Staging
+from lmcache_mp.protocol import LMCACHE_DOOR, KVCacheRegistration
+
+if TYPE_CHECKING:
+    from lmcache_mp.engine.engine import Engine
+    from lmcache_mp.transfer.context import TransferContext
+
+logger = logging.getLogger(__name__)
 
 REAP_SILENT_S = 60.0
 REGISTRATION_GRACE_S = 3600.0
@@ -92,9 +101,10 @@ class Registrations:
         with self._lock:
             self._table[instance_id] = registration
 
-    def bind_rank(self, instance_id: int, owner: bytes, rank: int | None) -> None:
-        """A transfer of `owner`'s names the instance's rank: bind it if it is not yet (ValueError for
-        a transfer that names none, or a rank outside its world)."""
+    def transferred(self, instance_id: int, owner: bytes, rank: int | None) -> None:
+        """A transfer of `owner`'s, naming `rank`: the instance's worker is alive, and its rank is
+        bound if it is not yet (ValueError for a transfer that names none, or one outside its world)."""
+        self.touch(instance_id)
         with self._lock:
             registration = self._table.get(instance_id)
         if registration is None or registration.bound or registration.owner != owner:
@@ -115,13 +125,12 @@ class Registrations:
         with self._lock:
             return self._table.get(instance_id)
 
-    def forget(self, instance_id: int) -> Registration | None:
-        """Its worker unregistered it: what it was (released), or None."""
+    def forget(self, instance_id: int) -> None:
+        """Its worker unregistered it."""
         with self._lock:
             registration = self._table.pop(instance_id, None)
         if registration is not None:
             registration.release()
-        return registration
 
     def touch(self, instance_id: int, *, ping: bool = False) -> None:
         with self._lock:
@@ -158,3 +167,16 @@ def _still_there(segment: SegmentId) -> bool:
     except OSError:
         return False
     return (st.st_dev, st.st_ino) == identity
+
+
+def rank_binder(engine: Engine, instance_id: int, model_name: str, world_size: int, context: TransferContext,
+                layout: str, block_size: int) -> Callable[[int], None]:
+    """What registers a door registration's caches (`context`) with the engine as a given rank's."""
+
+    def bind(rank: int) -> None:
+        registration = KVCacheRegistration(model_name, world_size, rank, layout=layout, block_size=block_size)
+        reply = engine.registry.add(instance_id, registration, lambda: (context, None), door=LMCACHE_DOOR)
+        logger.info("lmcache door: registered instance %d (%s, rank %d of %d, %d layers, chunks of %d bytes)",
+                    instance_id, model_name, rank, world_size, reply.num_layers, reply.chunk_bytes)
+
+    return bind

@@ -313,7 +313,7 @@ def bench_promotion(tmp: Path, requests: int, passes: int, cold: bool) -> dict:
     return out
 
 
-def _clear(url: str, expected: int) -> None:
+def clear_pool(url: str, expected: int) -> None:
     client = MessageQueueClient(url)
     try:
         deadline = time.monotonic() + 10
@@ -332,7 +332,7 @@ def _clear(url: str, expected: int) -> None:
         client.close()
 
 
-def _lookup(scheduler: LMCacheMPSchedulerAdapter, rid: str, hashes: list[bytes]) -> tuple[float, int]:
+def timed_lookup(scheduler: LMCacheMPSchedulerAdapter, rid: str, hashes: list[bytes]) -> tuple[float, int]:
     t = time.perf_counter()
     scheduler.maybe_submit_lookup_request(rid, block_hashes=hashes)
     scheduler.lookup_futures[rid].wait(60)
@@ -343,12 +343,12 @@ def _lookup(scheduler: LMCacheMPSchedulerAdapter, rid: str, hashes: list[bytes])
 
 
 def _promote_pass(url: str, scheduler: LMCacheMPSchedulerAdapter, reqs: list, n: int, tag: str) -> float:
-    _clear(url, n)
+    clear_pool(url, n)
     before = tier(url).promotions_total
     seconds = 0.0
     for i, (_, _, hashes) in enumerate(reqs):
         rid = f"{tag}-{i}"
-        elapsed, hit = _lookup(scheduler, rid, hashes)
+        elapsed, hit = timed_lookup(scheduler, rid, hashes)
         assert hit == CHUNKS_PER_REQUEST * CHUNK, f"lookup hit {hit} tokens"
         if i == 0:
             assert status(url).leases == CHUNKS_PER_REQUEST, "the hits are not leased"
@@ -361,14 +361,14 @@ def _promote_pass(url: str, scheduler: LMCacheMPSchedulerAdapter, reqs: list, n:
 
 def _verify(url: str, scheduler: LMCacheMPSchedulerAdapter, worker: Worker, reqs: list, n: int) -> int:
     """Promote everything once more, RETRIEVE it into a zeroed cache, compare with the original."""
-    _clear(url, n)
+    clear_pool(url, n)
     views = list(worker.kv.values())
     original = [v.clone() for v in views]
     for v in views:
         v.zero_()
     covered: set[int] = set()
     for i, (_, ids, hashes) in enumerate(reqs):
-        _, hit = _lookup(scheduler, f"verify-{i}", hashes)
+        _, hit = timed_lookup(scheduler, f"verify-{i}", hashes)
         assert hit == CHUNKS_PER_REQUEST * CHUNK
         worker.retrieve(f"verify-{i}", ids, hashes)
         scheduler.end_session(f"verify-{i}")

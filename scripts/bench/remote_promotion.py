@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 from bench_data_plane import BLOCK, CHUNK, DTYPE, Geometry, make_kv
-from bench_tiers import Worker, _clear, _lookup, stop, tier
+from bench_tiers import Worker, clear_pool, stop, tier, timed_lookup
 from harness import percentile
 from harness.tier_timing import TIMEOUT_S, GiB, MiB, label
 
@@ -160,7 +160,7 @@ class TierRun:
     def promote_all(self, timed: bool = True) -> None:
         """CLEAR, then one LOOKUP of the 32 chunks."""
         def one(rid: str) -> None:
-            seconds, hit = _lookup(self.scheduler, rid, self.hashes)
+            seconds, hit = timed_lookup(self.scheduler, rid, self.hashes)
             assert hit == CHUNKS * CHUNK, f"{self.name}: the LOOKUP hit {hit} tokens"
             if not timed:
                 assert status(self.daemon.url).leases == CHUNKS, f"{self.name}: the hits are not leased"
@@ -174,7 +174,7 @@ class TierRun:
         """CLEAR, then 32 LOOKUPs of one chunk each."""
         def each(rid: str) -> None:
             for k in range(CHUNKS):
-                seconds, hit = _lookup(self.scheduler, f"{rid}-{k}", self._chunk_hashes(k))
+                seconds, hit = timed_lookup(self.scheduler, f"{rid}-{k}", self._chunk_hashes(k))
                 assert hit == CHUNK, f"{self.name}: the LOOKUP of chunk {k} hit {hit} tokens"
                 self.scheduler.end_session(f"{rid}-{k}")
                 self.lookup_1_s.append(seconds)
@@ -187,7 +187,7 @@ class TierRun:
         self.buffer.zero_()
 
         def retrieved(rid: str) -> None:
-            _, hit = _lookup(self.scheduler, rid, self.hashes)
+            _, hit = timed_lookup(self.scheduler, rid, self.hashes)
             assert hit == CHUNKS * CHUNK, f"{self.name}: the LOOKUP hit {hit} tokens"
             self.worker.retrieve(rid, self.ids, self.hashes)
             self.scheduler.end_session(rid)
@@ -199,7 +199,7 @@ class TierRun:
 
     def _pass(self, lookups: Callable[[str], None]) -> None:
         """`lookups(rid)` on an empty pool; asserts that they promoted the 32 chunks, no more."""
-        _clear(self.daemon.url, CHUNKS)
+        clear_pool(self.daemon.url, CHUNKS)
         before = tier(self.daemon.url).promotions_total
         self.passes += 1
         lookups(f"e{self.passes}")
