@@ -9,8 +9,8 @@ operation its meaning in the engine's terms:
   block ids (retrieve's `skip_first_n_tokens` as blocks left alone); free_lookup_locks releases the
   leases of a range, end_session everything the request holds.
 - register_kv_cache: CPU shared-memory segments, opened under checks and copied without mapping them
-  (`segments.py`), as a registration of the engine's registry; dropped when its worker is gone
-  (`liveness.py`).
+  (`segments.py`), or CUDA memory by IPC handle (`cuda_caches.py`), as a registration of the engine's
+  registry; dropped when its worker is gone (`liveness.py`).
 - the engine-driven mode's operations: `engine_driven.py`.
 - subscribe_kv_events: a stream of the pool's stores and evictions, from the engine's event log, in
   LMCache's names for the chunks (`events.py`).
@@ -39,11 +39,11 @@ from typing import TYPE_CHECKING, Any
 
 from lmcache_mp.config import ServerConfig
 from lmcache_mp.engine.dispatch import ARRIVAL, PEER, ReplyThen
-from lmcache_mp.lmcache_door import wire
+from lmcache_mp.lmcache_door import cuda_caches, wire
 from lmcache_mp.lmcache_door.engine_driven import EngineDriven
 from lmcache_mp.lmcache_door.events import Bindings, EventStreams
 from lmcache_mp.lmcache_door.keys import Refusal, engine_keys
-from lmcache_mp.lmcache_door.liveness import Registration, Registrations, rank_binder
+from lmcache_mp.lmcache_door.liveness import Registration, Registrations, SegmentId, rank_binder
 from lmcache_mp.lmcache_door.staging import remove_orphans
 from lmcache_mp.mq.server import MessageQueueServer
 from lmcache_mp.observability.metrics import Metrics
@@ -51,7 +51,7 @@ from lmcache_mp.sockets import ipc_path
 
 if TYPE_CHECKING:
     from lmcache_mp.engine.engine import Engine
-    from lmcache_mp.lmcache_door.segments import SegmentContext
+    from lmcache_mp.transfer.context import TransferContext
 
 logger = logging.getLogger(__name__)
 
@@ -364,11 +364,10 @@ class LMCacheDoor:
         engine = self._require_engine()
         if self._registrations.refresh(instance_id, PEER.get()) is not None:
             return None  # its worker registers again after a heartbeat it missed: its caches are the same
-        context = self._open_caches(engine, descriptors, model_name, engine_type, hints, groups)
+        context, segments = self._open_caches(engine, descriptors, model_name, engine_type, hints, groups)
         bind = rank_binder(engine, instance_id, model_name, world_size, context, context.geometry.layout.name,
                            context.geometry.block_size)
         self._registrations.check_room()
-        segments = [(s.name, s.identity) for s in context.segments]
         self._registrations.add(instance_id, PEER.get(), segments, None, bind, world_size)
         if world_size > 1:
             logger.info("lmcache door: instance %d of a %d-rank world of %s: its caches are registered once "
@@ -376,27 +375,33 @@ class LMCacheDoor:
         return None
 
     def _open_caches(self, engine: Engine, descriptors: wire.Descriptors, model_name: str, engine_type: str,
-                     hints: wire.LayoutHints, groups: list[wire.EngineGroupInfo]) -> SegmentContext:
-        """The registration's copy context over its opened segments; Refusal for caches not served."""
+                     hints: wire.LayoutHints, groups: list[wire.EngineGroupInfo]
+                     ) -> tuple[TransferContext, list[SegmentId]]:
+        """The registration's copy context, and the client's segments it opened (none for CUDA
+        caches); Refusal for caches not served."""
         from lmcache_mp.lmcache_door.segments import SegmentContext, open_segments
 
         if engine_type != "vllm":
             raise Refusal(f"caches of engine {engine_type!r}: only vLLM's are served")
         if len({group.engine_group_id for group in groups}) > 1:
             raise Refusal("several KV cache groups (a hybrid model): not served by the lmcache door yet")
+        block_size = (groups[0].tokens_per_block if groups else 0) or hints.tokens_per_block or 0
+        if cuda_caches.is_cuda(descriptors):
+            return cuda_caches.cuda_context(descriptors, hints, block_size, self._config.chunk_size), []
         shm = [d for d in descriptors if isinstance(d, wire.CpuShmDescriptor)]
         if not shm or len(shm) != len(descriptors):
-            raise Refusal("only CPU shared-memory caches (cpu_shm descriptors, lmcache_driven on CPU) are "
-                          "served by the lmcache door as yet")
-        block_size = (groups[0].tokens_per_block if groups else 0) or hints.tokens_per_block or 0
+            raise Refusal("caches must be CPU shared-memory segments (cpu_shm descriptors) or CUDA memory "
+                          "(cuda descriptors), all of one kind")
         layout = DOOR_LAYOUT + (f"_{hints.kv_layout}" if hints.kv_layout else "")
         segments = open_segments(shm, os.geteuid(), self._own_files())
         try:
-            return SegmentContext(shm, segments, layout, block_size, self._config.chunk_size)
+            context = SegmentContext(shm, segments, layout, hints.kv_layout, block_size,
+                                     self._config.chunk_size)
         except BaseException:
             for segment in segments.values():
                 os.close(segment.fd)
             raise
+        return context, [(s.name, s.identity) for s in context.segments]
 
     def _own_files(self) -> set[tuple[int, int]]:
         """The files a segment must never be: the pool file."""
@@ -417,18 +422,19 @@ class LMCacheDoor:
                   event_handle: bytes) -> tuple[bytes, bool]:
         engine = self._require_engine()
         self._registrations.transferred(instance_id, PEER.get(), key.worker_id)
-        del event_handle  # a CPU registration's (a constant): the reply itself says the copies are done
         keys = engine_keys(key, self._config.chunk_size, lookup=False)
         if keys:
             self._bindings.bind(key)  # before its chunks' records can be read
-            engine.store(keys, instance_id, _one_group(block_ids), b"")
+            event = _device_event(engine, instance_id, event_handle)
+            engine.store(keys, instance_id, _one_group(block_ids), event)
+        # No event back: the copies are complete when the reply leaves, so its client waits for nothing.
         return b"", True
 
     def _op_retrieve(self, key: wire.Key, instance_id: int, block_ids: list[list[int]], event_handle: bytes,
                      skip_first_n_tokens: int) -> tuple[bytes, bool]:
         engine = self._require_engine()
         self._registrations.transferred(instance_id, PEER.get(), key.worker_id)
-        del event_handle
+        event = _device_event(engine, instance_id, event_handle)
         blocks = _one_group(block_ids)
         block_size = engine.registry.instance(instance_id).context.geometry.block_size
         skipped = min(max(skip_first_n_tokens, 0) // block_size, len(blocks))
@@ -436,7 +442,7 @@ class LMCacheDoor:
         keys = engine_keys(key, self._config.chunk_size, lookup=False)
         if not keys:
             raise Refusal("a retrieve of no whole chunk")
-        result = engine.retrieve(keys, instance_id, blocks, b"")
+        result = engine.retrieve(keys, instance_id, blocks, event)
         if not result.ok:
             raise Refusal(f"the retrieve loaded nothing: {result.reason}")
         return b"", True
@@ -464,6 +470,15 @@ class LMCacheDoor:
             registration.release()
             self._streams.drop(instance_id)
         logger.info("lmcache door: dropped instance %d: its worker is gone", instance_id)
+
+
+def _device_event(engine: Engine, instance_id: int, event_handle: bytes) -> bytes:
+    """What a transfer's copies wait for: the worker's event on CUDA caches (checked), nothing on CPU
+    ones (their event is a constant; the forward pass is over when the request arrives)."""
+    if engine.registry.instance(instance_id).context.device.type != "cuda":
+        return b""
+    cuda_caches.check_event_handle(event_handle)
+    return event_handle
 
 
 def _one_group(block_ids: list[list[int]]) -> list[int]:

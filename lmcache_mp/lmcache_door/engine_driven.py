@@ -97,7 +97,7 @@ class EngineDriven:
 
         segment = Segment(staging.name, staging.fd, staging.nbytes, staging.identity)
         try:  # from here on, the context closes the descriptor once dropped
-            context = SegmentContext([staging.descriptor()], {staging.name: segment}, LAYOUT,
+            context = SegmentContext([staging.descriptor()], {staging.name: segment}, LAYOUT, None,
                                      self._chunk_size, self._chunk_size)
         except BaseException:
             os.close(staging.fd)

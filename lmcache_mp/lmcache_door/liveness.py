@@ -12,7 +12,7 @@ as our attach socket is for our connector. So a registration is dropped when its
 - pinged, then fell silent REAP_SILENT_S;
 - removed the shared-memory segment its caches are in (as its worker does when it exits: the
   daemon's open descriptor alone would keep the memory);
-- has no such segment (engine_driven: the segment is the daemon's) and never pinged for
+- has no such segment (engine_driven: the segment is the daemon's; CUDA caches) and never pinged for
   REGISTRATION_GRACE_S (it died before its first transfer; LMCache's server waits as long).
 """
 

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy
 import torch
 
+from lmcache_mp.lmcache_door.views import logical_view
 from lmcache_mp.lmcache_door.wire import CpuShmDescriptor
 from lmcache_mp.transfer.context import Lane, TransferContext, consecutive_runs, kept_runs
 from lmcache_mp.transfer.layouts import describe_caches
@@ -113,16 +114,24 @@ def _meta_layer(d: CpuShmDescriptor) -> torch.Tensor:
     return base.as_strided(d.metadata.shape, d.metadata.stride, d.metadata.storage_offset)
 
 
+def _dense(page: torch.Tensor) -> bool:
+    """Whether a page's elements fill one run of bytes, in whatever order its dimensions are (its
+    bytes are copied as they lie: the same order out of the segment and back into it)."""
+    order = sorted(range(page.dim()), key=lambda d: (-page.stride(d), page.size(d) == 1))
+    return page.permute(order).is_contiguous()
+
+
 class SegmentContext(TransferContext):
     """A registration's copies between its segments and the pool: `TransferContext`'s geometry and
     checks, with file copies (`SegmentCopies`) in place of tensor copies."""
 
     def __init__(self, descriptors: list[CpuShmDescriptor], segments: dict[str, Segment], layout: str,
-                 block_size: int, chunk_size: int):
-        layers, geometry = describe_caches([_meta_layer(d) for d in descriptors], layout, block_size)
+                 kv_layout: str | None, block_size: int, chunk_size: int):
+        layers = [logical_view(_meta_layer(d), kv_layout, block_size) for d in descriptors]
+        layers, geometry = describe_caches(layers, layout, block_size)
         super().__init__(layers, geometry, chunk_size, staged=False)
         for i, view in enumerate(self._views):  # block-major
-            if not view[0].is_contiguous():
+            if not _dense(view[0]):
                 raise ValueError(f"layer {i}: a block's page is not one contiguous run of bytes (strides "
                                  f"{descriptors[i].metadata.stride}); this daemon copies whole pages")
         itemsize = geometry.dtype.itemsize

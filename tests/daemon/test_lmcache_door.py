@@ -26,7 +26,9 @@ pytest.importorskip("lmcache", reason=LMCACHE_MISSING)  # tests/unit/test_lmcach
 from lmcache.utils import EngineType
 from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
 from lmcache.v1.multiprocess.group_view import EngineGroupInfo
+from lmcache.v1.platform.base.ipc_wire import CudaIPCData, TensorMetadata
 from lmcache.v1.platform.devices.cpu.shm import CpuShmTensorWrapper
+from lmcache.v1.platform.devices.cuda.ipc_wrapper import CudaIPCWrapper
 
 from tests.support.lmcache_peer import (
     BLOCK,
@@ -204,6 +206,22 @@ def test_segments_that_are_not_the_client_s_own_are_refused(door: tuple[DaemonPr
             else:
                 path.unlink()
     assert daemon_status(daemon.url).registered_instances == []
+    assert lmcache_client.ping(None).result(TIMEOUT_S) is True
+
+
+def test_cuda_caches_on_a_daemon_without_their_gpu_are_refused_saying_why(lmcache_client: Any) -> None:
+    # LMCache's CUDA descriptor of a device this daemon cannot see (here: none at all). Opening it is
+    # the GPU self-test's (scripts/gpu/selftest_door.py); here, the refusal is an answer that says why.
+    metadata = TensorMetadata(dtype="bfloat16", shape=(BLOCKS, BLOCK, HEADS, WIDTH),
+                              stride=(BLOCK * HEADS * WIDTH, HEADS * WIDTH, WIDTH, 1), storage_offset=0,
+                              device_uuid="GPU-00000000-1111-2222-3333-444444444444")
+    handle = (0, b"h" * 64, BLOCKS * BLOCK * HEADS * WIDTH * 2, 0, b"/torch_ref", 1, b"e" * 64, True)
+    wrapper = CudaIPCWrapper.from_wire(CudaIPCData(version=1, metadata=metadata, handle=handle))
+    future = lmcache_client.register_kv_cache(31, [wrapper], MODEL, 1, EngineType.VLLM, {"kv_layout": "NHD"},
+                                              [EngineGroupInfo(0, (0,), BLOCK)])
+    with pytest.raises(ValueError, match=r"lmcache-mp refused register_kv_cache.*CUDA") as refused:
+        future.result(TIMEOUT_S)
+    assert "GPU-00000000-1111-2222-3333-444444444444" in str(refused.value)
     assert lmcache_client.ping(None).result(TIMEOUT_S) is True
 
 

@@ -18,6 +18,7 @@ import pytest
 import zmq
 
 from lmcache_mp.testing.launcher import DaemonProcess, free_port, start_daemon
+from lmcache_mp.testing.probes import scrape
 from tests.support.helpers import LMCACHE_MISSING, status
 from tests.support.vllm_engines import (
     CHUNK,
@@ -52,6 +53,13 @@ def baseline(model: Path, work_dir: Path) -> list[dict[str, Any]]:
     return run_engine(engine_spec(model, None, [PROMPTS]), work_dir / "baseline.log")[0]
 
 
+def _door_loads(metrics_port: int) -> float:
+    """The loads the lmcache door has served (either mode's), answered or refused."""
+    return sum(value for name, value in scrape(metrics_port).items()
+               if name.startswith("lmcache_mp_lmcache_door_requests_total{")
+               and ('op="retrieve"' in name or 'op="prepare_retrieve"' in name))
+
+
 @contextmanager
 def _following(pub: str) -> Iterator[list[Any]]:
     """A router's subscriber on an engine's KV event stream: every event published while the engine
@@ -82,9 +90,9 @@ def _following(pub: str) -> Iterator[list[Any]]:
 
 def test_a_fresh_engine_hits_what_another_stored_through_lmcache_s_connector(
         work_dir: Path, model: Path, baseline: list[dict[str, Any]]) -> None:
-    door = f"ipc://{work_dir / 'lmcache.sock'}"
+    door, metrics_port = f"ipc://{work_dir / 'lmcache.sock'}", free_port()
     daemon = start_daemon(work_dir, "--lmcache-listen", door, "--chunk-size", str(CHUNK),
-                          "--l1-size-gb", "0.05")
+                          "--l1-size-gb", "0.05", "--metrics-port", str(metrics_port))
     env = dict(ENV, VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES="0")  # LMCache's names as they are: bytes
 
     def spec_publishing_on(pub: str) -> dict[str, Any]:
@@ -97,7 +105,7 @@ def test_a_fresh_engine_hits_what_another_stored_through_lmcache_s_connector(
     try:
         pub1, pub2 = f"ipc://{work_dir / 'events-1'}", f"ipc://{work_dir / 'events-2'}"
         first = run_engine(spec_publishing_on(pub1), work_dir / "first.log", env)[0]
-        stored = status(daemon.url).objects
+        stored, loads_of_first = status(daemon.url).objects, _door_loads(metrics_port)
         with _following(pub2) as events:
             second = run_engine(spec_publishing_on(pub2), work_dir / "second.log", env)[0]
         for name in ("first", "second"):
@@ -108,8 +116,10 @@ def test_a_fresh_engine_hits_what_another_stored_through_lmcache_s_connector(
     finally:
         daemon.stop()
     assert "Traceback" not in daemon.log(), daemon.log()
-    # A fresh daemon has nothing to load: engine 1 hits only its own prefix cache, as the baseline.
-    assert cached(first) == cached(baseline)
+    # A fresh daemon has nothing to load: engine 1 hits only its own prefix cache. (Which of two prompts
+    # with a common prefix hits the other's depends on the order its scheduler takes them in, which
+    # the connector's asynchronous lookups change with the machine's load: not compared.)
+    assert loads_of_first == 0
     assert stored > 0
     # Engine 2, fresh, loads every full chunk engine 1 stored of each prompt: 3 chunks of the first
     # two (they share 2), 1 of the third, none of the short one, and all 4 of the prompt of exactly 4
@@ -130,11 +140,11 @@ def test_a_fresh_engine_hits_what_another_stored_through_lmcache_s_connector(
 DEFAULT_PORT = 5555
 
 
-def _door_on_the_default_port(work_dir: Path) -> tuple[DaemonProcess, dict[str, Any]]:
-    """A daemon whose lmcache door listens where vLLM's default points, and the connector settings the
-    engine then needs: none. If another process holds that port (a benchmark's `lmcache server`), a
-    free port and the one setting that names it."""
-    args = ("--allow-unauthenticated-tcp", "--chunk-size", str(CHUNK), "--l1-size-gb", "0.05")
+def _door_on_the_default_port(work_dir: Path, *more: str) -> tuple[DaemonProcess, dict[str, Any]]:
+    """A daemon (with `more` arguments) whose lmcache door listens where vLLM's default points, and the
+    connector settings the engine then needs: none. If another process holds that port (a benchmark's
+    `lmcache server`), a free port and the one setting that names it."""
+    args = ("--allow-unauthenticated-tcp", "--chunk-size", str(CHUNK), "--l1-size-gb", "0.05", *more)
     try:
         return start_daemon(work_dir, "--lmcache-listen", f"tcp://127.0.0.1:{DEFAULT_PORT}", *args), {}
     except RuntimeError as err:
@@ -148,12 +158,13 @@ def _door_on_the_default_port(work_dir: Path) -> tuple[DaemonProcess, dict[str, 
 
 def test_kv_offloading_backend_lmcache_hits_with_no_other_setting(
         work_dir: Path, model: Path, baseline: list[dict[str, Any]]) -> None:
-    daemon, extra_config = _door_on_the_default_port(work_dir)
+    metrics_port = free_port()
+    daemon, extra_config = _door_on_the_default_port(work_dir, "--metrics-port", str(metrics_port))
     try:
         spec = engine_spec(model, None, [PROMPTS],
                            kv_offloading={"backend": "lmcache", "size": 1, "extra_config": extra_config})
         first = run_engine(spec, work_dir / "offload-first.log")[0]
-        stored = status(daemon.url)
+        stored, loads_of_first = status(daemon.url), _door_loads(metrics_port)
         second = run_engine(spec, work_dir / "offload-second.log")[0]
         logs = [(work_dir / f"offload-{n}.log").read_text(errors="replace") for n in ("first", "second")]
     finally:
@@ -164,6 +175,6 @@ def test_kv_offloading_backend_lmcache_hits_with_no_other_setting(
         # LMCache's connector on CPU by default: engine_driven, through the daemon's staging segment.
         assert "engine-driven context registered" in log and "mode=SHM" in log, log[-6000:]
     assert stored.objects > 0 and "engine_driven: chunks of" in daemon.log()
-    assert cached(first) == cached(baseline)
+    assert loads_of_first == 0  # a fresh daemon: nothing to load (as above)
     assert cached(second) == [3 * CHUNK, 3 * CHUNK, CHUNK, 0, 4 * CHUNK - 1]
     assert tokens(second) == tokens(baseline) == tokens(first)
