@@ -53,6 +53,7 @@ from vllm_adapter.connector_worker import WorkerSide
 from vllm_adapter.kv_groups import UnsupportedKVGroups, kv_bytes_per_token, kv_groups
 from vllm_adapter.model_identity import model_identity
 from vllm_adapter.stats import LMCacheMPConnectorStats, LMCacheMPPromMetrics, group_block_bytes
+from vllm_adapter.step_trace import StepTrace, describe
 
 if TYPE_CHECKING:
     import torch
@@ -123,6 +124,7 @@ class LMCacheMPDaemonConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         _route_logs_to_vllm()
         settings = ConnectorSettings.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        self._trace = StepTrace(settings.step_trace, role.name.lower())
         # The model and every setting that changes its KV (model_identity.py): never the name alone.
         model_name = model_identity(vllm_config.model_config, vllm_config.load_config)
         parallel = vllm_config.parallel_config
@@ -184,7 +186,10 @@ class LMCacheMPDaemonConnector(KVConnectorBase_V1, SupportsHMA):
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         if self._scheduler is None:
             return 0, False
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        with self._trace.hook("get_num_new_matched_tokens", computed=num_computed_tokens) as record:
+            tokens, load_async = self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+            record["tokens"] = tokens
+        return tokens, load_async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -199,11 +204,15 @@ class LMCacheMPDaemonConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self._scheduler is None:
             return LMCacheMPConnectorMetadata()
-        return self._scheduler.build_connector_meta(scheduler_output)
+        with self._trace.hook("build_connector_meta") as record:
+            meta = self._scheduler.build_connector_meta(scheduler_output)
+            record.update(describe(meta))
+        return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._scheduler is not None:
-            self._scheduler.update_connector_output(connector_output)
+            with self._trace.hook("update_connector_output"):
+                self._scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
@@ -246,11 +255,13 @@ class LMCacheMPDaemonConnector(KVConnectorBase_V1, SupportsHMA):
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(kv_connector_metadata, LMCacheMPConnectorMetadata)
         if self._worker is not None:
-            self._worker.begin_step(kv_connector_metadata)
+            with self._trace.hook("begin_step", **describe(kv_connector_metadata)):
+                self._worker.begin_step(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._worker is not None:
-            self._worker.start_load_kv()
+            with self._trace.hook("start_load_kv", **describe(self._meta())):
+                self._worker.start_load_kv()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing per layer: loads are whole requests, and vLLM schedules a request only
@@ -263,13 +274,20 @@ class LMCacheMPDaemonConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         if self._worker is not None:
-            self._worker.wait_for_save(self._meta())
+            meta = self._meta()
+            with self._trace.hook("wait_for_save", **describe(meta)):
+                self._worker.wait_for_save(meta)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self._worker is None:
             return KVConnectorTransferResults()
-        idle = self.has_connector_metadata() and self._meta().idle
-        return self._worker.transfer_results(finished_req_ids, idle)
+        meta = self._meta() if self.has_connector_metadata() else None
+        idle = meta is not None and meta.idle
+        with self._trace.hook("transfer_results", step=meta.step if meta else None, idle=idle) as record:
+            results = self._worker.transfer_results(finished_req_ids, idle)
+            record.update(loads_done=len(results.finished_recving or ()),
+                          stores_done=len(results.finished_sending or ()))
+        return results
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """The older form of `get_transfer_results` (vLLM 0.32 calls that one); load failures
@@ -299,6 +317,7 @@ class LMCacheMPDaemonConnector(KVConnectorBase_V1, SupportsHMA):
         return None if self._worker is None else self._worker.worker_meta()
 
     def shutdown(self) -> None:
+        self._trace.close()
         if self._scheduler is not None:
             self._scheduler.shutdown()
         if self._worker is not None:

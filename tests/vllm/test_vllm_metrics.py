@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from scripts.bench.harness.api_server import ApiServer, stop_servers, wait_healthy
+from scripts.bench.step_trace_report import summarize
 from tests.support.helpers import wait_for_status
 
 # The prompts and engine helpers, and the module-scoped fixtures `daemon` and `work_dir`.
@@ -106,13 +107,16 @@ class Run:
     stored: Metrics  # after the first request's stores
     loaded: Metrics  # after the second request's load
     replies: list[dict[str, Any]]
+    trace: str  # the connector's step trace (`lmcache.mp.step_trace`)
 
 
 @pytest.fixture(scope="module")
 def run(work_dir: Path, daemon: DaemonUnderTest) -> Iterator[Run]:
     model = make_tiny_llama(work_dir / "tiny-llama-f32")
     # Tails off: the first request's tail (its last, partly filled block) would be a fourth store.
-    server = start_api_server(model, {"lmcache.mp.url": daemon.url, "lmcache.mp.tails": False},
+    trace = str(work_dir / "trace")
+    server = start_api_server(model, {"lmcache.mp.url": daemon.url, "lmcache.mp.tails": False,
+                                      "lmcache.mp.step_trace": trace},
                               work_dir / "server.log", "--no-enable-prefix-caching")
     try:
         wait_healthy([server], ENGINE_TIMEOUT_S)
@@ -126,7 +130,7 @@ def run(work_dir: Path, daemon: DaemonUnderTest) -> Iterator[Run]:
                                   "the second request's load")
         print("\n".join(loaded.lines("vllm:kv_offload", "vllm:lmcache_mp",
                                      "vllm:prompt_tokens_cached_by_source", "vllm:external_prefix_cache")))
-        yield Run(kv_bytes_per_block(model), before, stored, loaded, [first, second])
+        yield Run(kv_bytes_per_block(model), before, stored, loaded, [first, second], trace)
     finally:
         stop_servers([server])
 
@@ -176,3 +180,18 @@ def test_the_second_request_counts_its_load_and_its_hit_source(run: Run) -> None
     first, second = run.replies
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == TOKENS
     assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+
+
+def test_the_step_trace_times_each_hook_by_kind_of_step(run: Run) -> None:
+    """`lmcache.mp.step_trace`: the scheduler's and the worker's hooks, a line each. The second
+    request arrived alone, so its load ran synchronously: one step whose forward pass waited for it
+    (start_load_kv), and the first request's stores went out in a step of their own kind."""
+    summary = summarize(run.trace)
+    worker, scheduler = summary["worker"], summary["scheduler"]
+    assert worker["sync load"]["steps"] == 1, worker
+    assert worker["sync load"]["start_load_kv_ms"] > 0
+    assert worker["store"]["steps"] >= 1, worker
+    assert "async load" not in worker, worker
+    for kind in worker.values():
+        assert kind["span_ms"] >= kind["begin_step_ms"] + kind["start_load_kv_ms"]
+    assert scheduler["lookups"] >= 2 and scheduler["steps"] >= worker["sync load"]["steps"], scheduler
