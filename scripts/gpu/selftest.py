@@ -38,7 +38,6 @@ Prints a table, writes the figures as JSON to `--out`; exits 1 if any check fail
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -57,7 +56,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
 
-from selftest_device import CpuDevice, CudaDevice, Device, pin_timings  # noqa: E402
+from selftest_device import Device, device_of, finish, parser, pin_timings  # noqa: E402
 from selftest_rounds import MODEL, TAIL_BLOCKS, Case, CaseReport, Worker, run_case, run_together  # noqa: E402
 
 from lmcache_mp.testing.launcher import DaemonProcess, daemon_status, free_port, start_daemon  # noqa: E402
@@ -246,21 +245,13 @@ def print_table(reports: list[CaseReport], kill: dict[str, Any], pins: list[dict
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=("cuda", "cpu"),
-                        default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--quick", action="store_true", help="tiny caches (a smoke run, seconds)")
-    parser.add_argument("--out", type=Path, help="write the figures here as JSON")
-    parser.add_argument("--pin-gib", default="8,32",
-                        help="GiB to time pinning, comma-separated ('' for none; CUDA only)")
-    parser.add_argument("--delay-cycles", type=int, default=1_000_000_000,
-                        help="GPU cycles the long kernel spins before the ordering round's writes")
-    parser.add_argument("--child-store", metavar="URL", help=argparse.SUPPRESS)  # the killed worker
-    args = parser.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: torch sees no CUDA device")
+    p = parser(__doc__)
+    p.add_argument("--pin-gib", default="8,32",
+                   help="GiB to time pinning, comma-separated ('' for none; CUDA only)")
+    p.add_argument("--child-store", metavar="URL", help=argparse.SUPPRESS)  # the killed worker
+    args = p.parse_args()
     geo = QUICK if args.quick else FULL
-    device: Device = CudaDevice(args.delay_cycles) if args.device == "cuda" else CpuDevice()
+    device = device_of(args, p)
     if args.child_store:
         child_store(args.child_store, device, geo, args.quick)
         return 0
@@ -295,13 +286,7 @@ def run_selftest(args: argparse.Namespace, device: Device, geo: Geometry, tmp: P
     figures = {"device": device.name, "device_description": device.description(), "quick": args.quick,
                "geometry": asdict(geo), "cases": {r.name: r.as_json() for r in reports},
                "killed_worker": kill, "pin": pins, "ok": not failures, "failures": failures}
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(figures, indent=2))
-    for failure in failures:
-        print(f"FAIL {failure}")
-    print(f"{len(failures)} failure(s)" if failures else "OK: every retrieved byte equals the byte written")
-    return 1 if failures else 0
+    return finish(args.out, figures, failures, "every retrieved byte equals the byte written")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The self-test's device: every CUDA-specific line of `selftest.py` lives in `CudaDevice`.
+"""The self-tests' device: every CUDA-specific line of `selftest.py` lives in `CudaDevice`.
 
 `CpuDevice` runs the same rounds on the CPU (synchronous writes, no streams, no events), so the
 CPU test suite exercises everything else. Also the same-run copy baselines and pinning timings.
@@ -6,12 +6,15 @@ CPU test suite exercises everything else. Also the same-run copy baselines and p
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
+import json
 import mmap
 import statistics
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -158,3 +161,35 @@ def pin_timings(device: Device, sizes_gib: list[int]) -> list[dict[str, Any]]:
             seconds = device.pin_seconds(nbytes)
             rows.append({"gib": gib, "seconds": seconds, "gbps": nbytes / seconds / 1e9})
     return rows
+
+
+def finish(out: Path | None, figures: dict[str, Any], failures: list[str], ok_text: str) -> int:
+    """A self-test's end: its figures as JSON to `out` (where given), each failure printed, and
+    its exit code (1 if anything failed)."""
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(figures, indent=2))
+    for failure in failures:
+        print(f"FAIL {failure}")
+    print(f"{len(failures)} failure(s)" if failures else f"OK: {ok_text}")
+    return 1 if failures else 0
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """The options every self-test takes: the device, a quick run, where its JSON goes, the long
+    kernel's length."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--device", choices=("cuda", "cpu"),
+                   default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--quick", action="store_true", help="tiny caches (a smoke run, seconds)")
+    p.add_argument("--out", type=Path, help="write the figures here as JSON")
+    p.add_argument("--delay-cycles", type=int, default=1_000_000_000,
+                   help="GPU cycles the long kernel spins before an ordered write")
+    return p
+
+
+def device_of(args: argparse.Namespace, p: argparse.ArgumentParser) -> Device:
+    """The device `--device` names (an error exit if it is CUDA and torch sees none)."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA device")
+    return CudaDevice(args.delay_cycles) if args.device == "cuda" else CpuDevice()

@@ -22,8 +22,6 @@ a line per case and exits 1 if any check failed.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import sys
@@ -43,7 +41,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
 
-from selftest_device import CpuDevice, CudaDevice, Device  # noqa: E402
+from selftest_device import Device, device_of, finish, parser  # noqa: E402
 
 from lmcache_mp.lmcache_door import wire  # noqa: E402
 from lmcache_mp.testing.launcher import start_daemon  # noqa: E402
@@ -265,17 +263,9 @@ def run_cases(url: str, device: Device, chunk_size: int, chunks: int, quick: boo
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=("cuda", "cpu"),
-                        default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--quick", action="store_true", help="tiny caches (a smoke run, seconds)")
-    parser.add_argument("--out", type=Path, help="write the results here as JSON")
-    parser.add_argument("--delay-cycles", type=int, default=1_000_000_000,
-                        help="GPU cycles the long kernel spins before each ordered write")
-    args = parser.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: torch sees no CUDA device")
-    device: Device = CudaDevice(args.delay_cycles) if args.device == "cuda" else CpuDevice()
+    p = parser(__doc__)
+    args = p.parse_args()
+    device = device_of(args, p)
     chunk_size, chunks = (64, 2) if args.quick else (256, 8)
     tmp = Path(tempfile.mkdtemp(prefix="lmc-door-", dir="/tmp"))  # short: Unix socket paths are limited
     url = f"ipc://{tmp / 'lmcache.sock'}"
@@ -286,14 +276,8 @@ def main() -> int:
     failures = [f"{r['case']}: {f}" for r in results for f in r["failures"]]
     if "Traceback" in log:
         failures.append(f"the daemon logged a traceback:\n{log[-4000:]}")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"device": device.description(), "cases": results, "ok": not failures},
-                                       indent=2))
-    for failure in failures:
-        print(f"FAIL {failure}")
-    print(f"{len(failures)} failure(s)" if failures else "OK: every retrieved byte equals the byte stored")
-    return 1 if failures else 0
+    figures = {"device": device.description(), "cases": results, "ok": not failures}
+    return finish(args.out, figures, failures, "every retrieved byte equals the byte stored")
 
 
 if __name__ == "__main__":
