@@ -128,12 +128,12 @@ class Metrics:
         for rt in RequestType:  # pre-register every series at 0
             for code in (ErrorCode.OK, ErrorCode.INVALID_ARGUMENT, ErrorCode.INTERNAL):
                 self._requests[rt, code] = self.requests.labels(rt.name, code.name)
-        for outcome in ChunkOutcome:
-            self.store_chunks.labels(outcome.name.lower())
-        for result in ("loaded", "failed"):
-            self.retrieve_chunks.labels(result)
-        for direction in ("store", "retrieve"):
-            self.bytes.labels(direction)
+        # Every STORE and RETRIEVE updates these: their children too are looked up once, here.
+        self._store_chunks = {outcome: self.store_chunks.labels(outcome.name.lower())
+                              for outcome in ChunkOutcome}
+        self._retrieve_chunks = {ok: self.retrieve_chunks.labels("loaded" if ok else "failed")
+                                 for ok in (True, False)}
+        self._bytes = {direction: self.bytes.labels(direction) for direction in ("store", "retrieve")}
         # Plain totals (for STATUS's hit rate), exported as lmcache_mp_lookup_chunks_total at
         # scrape time: a LOOKUP adds to two ints instead of taking two counters' locks.
         self.lookup_chunks_total = 0
@@ -184,11 +184,11 @@ class Metrics:
         self.lookup_hits_total += hits
 
     def stored(self, outcomes: list[ChunkOutcome], chunk_bytes: int) -> None:
-        for outcome in outcomes:
-            self.store_chunks.labels(outcome.name.lower()).inc()
-        self.bytes.labels("store").inc(chunk_bytes * outcomes.count(ChunkOutcome.STORED))
+        for outcome in set(outcomes):  # one increment per outcome, not per chunk (each takes a lock)
+            self._store_chunks[outcome].inc(outcomes.count(outcome))
+        self._bytes["store"].inc(chunk_bytes * outcomes.count(ChunkOutcome.STORED))
 
     def retrieved(self, chunks: int, ok: bool, chunk_bytes: int) -> None:
-        self.retrieve_chunks.labels("loaded" if ok else "failed").inc(chunks)
+        self._retrieve_chunks[ok].inc(chunks)
         if ok:
-            self.bytes.labels("retrieve").inc(chunk_bytes * chunks)
+            self._bytes["retrieve"].inc(chunk_bytes * chunks)

@@ -28,13 +28,18 @@ memory (`--pool-file ""`): target >= 95% of its speed in both directions. Every 
 paths one after the other, so that a busy machine slows them alike.
 Target: >= 80% of the baseline in both directions, for every geometry. Prints a table,
 writes data_plane.png and data_plane.json to --out.
+`--profile`: the one-copy-thread daemon runs under `scripts/profile/daemon_profile.py`; each
+geometry also prints (and the JSON holds) its time per request in each phase of STORE and
+RETRIEVE (wall and CPU, microseconds). Its timers cost that daemon's rows ~0.1-0.2 ms a request.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +52,7 @@ from lmcache_mp.testing.launcher import start_daemon
 from vllm_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter, LoadStoreOp
 
 DTYPE = torch.bfloat16
+PROFILER = Path(__file__).resolve().parents[1] / "profile" / "daemon_profile.py"
 HEAD, CHUNK, CHUNKS_PER_REQUEST = 128, 256, 8
 
 
@@ -214,8 +220,9 @@ def plot(results: dict[str, dict[str, float]], path: Path) -> None:
                          f"{g.block}-token blocks, {CHUNK}-token chunks)", fontsize=8)
 
 
-def run(g: Geometry, tmp: Path, iterations: int) -> dict[str, float]:
-    """GB/s per path, end to end, through two daemons (one and two copy threads)."""
+def run(g: Geometry, tmp: Path, iterations: int, profile: Path | None = None) -> dict[str, float]:
+    """GB/s per path, end to end, through two daemons (one and two copy threads); with `profile`,
+    the one-thread daemon runs under daemon_profile.py, which writes its phases there."""
     nbytes = request_bytes(g)
     print(f"\n{g.layers} layers x {g.num_blocks} blocks of {g.block} tokens, {g.kv_heads} KV heads; "
           f"{nbytes / 2**20:.0f} MiB per request", flush=True)
@@ -228,12 +235,14 @@ def run(g: Geometry, tmp: Path, iterations: int) -> dict[str, float]:
                                          ("anonymous pool", 1, ("--pool-file", ""))):
             home = tmp / f"{g.layers}x{g.kv_heads}-{name.replace(' ', '-')}"
             home.mkdir()
+            prefix = ((sys.executable, str(PROFILER), str(profile), "--")
+                      if profile is not None and name == "1 thread" else ())
             daemons[name] = start_daemon(home, "--l1-size-gb", "1.2", "--chunk-size", str(CHUNK),
-                                         "--max-workers", str(workers), *pool_file)
+                                         "--max-workers", str(workers), *pool_file, command_prefix=prefix)
         samples = measure(g, {name: d.url for name, d in daemons.items()}, iterations)
     finally:
         for daemon in daemons.values():
-            daemon.stop()
+            daemon.stop()  # the profiled one writes its phases as it exits
     rows = {name: nbytes / statistics.median(samples[name]) / 1e9 for name in ROWS}
     print(f"{'path':<22}{'GB/s':>8}{'median ms':>12}")
     for name, rate in rows.items():
@@ -242,14 +251,37 @@ def run(g: Geometry, tmp: Path, iterations: int) -> dict[str, float]:
     return rows
 
 
+def phases(path: Path, iterations: int) -> dict[str, dict[str, float]]:
+    """The profiled daemon's phases that ran, per request (a STORE and a RETRIEVE each round, the
+    first round included), in microseconds; printed."""
+    rounds = iterations + 1
+    measured = json.loads(path.read_text())
+    table = {name: {"calls_per_round": v["calls"] / rounds, "wall_us": v["wall_ns"] / rounds / 1e3,
+                    "cpu_us": v["cpu_ns"] / rounds / 1e3}
+             for name, v in measured.items() if v["calls"] and not name.startswith("timer")}
+    print("\nthe 1-thread daemon's phases, per round (a STORE, a LOOKUP, a RETRIEVE):"
+          f"\n{'phase':<80}{'calls':>6}{'wall us':>9}{'CPU us':>8}")
+    for name, row in table.items():
+        print(f"{name:<80}{row['calls_per_round']:>6.0f}{row['wall_us']:>9.0f}{row['cpu_us']:>8.0f}")
+    return table
+
+
 def main() -> int:
     command = parser(__doc__)
     command.add_argument("--iterations", type=int, default=8, help="requests per direction")
     command.add_argument("--geometry", nargs="+", choices=sorted(GEOMETRIES), default=DEFAULT_GEOMETRIES,
                          help=f"KV geometries to measure (default: {' '.join(DEFAULT_GEOMETRIES)})")
+    command.add_argument("--profile", action="store_true",
+                         help="time the 1-thread daemon's STORE and RETRIEVE phases (daemon_profile.py)")
     args = parse(command)
+    profiles = {}
     with scratch("lmc-bench-") as tmp:
-        results = {name: run(GEOMETRIES[name], tmp, args.iterations) for name in args.geometry}
+        results = {}
+        for name in args.geometry:
+            path = tmp / f"profile-{name}.json" if args.profile else None
+            results[name] = run(GEOMETRIES[name], tmp, args.iterations, path)
+            if path is not None:
+                profiles[name] = phases(path, args.iterations)
     checks, figures = {}, {}
     for name, rows in results.items():
         ratios = {"STORE / gather": rows["STORE, 1 thread"] / rows["baseline gather"],
@@ -265,6 +297,8 @@ def main() -> int:
         ratios |= {f"{what}, pool file / anonymous pool": ratio for what, ratio in pool_file.items()}
         figures[name] = {"gbps": rows, "ratios": ratios, "request_bytes": request_bytes(GEOMETRIES[name]),
                          "split_speedup": rows["RETRIEVE, split"] / rows["RETRIEVE, 1 thread"]}
+        if name in profiles:
+            figures[name]["phases_per_round"] = profiles[name]
     finish(args.out, "data_plane", checks, figures, lambda path: plot(results, path))
     return 0
 

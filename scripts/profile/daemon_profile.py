@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Run `lmcache-mp serve` with per-phase timers around the LOOKUP / END_SESSION path.
+"""Run `lmcache-mp serve` with per-phase timers around the LOOKUP / END_SESSION path and the
+STORE / RETRIEVE one.
 
     python scripts/profile/daemon_profile.py OUT.json -- PYTHON -m lmcache_mp.cli serve ARGS...
 
@@ -26,12 +27,15 @@ from typing import Any
 
 from lmcache_mp import mq
 from lmcache_mp.daemon import server
-from lmcache_mp.engine import capacity_advisor, engine, keys, sessions
+from lmcache_mp.engine import cancellation, capacity_advisor, engine, keys, registry, sessions
+from lmcache_mp.observability import metrics
 from lmcache_mp.storage import manager
-from lmcache_mp.storage.pool import pool
+from lmcache_mp.storage.pool import integrity, pool
+from lmcache_mp.transfer import context, threads
 
-# phase name -> (class, method): what the daemon's socket thread runs for LOOKUP and END_SESSION.
-PHASES: dict[str, tuple[type, str]] = {
+# phase name -> (class or module, function): what the daemon's socket thread runs for LOOKUP and
+# END_SESSION, then what a worker or load thread runs for STORE and RETRIEVE.
+PHASES: dict[str, tuple[Any, str]] = {
     "socket thread, whole request": (server.Server, "_on_request"),
     "decode request": (mq.Codec, "decode_payload"),
     "LOOKUP handler (engine.lookup)": (engine.Engine, "lookup"),
@@ -49,9 +53,42 @@ PHASES: dict[str, tuple[type, str]] = {
     "encode reply + metrics + send (Server._reply)": (server.Server, "_reply"),
     "  encode reply": (mq.Codec, "encode_reply"),
     "  send (MessageQueueServer.reply)": (mq.MessageQueueServer, "reply"),
+    "socket thread: other threads' replies out (MessageQueueServer._flush_outbox)": (
+        mq.MessageQueueServer, "_flush_outbox"),
     "after a LOOKUP's reply: lease bookkeeping (Engine._lease)": (engine.Engine, "_lease"),
     "  SessionTable.lease": (sessions.SessionTable, "lease"),
     "  capacity advisor (CapacityAdvisor.record)": (capacity_advisor.CapacityAdvisor, "record"),
+    # STORE and RETRIEVE, on a worker or load thread (the "whole request" row's time on the
+    # socket thread is their decode and hand-off; the reply's rows count them too).
+    "worker or load thread, whole request (Server._run_queued)": (server.Server, "_run_queued"),
+    "STORE handler (engine.store)": (engine.Engine, "store"),
+    "RETRIEVE handler (engine.retrieve)": (engine.Engine, "retrieve"),
+    "  instance lookup (Registry.instance)": (registry.Registry, "instance"),
+    "  key checks (check_keys_for)": (engine, "check_keys_for"),
+    "  chunks and block-id checks (Engine._op_chunks)": (engine.Engine, "_op_chunks"),
+    "  fence begin (Engine._begin)": (engine.Engine, "_begin"),
+    "  fence end (TransferFence.end)": (cancellation.TransferFence, "end"),
+    "  STORE's copy in, reserve to commit (Engine._copy_in)": (engine.Engine, "_copy_in"),
+    "    reserve (StorageManager.reserve)": (manager.StorageManager, "reserve"),
+    "      pool.link": (pool.MemoryPool, "link"),
+    "      pool.reserve": (pool.MemoryPool, "reserve"),
+    "    commit (StorageManager.commit_store)": (manager.StorageManager, "commit_store"),
+    "      pool.commit": (pool.MemoryPool, "commit"),
+    "      pool file records (StorageManager._records)": (manager.StorageManager, "_records"),
+    "      sealer wake-up (PoolIntegrity.poke)": (integrity.PoolIntegrity, "poke"),
+    "    sessions.remember": (sessions.SessionTable, "remember"),
+    "  RETRIEVE's copy out (Engine._copy_out)": (engine.Engine, "_copy_out"),
+    "    pool.pin": (pool.MemoryPool, "pin"),
+    "    chunk copies, all threads (CopyThreads.run)": (threads.CopyThreads, "run"),
+    "  lease release (Engine._spend_leases)": (engine.Engine, "_spend_leases"),
+    "  metrics (Metrics.stored)": (metrics.Metrics, "stored"),
+    "  metrics (Metrics.retrieved)": (metrics.Metrics, "retrieved"),
+    "  one chunk's pool view (TransferContext.chunk_view)": (context.TransferContext, "chunk_view"),
+    "  one chunk's gather (Copies.gather)": (context.Copies, "gather"),
+    "    its torch copy call(s) (Copies._gather_into)": (context.Copies, "_gather_into"),
+    "  one chunk's scatter (Copies.scatter)": (context.Copies, "scatter"),
+    "    one run's torch copy call (TransferContext.write_pages)": (context.TransferContext, "write_pages"),
+    "  metrics.request_done (the reply's)": (metrics.Metrics, "request_done"),
 }
 
 _totals: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])  # calls, wall ns, CPU ns

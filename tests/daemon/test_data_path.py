@@ -21,7 +21,7 @@ from lmcache_mp.errors import ServerError
 from lmcache_mp.protocol import ChunkOutcome, ErrorCode, KVCacheRegistration, RequestType
 from lmcache_mp.testing.blocks import BLOCK, CHUNK, LAYERS, NUM_BLOCKS, block_hashes
 from lmcache_mp.testing.kv_worker import make_caches, pages, wait_done
-from lmcache_mp.testing.launcher import DaemonProcess
+from lmcache_mp.testing.launcher import DaemonProcess, launched_pool_directory
 from lmcache_mp.transfer.attach_channel import AttachChannel
 from lmcache_mp.transfer.shm import share_cpu_tensors
 from tests.support.helpers import lookup, run_worker, status
@@ -40,8 +40,10 @@ LAYOUTS = {
 
 
 def _our_shm_names() -> set[str]:
-    # torch names its shared segments torch_*; other programs (vLLM's queues) are not ours.
-    return {n for n in os.listdir("/dev/shm") if n.startswith(("torch_", "lmcache"))}
+    # torch names its shared segments torch_*; other programs (vLLM's queues) are not ours. The
+    # launcher's directory of pool files stays while a daemon started here (the session's) runs.
+    launched = launched_pool_directory().name
+    return {n for n in os.listdir("/dev/shm") if n.startswith(("torch_", "lmcache")) and n != launched}
 
 
 @pytest.fixture(scope="module", autouse=True)
