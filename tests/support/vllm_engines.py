@@ -27,10 +27,10 @@ from typing import Any
 import pytest
 
 from lmcache_mp.testing.launcher import start_daemon
+from lmcache_mp.testing.shm_leftovers import ShmWatch
 from lmcache_mp.testing.vllm_env import engine_env
 from scripts.bench.harness.api_server import ApiServer, start_server
 from tests.support.helpers import status
-from tests.support.shm_leftovers import ShmWatch
 from tests.support.vllm_engine_run import kv_transfer_config
 
 REPO = Path(__file__).resolve().parents[2]

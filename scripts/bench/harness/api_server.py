@@ -22,6 +22,7 @@ from pathlib import Path
 import psutil
 
 from lmcache_mp.testing.launcher import free_port
+from lmcache_mp.testing.shm_leftovers import ShmWatch
 
 # Counters read from /metrics (summed over their labels) and diffed over a run.
 COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:external_prefix_cache_queries",
@@ -39,6 +40,9 @@ class ApiServer:
     port: int
     log: Path
     proc: subprocess.Popen[bytes]
+    # /dev/shm as it was before the server started: what its engine leaves there if it is killed
+    # (vLLM's queues' segments and semaphores) is removed once it is stopped.
+    shm: ShmWatch
     started_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -103,6 +107,8 @@ def stop_servers(servers: list[ApiServer], timeout_s: float = 30) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             server.proc.wait(max(0.0, deadline - time.monotonic()))
         server.kill()
+    for server in servers:  # once none runs: nothing of theirs is in use any more
+        server.shm.remove_leftovers()
 
 
 def start_server(name: str, model: str, args: list[str], env: dict[str, str], log: Path,
@@ -113,11 +119,12 @@ def start_server(name: str, model: str, args: list[str], env: dict[str, str], lo
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(port),
            "--disable-uvicorn-access-log", *args]
+    shm = ShmWatch()
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env},
                                 start_new_session=True,
                                 preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
-    return ApiServer(name, port, log, proc)
+    return ApiServer(name, port, log, proc, shm)
 
 
 def wait_healthy(servers: list[ApiServer], deadline_s: float, poll_s: float = 2.0) -> None:

@@ -1,4 +1,4 @@
-"""What a force-killed vLLM engine leaves in /dev/shm, removed by the test that killed it.
+"""What a force-killed vLLM engine leaves in /dev/shm, removed by the test or benchmark that killed it.
 
 An engine that exits cleanly unlinks its shared memory itself; one killed with SIGKILL (a test that
 fails, or gives up on it) leaves its TP communicator's segments (`vllm_dist_*`), torch's
