@@ -426,7 +426,7 @@ class LMCacheDoor:
         if keys:
             self._bindings.bind(key)  # before its chunks' records can be read
             event = _device_event(engine, instance_id, event_handle)
-            engine.store(keys, instance_id, _one_group(block_ids), event)
+            engine.transfers.store(keys, instance_id, _one_group(block_ids), event)
         # No event back: the copies are complete when the reply leaves, so its client waits for nothing.
         return b"", True
 
@@ -442,7 +442,7 @@ class LMCacheDoor:
         keys = engine_keys(key, self._config.chunk_size, lookup=False)
         if not keys:
             raise Refusal("a retrieve of no whole chunk")
-        result = engine.retrieve(keys, instance_id, blocks, event)
+        result = engine.transfers.retrieve(keys, instance_id, blocks, event)
         if not result.ok:
             raise Refusal(f"the retrieve loaded nothing: {result.reason}")
         return b"", True

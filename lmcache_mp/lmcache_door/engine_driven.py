@@ -132,7 +132,8 @@ class EngineDriven:
         if not chunks:
             return 0
         try:
-            held = self._engine().held(engine_keys(key, self._chunk_size, lookup=False), instance_id)
+            keys = engine_keys(key, self._chunk_size, lookup=False)
+            held = self._engine().transfers.held(keys, instance_id)
         except Exception:  # the commit then refuses what is wrong with the key: copy them all
             return 0
         return next((i for i, present in enumerate(held[:chunks]) if not present), min(len(held), chunks))
@@ -155,7 +156,8 @@ class EngineDriven:
             start = key.start + first * self._chunk_size
             stored = msgspec.structs.replace(key, start=start, end=start + len(slots) * self._chunk_size)
             self._before_store(stored)
-            self._engine().store(engine_keys(stored, self._chunk_size, lookup=False), instance_id, slots, b"")
+            keys = engine_keys(stored, self._chunk_size, lookup=False)
+            self._engine().transfers.store(keys, instance_id, slots, b"")
         finally:
             staging.release(transfer, slots)
         return True
@@ -170,7 +172,7 @@ class EngineDriven:
                 raise Refusal(f"a load of {chunks} chunks, {len(slots)} of instance {instance_id}'s "
                               f"{staging.slots} staging slots free")
             keys = engine_keys(key, self._chunk_size, lookup=False)
-            result = self._engine().retrieve(keys, instance_id, slots, b"")
+            result = self._engine().transfers.retrieve(keys, instance_id, slots, b"")
             if not result.ok:
                 raise Refusal(f"the retrieve loaded nothing: {result.reason}")
         except BaseException:

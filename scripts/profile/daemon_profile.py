@@ -27,7 +27,7 @@ from typing import Any
 
 from lmcache_mp import mq
 from lmcache_mp.daemon import server
-from lmcache_mp.engine import cancellation, capacity_advisor, engine, keys, registry, sessions
+from lmcache_mp.engine import cancellation, capacity_advisor, engine, keys, registry, sessions, transfers
 from lmcache_mp.observability import metrics
 from lmcache_mp.storage import manager
 from lmcache_mp.storage.pool import integrity, pool
@@ -61,14 +61,14 @@ PHASES: dict[str, tuple[Any, str]] = {
     # STORE and RETRIEVE, on a worker or load thread (the "whole request" row's time on the
     # socket thread is their decode and hand-off; the reply's rows count them too).
     "worker or load thread, whole request (Server._run_queued)": (server.Server, "_run_queued"),
-    "STORE handler (engine.store)": (engine.Engine, "store"),
-    "RETRIEVE handler (engine.retrieve)": (engine.Engine, "retrieve"),
+    "STORE handler (transfers.store)": (transfers.Transfers, "store"),
+    "RETRIEVE handler (transfers.retrieve)": (transfers.Transfers, "retrieve"),
     "  instance lookup (Registry.instance)": (registry.Registry, "instance"),
-    "  key checks (check_keys_for)": (engine, "check_keys_for"),
-    "  chunks and block-id checks (Engine._op_chunks)": (engine.Engine, "_op_chunks"),
-    "  fence begin (Engine._begin)": (engine.Engine, "_begin"),
+    "  key checks (check_keys_for)": (transfers, "check_keys_for"),
+    "  chunks and block-id checks (Transfers._op_chunks)": (transfers.Transfers, "_op_chunks"),
+    "  fence begin (Transfers._begin)": (transfers.Transfers, "_begin"),
     "  fence end (TransferFence.end)": (cancellation.TransferFence, "end"),
-    "  STORE's copy in, reserve to commit (Engine._copy_in)": (engine.Engine, "_copy_in"),
+    "  STORE's copy in, reserve to commit (Transfers._copy_in)": (transfers.Transfers, "_copy_in"),
     "    reserve (StorageManager.reserve)": (manager.StorageManager, "reserve"),
     "      pool.link": (pool.MemoryPool, "link"),
     "      pool.reserve": (pool.MemoryPool, "reserve"),
@@ -77,10 +77,10 @@ PHASES: dict[str, tuple[Any, str]] = {
     "      pool file records (StorageManager._records)": (manager.StorageManager, "_records"),
     "      sealer wake-up (PoolIntegrity.poke)": (integrity.PoolIntegrity, "poke"),
     "    sessions.remember": (sessions.SessionTable, "remember"),
-    "  RETRIEVE's copy out (Engine._copy_out)": (engine.Engine, "_copy_out"),
+    "  RETRIEVE's copy out (Transfers._copy_out)": (transfers.Transfers, "_copy_out"),
     "    pool.pin": (pool.MemoryPool, "pin"),
     "    chunk copies, all threads (CopyThreads.run)": (threads.CopyThreads, "run"),
-    "  lease release (Engine._spend_leases)": (engine.Engine, "_spend_leases"),
+    "  lease release (Transfers._spend_leases)": (transfers.Transfers, "_spend_leases"),
     "  metrics (Metrics.stored)": (metrics.Metrics, "stored"),
     "  metrics (Metrics.retrieved)": (metrics.Metrics, "retrieved"),
     "  one chunk's pool view (TransferContext.chunk_view)": (context.TransferContext, "chunk_view"),
