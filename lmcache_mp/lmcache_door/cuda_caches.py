@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lmcache_mp.custom_types import CudaIPCWrapper
-from lmcache_mp.lmcache_door.views import logical_view
+from lmcache_mp.lmcache_door.views import layout_name, logical_view
 from lmcache_mp.lmcache_door.wire import CudaDescriptor, Descriptors, LayoutHints, RawCudaDescriptor
 
 if TYPE_CHECKING:
@@ -67,6 +67,5 @@ def cuda_context(descriptors: Descriptors, hints: LayoutHints, block_size: int, 
 
     layers = [logical_view(layer, hints.kv_layout, block_size)
               for layer in import_cuda_tensors(wrappers(descriptors))]
-    name = CUDA_LAYOUT + (f"_{hints.kv_layout}" if hints.kv_layout else "")
-    layers, geometry = describe_caches(layers, name, block_size)
+    layers, geometry = describe_caches(layers, layout_name(CUDA_LAYOUT, hints.kv_layout), block_size)
     return TransferContext(layers, geometry, chunk_size)

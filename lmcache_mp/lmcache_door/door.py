@@ -45,6 +45,7 @@ from lmcache_mp.lmcache_door.events import Bindings, EventStreams
 from lmcache_mp.lmcache_door.keys import Refusal, engine_keys
 from lmcache_mp.lmcache_door.liveness import Registration, Registrations, SegmentId, rank_binder
 from lmcache_mp.lmcache_door.staging import remove_orphans
+from lmcache_mp.lmcache_door.views import layout_name
 from lmcache_mp.mq.server import MessageQueueServer
 from lmcache_mp.observability.metrics import Metrics
 from lmcache_mp.sockets import ipc_path
@@ -392,7 +393,7 @@ class LMCacheDoor:
         if not shm or len(shm) != len(descriptors):
             raise Refusal("caches must be CPU shared-memory segments (cpu_shm descriptors) or CUDA memory "
                           "(cuda descriptors), all of one kind")
-        layout = DOOR_LAYOUT + (f"_{hints.kv_layout}" if hints.kv_layout else "")
+        layout = layout_name(DOOR_LAYOUT, hints.kv_layout)
         segments = open_segments(shm, os.geteuid(), self._own_files())
         try:
             context = SegmentContext(shm, segments, layout, hints.kv_layout, block_size,
@@ -425,7 +426,7 @@ class LMCacheDoor:
         keys = engine_keys(key, self._config.chunk_size, lookup=False)
         if keys:
             self._bindings.bind(key)  # before its chunks' records can be read
-            event = _device_event(engine, instance_id, event_handle)
+            event = _device_event(engine.registry.instance(instance_id).context, event_handle)
             engine.transfers.store(keys, instance_id, _one_group(block_ids), event)
         # No event back: the copies are complete when the reply leaves, so its client waits for nothing.
         return b"", True
@@ -434,9 +435,10 @@ class LMCacheDoor:
                      skip_first_n_tokens: int) -> tuple[bytes, bool]:
         engine = self._require_engine()
         self._registrations.transferred(instance_id, PEER.get(), key.worker_id)
-        event = _device_event(engine, instance_id, event_handle)
+        context = engine.registry.instance(instance_id).context
+        event = _device_event(context, event_handle)
         blocks = _one_group(block_ids)
-        block_size = engine.registry.instance(instance_id).context.geometry.block_size
+        block_size = context.geometry.block_size
         skipped = min(max(skip_first_n_tokens, 0) // block_size, len(blocks))
         blocks[:skipped] = [-1] * skipped  # blocks vLLM already holds (its own prefix hit): left alone
         keys = engine_keys(key, self._config.chunk_size, lookup=False)
@@ -472,10 +474,10 @@ class LMCacheDoor:
         logger.info("lmcache door: dropped instance %d: its worker is gone", instance_id)
 
 
-def _device_event(engine: Engine, instance_id: int, event_handle: bytes) -> bytes:
+def _device_event(context: TransferContext, event_handle: bytes) -> bytes:
     """What a transfer's copies wait for: the worker's event on CUDA caches (checked), nothing on CPU
     ones (their event is a constant; the forward pass is over when the request arrives)."""
-    if engine.registry.instance(instance_id).context.device.type != "cuda":
+    if context.device.type != "cuda":
         return b""
     cuda_caches.check_event_handle(event_handle)
     return event_handle

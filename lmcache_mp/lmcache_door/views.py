@@ -46,3 +46,9 @@ def logical_view(layer: torch.Tensor, kv_layout: str | None, block_size: int) ->
     """`layer` as `[blocks, heads, tokens, C]` (a view: no copy)."""
     dim = token_dim(tuple(layer.shape), tuple(layer.stride()), kv_layout, block_size)
     return layer if dim == 2 else layer.transpose(1, 2)
+
+
+def layout_name(prefix: str, kv_layout: str | None) -> str:
+    """A door registration's layout name (part of every chunk's format): its kind of cache and the
+    physical order LMCache names, so that chunks of one never load into the other."""
+    return prefix + (f"_{kv_layout}" if kv_layout else "")
